@@ -1,0 +1,402 @@
+"""RunConfig: one run's settings, in sections, from YAML plus `--section.key value` overrides."""
+from __future__ import annotations
+
+import math
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import ClassVar
+
+import yaml
+
+from onepath.models.config import SUPPORTED_MODEL_TYPES
+
+MODES = ("consistent", "baseline", "both")
+EMBEDDED_TASKS = ("arithmetic",)
+
+
+class _Section:
+    __slots__ = ()
+    NAME: ClassVar[str]
+
+    def _coerce(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            setattr(self, f.name, _convert(f"{self.NAME}.{f.name}", value, _hints(type(self))[f.name]))
+
+    def _require(self, key: str, ok: bool, rule: str, why: str = ""):
+        if not ok:
+            where = f"{self.NAME}.{key}" if self.NAME else key
+            raise ValueError(f"{where} = {_show(getattr(self, key))} {rule}" + (f": {why}" if why else ""))
+
+    def _positive(self, *keys: str):
+        for key in keys:
+            self._require(key, getattr(self, key) >= 1, "must be >= 1")
+
+    def _finite_positive(self, *keys: str):
+        for key in keys:
+            value = getattr(self, key)
+            self._require(key, math.isfinite(value) and value > 0, "must be a finite number > 0")
+
+
+@dataclass(slots=True)
+class ModelSection(_Section):
+    NAME: ClassVar[str] = "model"
+    hidden_size: int = 64
+    intermediate_size: int = 192
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    model_type: str = "qwen3"
+    max_position_embeddings: int = 64
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    path: str | None = None  # a Hugging Face checkpoint dir; its config.json then decides the architecture
+
+    def __post_init__(self):
+        self._coerce()
+        self._positive("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "max_position_embeddings")
+        self._finite_positive("rope_theta")
+        self._require("model_type", self.model_type in SUPPORTED_MODEL_TYPES, "is not supported",
+                      f"use one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+        self._require("num_key_value_heads", self.num_attention_heads % self.num_key_value_heads == 0,
+                      f"does not divide model.num_attention_heads = {self.num_attention_heads}",
+                      "grouped-query attention needs whole groups")
+        self._require("hidden_size", self.hidden_size % self.num_attention_heads == 0,
+                      f"is not a multiple of model.num_attention_heads = {self.num_attention_heads}",
+                      "each head gets hidden_size / num_attention_heads dimensions")
+        self._require("path", self.path is None or self.path != "", "is empty",
+                      "give a checkpoint directory, or null for the embedded tiny model")
+
+
+@dataclass(slots=True)
+class DataSection(_Section):
+    NAME: ClassVar[str] = "data"
+    task: str = "arithmetic"  # the embedded task, used when train_path is null
+    train_path: str | None = None
+    val_path: str | None = None
+    n_train: int = 4000
+    n_test: int = 200
+    max_operand: int = 99
+    seed: int = 0
+
+    def __post_init__(self):
+        self._coerce()
+        if self.train_path is None:
+            self._require("task", self.task in EMBEDDED_TASKS, "is not an embedded task",
+                          f"use one of {', '.join(EMBEDDED_TASKS)}, or set data.train_path to a data file")
+            self._require("val_path", self.val_path is None, "is set but data.train_path is not",
+                          "the embedded task makes its own test split; set data.train_path too, or drop val_path")
+        self._require("train_path", self.train_path != "", "is empty", "give a data file, or null")
+        self._require("val_path", self.val_path != "", "is empty", "give a data file, or null")
+        self._positive("n_train", "max_operand")
+        self._require("n_test", self.n_test >= 0, "must be >= 0", "0 skips evaluation")
+
+
+@dataclass(slots=True)
+class WarmStartSection(_Section):
+    NAME: ClassVar[str] = "warm_start"
+    steps: int = 1200  # supervised steps on the task before RL; 0 disables
+    batch_size: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+
+    def __post_init__(self):
+        self._coerce()
+        self._require("steps", self.steps >= 0, "must be >= 0", "0 disables the warm start")
+        self._positive("batch_size")
+        self._finite_positive("lr")
+
+
+@dataclass(slots=True)
+class RolloutSection(_Section):
+    NAME: ClassVar[str] = "rollout"
+    n: int = 8
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 8
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_model_len: int = 64
+    prefill_chunk_size: int | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        self._coerce()
+        self._require("n", self.n >= 1, "must be >= 1", "the group size is the number of samples per prompt")
+        self._finite_positive("temperature")
+        self._require("top_k", self.top_k >= 0, "must be >= 0", "0 turns top-k off")
+        self._require("top_p", 0 < self.top_p <= 1, "must be in (0, 1]", "1.0 turns top-p off")
+        self._positive("max_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks",
+                       "max_model_len")
+        self._require("max_tokens", self.max_tokens < self.max_model_len,
+                      f"must be < rollout.max_model_len = {self.max_model_len}",
+                      "a sequence holds its prompt (at least one token) and its response")
+        self._require("num_blocks", self.num_blocks * self.block_size >= self.max_model_len,
+                      f"* rollout.block_size = {self.block_size} is below rollout.max_model_len = "
+                      f"{self.max_model_len}", "the KV cache must hold one whole sequence; raise num_blocks")
+        if self.prefill_chunk_size is None:
+            self._require("max_num_batched_tokens", self.max_num_batched_tokens >= self.max_model_len,
+                          f"must be >= rollout.max_model_len = {self.max_model_len}",
+                          "without chunked prefill a whole prompt runs in one step; "
+                          "raise it or set rollout.prefill_chunk_size")
+        else:
+            self._positive("prefill_chunk_size")
+
+
+@dataclass(slots=True)
+class TrainSection(_Section):
+    NAME: ClassVar[str] = "train"
+    steps: int = 20
+    prompts_per_step: int = 16
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    clip_ratio: float = 0.2
+    max_grad_norm: float = 1.0
+    norm_adv_by_std: bool = True
+    reward: str = "exact_answer"  # a name in onepath.train.rewards.REWARDS, or "file.py:function"
+    seed: int = 0
+    log_every: int = 1
+
+    def __post_init__(self):
+        self._coerce()
+        self._require("steps", self.steps >= 0, "must be >= 0")
+        self._positive("prompts_per_step", "log_every")
+        self._finite_positive("lr", "clip_ratio", "max_grad_norm")
+        self._require("weight_decay", math.isfinite(self.weight_decay) and self.weight_decay >= 0, "must be >= 0")
+        self._require("betas", all(0 <= b < 1 for b in self.betas), "must both be in [0, 1)",
+                      "Adam's moment decay rates, e.g. [0.9, 0.999]")
+        self._require("reward", self.reward != "", "is empty",
+                      "give a reward name such as exact_answer, or path/to/file.py:function")
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "model": ModelSection, "data": DataSection, "warm_start": WarmStartSection,
+    "rollout": RolloutSection, "train": TrainSection,
+}
+
+
+@dataclass(slots=True)
+class RunConfig(_Section):
+    NAME: ClassVar[str] = ""
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    warm_start: WarmStartSection = field(default_factory=WarmStartSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    mode: str = "consistent"
+    out: str = "runs/demo"
+
+    def __post_init__(self):
+        for name, cls in SECTIONS.items():
+            self._require(name, isinstance(getattr(self, name), cls), f"must be a {cls.__name__}")
+        self.mode = _convert("mode", self.mode, str)
+        self.out = _convert("out", self.out, str)
+        self._require("mode", self.mode in MODES, "is not a mode", f"use one of {', '.join(MODES)}")
+        self._require("out", self.out != "", "is empty", "give the run directory, e.g. runs/demo")
+        if self.model.path is None and self.rollout.max_model_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"rollout.max_model_len = {self.rollout.max_model_len} > model.max_position_embeddings = "
+                f"{self.model.max_position_embeddings}: the model has no positions past that; "
+                "lower rollout.max_model_len or raise model.max_position_embeddings")
+
+    def to_dict(self) -> dict:
+        out = {name: {f.name: _plain(getattr(getattr(self, name), f.name)) for f in fields(cls)}
+               for name, cls in SECTIONS.items()}
+        return {**out, "mode": self.mode, "out": self.out}
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> RunConfig:
+        if not isinstance(raw, dict):
+            raise ValueError(f"a run config is a mapping of sections, got {type(raw).__name__}")
+        top = _top_keys()
+        unknown = [k for k in raw if k not in top]
+        if unknown:
+            raise ValueError(f"unknown config key {unknown[0]!r}: valid keys are {', '.join(top)}")
+        kwargs = {}
+        for name, value in raw.items():
+            if name not in SECTIONS:
+                kwargs[name] = value
+                continue
+            value = {} if value is None else value
+            if not isinstance(value, dict):
+                raise ValueError(f"{name} must be a mapping of {name}.* keys, got {_show(value)}")
+            for key in value:
+                _section_field(name, key)
+            kwargs[name] = SECTIONS[name](**value)
+        return cls(**kwargs)
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """The config file (partial is fine: missing keys keep their defaults), then CLI overrides
+    `--section.key value`, `--section.key=value`, `--mode both`, applied in order."""
+    raw = _read_yaml(Path(path)) if path is not None else {}
+    for key, token in _override_pairs(overrides):
+        if "." in key:
+            section, name = key.split(".", 1)
+            hint = _hints(_section_field(section, name))[name]
+            current = raw.get(section) or {}
+            if isinstance(current, dict):  # anything else is reported by from_dict
+                raw[section] = {**current, name: _parse_token(token, hint)}
+        elif key in SECTIONS:
+            raise ValueError(f"--{key} is a section: set one of its keys, e.g. --{key}.{fields(SECTIONS[key])[0].name}")
+        elif key in _top_keys():
+            raw[key] = _parse_token(token, str)
+        else:
+            raise ValueError(f"unknown option --{key}: valid keys are "
+                             f"{', '.join(k + '.*' if k in SECTIONS else k for k in _top_keys())}")
+    return RunConfig.from_dict(raw)
+
+
+def dump_yaml(cfg: RunConfig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.dump(cfg.to_dict(), Dumper=_Dumper, sort_keys=False))
+    return path
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(  # sections as blocks, lists such as betas on one line
+    list, lambda dumper, value: dumper.represent_sequence("tag:yaml.org,2002:seq", value, flow_style=True))
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {path} does not exist: give a YAML file such as "
+                                "onepath/configs/demo.yaml, or no --config for the defaults") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise ValueError(f"{where}: invalid YAML: {problem}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: a run config is a mapping of sections (model:, data:, ...), "
+                         f"got a {type(raw).__name__}")
+    return raw
+
+
+def _override_pairs(tokens: list[str]) -> list[tuple[str, str]]:
+    pairs, i = [], 0
+    tokens = list(tokens)
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or token == "--":
+            raise ValueError(f"unexpected argument {token!r}: overrides look like --train.lr 1e-5 or --rollout.n=4")
+        if "=" in token:
+            key, value = token[2:].split("=", 1)
+            i += 1
+        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            key, value = token[2:], tokens[i + 1]
+            i += 2
+        else:
+            raise ValueError(f"{token} needs a value, e.g. {token} VALUE or {token}=VALUE")
+        pairs.append((key.replace("-", "_"), value))
+    return pairs
+
+
+def _parse_token(token: str, hint):
+    if _base(hint) is str:
+        # A string field keeps the token as typed: "1.10" or "007" are names, not numbers.
+        return None if token in ("null", "~") and _optional(hint) else token
+    return yaml.safe_load(token)
+
+
+def _top_keys() -> list[str]:
+    return [f.name for f in fields(RunConfig)]
+
+
+def _section_field(section: str, key: str) -> type[_Section]:
+    if section not in SECTIONS:
+        raise ValueError(f"unknown config section {section!r}: valid sections are {', '.join(SECTIONS)}")
+    cls = SECTIONS[section]
+    names = [f.name for f in fields(cls)]
+    if key not in names:
+        raise ValueError(f"unknown key {section}.{key}: valid keys of {section} are {', '.join(names)}")
+    return cls
+
+
+_HINTS: dict[type, dict] = {}
+
+
+def _hints(cls: type) -> dict:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _optional(hint) -> bool:
+    return isinstance(hint, types.UnionType) and type(None) in hint.__args__
+
+
+def _base(hint):
+    if _optional(hint):
+        return next(a for a in hint.__args__ if a is not type(None))
+    return hint
+
+
+def _convert(name: str, value, hint):
+    if value is None and _optional(hint):
+        return None
+    base = _base(hint)
+    if typing.get_origin(base) is tuple:
+        args = typing.get_args(base)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ValueError(f"{name} = {_show(value)} must be a list of {len(args)} numbers, e.g. [0.9, 0.999]")
+        return tuple(_convert(f"{name}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{name} = {_show(value)} must be true or false")
+    if base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        number = _number(value)
+        if number is not None and number.is_integer():
+            return int(number)
+        raise ValueError(f"{name} = {_show(value)} must be an integer")
+    if base is float:
+        number = _number(value)
+        if number is not None:
+            return number
+        raise ValueError(f"{name} = {_show(value)} must be a number, e.g. 1e-5")
+    if base is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{name} = {_show(value)} must be a string: quote it in YAML")
+    raise TypeError(f"{name}: no conversion for type {hint}")
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
+        except ValueError:
+            return None
+    return None
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _show(value) -> str:
+    return repr(value) if isinstance(value, str) else str(value)

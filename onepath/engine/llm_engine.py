@@ -1,0 +1,125 @@
+"""LLMEngine: requests in, completions with per-token log-probs out (continuous batching).
+
+Every sampled token comes with its log-probability under the exact distribution it was sampled
+from (after temperature, top-k and top-p), so the trainer can recompute the same number.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from onepath.engine.block_manager import BlockManager
+from onepath.engine.model_runner import ModelRunner
+from onepath.engine.sampling_params import SamplingParams
+from onepath.engine.scheduler import Scheduler, SchedulerConfig
+from onepath.engine.sequence import Sequence
+from onepath.models.dense import DenseDecoder
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    error: str | None = None
+    text: str = ""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    seconds: float = 0.0
+    preemptions: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, model: DenseDecoder, *, num_blocks: int = 1024, block_size: int = 16,
+                 scheduler: SchedulerConfig | None = None, eos_token_ids: tuple[int, ...] | None = None,
+                 tokenizer=None):
+        self.model, self.tokenizer = model, tokenizer
+        self.scheduler_config = scheduler or SchedulerConfig()
+        if self.scheduler_config.max_model_len > model.rope_cos.shape[0]:
+            raise ValueError(f"max_model_len {self.scheduler_config.max_model_len} > the model's "
+                             f"{model.rope_cos.shape[0]} RoPE positions: lower max_model_len")
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.eos_token_ids = model.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+        self.next_request_id = 0
+        self.rejected: list[Sequence] = []
+        self.stats = EngineStats()
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: int | None = None) -> int:
+        """Queue one request. A bad request raises ValueError naming its problem; nothing else is touched."""
+        if request_id is None:
+            request_id = self.next_request_id
+        self.next_request_id = max(self.next_request_id, request_id + 1)
+        token_ids = self.encode(prompt, request_id)
+        vocab = self.model.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"request {request_id}: token id {bad[0]} is outside the vocabulary [0, {vocab}): "
+                             "encode prompts with the model's tokenizer")
+        self.scheduler.add(Sequence(request_id, [int(t) for t in token_ids], params, self.eos_token_ids))
+        return request_id
+
+    def encode(self, prompt, request_id) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"request {request_id} is text but the engine has no tokenizer: pass token ids")
+            if not prompt:
+                raise ValueError(f"request {request_id} has an empty prompt: give at least one token")
+            return self.tokenizer.encode(prompt).ids
+        return list(prompt)
+
+    def step(self) -> list[Sequence]:
+        scheduled = self.scheduler.schedule()
+        sampled = self.runner.run(scheduled)
+        self.stats.steps += 1
+        self.stats.generated_tokens += len(sampled)
+        self.stats.prefill_tokens += sum(s.num_tokens for s in scheduled) - len(sampled)
+        return self.scheduler.postprocess(scheduled, sampled)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
+                 request_ids: list[int] | None = None) -> list[RequestOutput]:
+        """Run requests to completion; outputs come back in input order. A request that is bad
+        (empty, too long, unknown token id) gets an output with `error` set; the others still finish."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        request_ids = request_ids or [self.next_request_id + i for i in range(len(prompts))]
+        outputs: dict[int, RequestOutput] = {}
+        for prompt, p, rid in zip(prompts, params, request_ids):
+            try:
+                self.add_request(prompt, p, rid)
+            except ValueError as e:
+                ids = prompt if isinstance(prompt, list) else []
+                outputs[rid] = RequestOutput(rid, list(ids), [], [], "error", str(e))
+        start = time.perf_counter()
+        preemptions = self.scheduler.num_preemptions
+        while not self.scheduler.is_finished():
+            for seq in self.step():
+                outputs[seq.request_id] = self.output(seq)
+        self.stats.seconds += time.perf_counter() - start
+        self.stats.preemptions += self.scheduler.num_preemptions - preemptions
+        return [outputs[rid] for rid in request_ids]
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        text = self.tokenizer.decode(seq.completion_token_ids) if self.tokenizer is not None else ""
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.completion_token_ids, list(seq.logprobs),
+                             seq.finish_reason, seq.error, text)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors) -> None:
+        """Copy new weights into the engine's own parameter storage (in place: nothing that holds a
+        reference to the old tensors, a captured graph included, goes stale)."""
+        params = dict(self.model.named_parameters())
+        for name, tensor in dict(named_tensors).items():
+            if name not in params:
+                raise KeyError(f"weight {name} is not a parameter of the engine's model")
+            params[name].copy_(tensor)

@@ -1,0 +1,46 @@
+"""SamplingParams: how one request draws its tokens."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        if not _is_number(self.temperature) or not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature {self.temperature!r} must be a finite number > 0: "
+                             "greedy decoding is not supported yet; use 1.0 to sample from the model")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k {self.top_k!r} must be an int >= 1, or 0 to turn it off")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p {self.top_p!r} must be in (0, 1]: use 1.0 to turn it off")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens {self.max_tokens!r} must be an int >= 1")
+        if isinstance(self.stop_token_ids, (int, str)):
+            raise ValueError(f"stop_token_ids {self.stop_token_ids!r} must be a sequence of token ids, e.g. (2,)")
+        stop = tuple(self.stop_token_ids)
+        bad = [t for t in stop if not _is_int(t) or t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids {self.stop_token_ids!r} holds {bad}: token ids are ints >= 0")
+        object.__setattr__(self, "stop_token_ids", stop)  # a list would make the frozen params unhashable
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos {self.ignore_eos!r} must be True or False")
+        if not _is_int(self.seed):
+            raise ValueError(f"seed {self.seed!r} must be an int")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

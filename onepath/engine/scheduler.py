@@ -1,0 +1,175 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute (vLLM v1 style)."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from onepath.engine.block_manager import BlockManager
+from onepath.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int
+    # fixed when scheduled: postprocess moves num_computed_tokens and appends the sampled token
+    start: int = field(init=False)
+    samples: bool = field(init=False)
+
+    def __post_init__(self):
+        self.start = self.seq.num_computed_tokens
+        self.samples = self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def positions(self) -> range:
+        return range(self.start, self.start + self.num_tokens)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 512
+    prefill_chunk_size: int | None = None
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs {self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} must be >= 1")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len {self.max_model_len} must be >= 2: one prompt token and one generated")
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size {self.prefill_chunk_size} must be >= 1, or None to prefill "
+                             "whole prompts")
+
+
+class Scheduler:
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()  # in admission order: the last one is the next victim
+        self.live: dict[int, Sequence] = {}
+        self.num_preemptions = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.live:
+            raise ValueError(f"request {seq.request_id} is already scheduled: request ids must be unique")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"request {seq.request_id} is {seq.status.name} with {seq.num_computed_tokens} computed "
+                             "tokens: add only fresh sequences")
+        max_len = self.config.max_model_len
+        if seq.num_tokens >= max_len:
+            raise ValueError(f"prompt length {seq.num_tokens} >= max_model_len {max_len} for request "
+                             f"{seq.request_id}: raise max_model_len or truncate the prompt")
+        # the last token is sampled, never computed: the cache holds at most max length - 1 tokens
+        max_kv = min(seq.num_tokens + seq.params.max_tokens, max_len) - 1
+        bm = self.block_manager
+        if bm.num_blocks_for(max_kv) > bm.num_blocks:
+            raise ValueError(f"request {seq.request_id} may need KV for {max_kv} tokens (prompt {seq.num_tokens}, "
+                             f"max_tokens {seq.params.max_tokens}, max_model_len {max_len}) but the cache holds "
+                             f"{bm.num_blocks * bm.block_size} ({bm.num_blocks} blocks of {bm.block_size}): "
+                             "give the cache more blocks, or lower max_tokens or max_model_len")
+        self.live[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = False
+        for seq in list(self.running):
+            # victims come off the end of running, so the first preempted one ends the pass
+            if budget == 0 or seq.status is not SequenceStatus.RUNNING:
+                break
+            num_tokens = self.chunk(seq, budget)
+            while not self.block_manager.can_allocate(seq, num_tokens):
+                victim = self.running.pop()
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                scheduled.append(self.take(seq, num_tokens))
+                budget -= num_tokens
+        # after a preemption the cache is full: admitting now would only evict again (vLLM does the same)
+        if preempted and scheduled:
+            return scheduled
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_tokens = self.chunk(seq, budget)
+            if not self.block_manager.can_allocate(seq, num_tokens):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self.take(seq, num_tokens))
+            budget -= num_tokens
+        return scheduled
+
+    def chunk(self, seq: Sequence, budget: int) -> int:
+        num_tokens = min(seq.num_uncomputed_tokens, budget)
+        if self.config.prefill_chunk_size is not None:
+            num_tokens = min(num_tokens, self.config.prefill_chunk_size)
+        return num_tokens
+
+    def take(self, seq: Sequence, num_tokens: int) -> ScheduledSeq:
+        self.block_manager.allocate(seq, num_tokens)
+        return ScheduledSeq(seq, num_tokens)
+
+    def preempt(self, seq: Sequence) -> None:
+        # recompute: generated tokens stay in token_ids and are prefilled again with the prompt
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, scheduled: list[ScheduledSeq], sampled: dict[int, tuple[int, float]]) -> list[Sequence]:
+        finished = []
+        for s in scheduled:
+            seq = s.seq
+            if seq.is_finished:  # aborted between schedule and postprocess
+                continue
+            seq.num_computed_tokens += s.num_tokens
+            if not s.samples:
+                continue
+            if seq.request_id not in sampled:
+                raise KeyError(f"no sampled token for request {seq.request_id}, whose chunk reached its last token: "
+                               "sample one token for every ScheduledSeq with samples=True")
+            token_id, logprob = sampled[seq.request_id]
+            seq.append_token(token_id, logprob)
+            reason = self.stop_reason(seq)
+            if reason is not None:
+                self.running.remove(seq)
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def stop_reason(self, seq: Sequence) -> str | None:
+        token_id = seq.last_token_id
+        if not seq.params.ignore_eos and token_id in seq.eos_token_ids:
+            return "stop"
+        if token_id in seq.params.stop_token_ids:
+            return "stop"
+        if seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def abort(self, request_id: int, error: str | None = None) -> None:
+        seq = self.live.get(request_id)
+        if seq is None:  # already finished or never added: aborting races with finishing
+            return
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
+        seq.error = error
+        self.finish(seq, "abort" if error is None else "error")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self.live[seq.request_id]

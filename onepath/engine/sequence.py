@@ -1,0 +1,70 @@
+"""Sequence: one request's tokens, its place in the KV cache and its state in the scheduler."""
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from onepath.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+
+    def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: tuple[int, ...] = ()):
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"request {request_id} has an empty prompt: a prompt needs at least one token (e.g. BOS)")
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.params = params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(request_id={self.request_id}, status={self.status.name}, num_tokens={self.num_tokens}, "
+                f"num_computed_tokens={self.num_computed_tokens}, finish_reason={self.finish_reason})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)

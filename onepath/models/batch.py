@@ -1,0 +1,68 @@
+"""ForwardBatch: what one forward pass sees, the same for the engine and the trainer.
+
+Tokens of all sequences are flattened; each sequence brings its new tokens, the position of the
+first one, and its block table in the paged KV cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from onepath.ops.attention import AttentionMetadata
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    token_ids: list[int]     # the tokens computed in this pass
+    start: int               # position of token_ids[0]
+    block_table: list[int]
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    attn: AttentionMetadata
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.attn.positions
+
+    def last_token_rows(self) -> torch.Tensor:
+        return torch.tensor(self.attn.cu_seqlens[1:], dtype=torch.long) - 1
+
+    @classmethod
+    def build(cls, chunks: list[SeqChunk], block_size: int) -> "ForwardBatch":
+        ids, positions, query_seq, slots, cu, ctx = [], [], [], [], [0], []
+        for b, c in enumerate(chunks):
+            n = len(c.token_ids)
+            end = c.start + n
+            if -(-end // block_size) > len(c.block_table):
+                raise ValueError(f"sequence {b} needs {-(-end // block_size)} KV blocks, its table has {len(c.block_table)}")
+            ids += c.token_ids
+            positions += range(c.start, end)
+            query_seq += [b] * n
+            slots += [c.block_table[p // block_size] * block_size + p % block_size for p in range(c.start, end)]
+            cu.append(cu[-1] + n)
+            ctx.append(end)
+        width = max((len(c.block_table) for c in chunks), default=1) or 1
+        tables = torch.zeros((len(chunks), width), dtype=torch.long)
+        for b, c in enumerate(chunks):
+            tables[b, :len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.long)
+        attn = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.long),
+            query_seq=torch.tensor(query_seq, dtype=torch.long),
+            cu_seqlens=cu, context_lens=ctx, block_tables=tables,
+            slot_mapping=torch.tensor(slots, dtype=torch.long), block_size=block_size)
+        return cls(torch.tensor(ids, dtype=torch.long), attn)
+
+    @classmethod
+    def for_sequences(cls, sequences: list[list[int]], block_size: int) -> tuple["ForwardBatch", int]:
+        """Whole sequences from position 0 over a private cache (the trainer's forward).
+        Returns the batch and the number of cache blocks it needs."""
+        chunks, next_block = [], 0
+        for tokens in sequences:
+            n_blocks = -(-len(tokens) // block_size)
+            chunks.append(SeqChunk(list(tokens), 0, list(range(next_block, next_block + n_blocks))))
+            next_block += n_blocks
+        return cls.build(chunks, block_size), next_block

@@ -1,0 +1,157 @@
+"""Dense decoder of the Llama / Qwen2 / Qwen3 family, written once against `ops`.
+
+GQA, RoPE (all scaling types of rope_scaling.py), RMSNorm, SwiGLU, optional QK-norm (Qwen3) and
+attention bias (Qwen2), tied or untied embeddings. Parameter names are Hugging Face's, so a
+checkpoint's state dict loads as is. The engine and the trainer run this same module; the
+ExecutionSpec inside `ops` is the only switch between numerics.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from onepath.models.batch import ForwardBatch
+from onepath.models.config import ModelConfig
+from onepath.models.kv_cache import KVCache
+from onepath.models.rope_scaling import cos_sin_table
+from onepath.ops import Ops
+
+
+class Linear(nn.Module):
+    def __init__(self, ops: Ops, in_features: int, out_features: int, bias: bool, dtype):
+        super().__init__()
+        self.ops = ops
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+
+    def forward(self, x):
+        return self.ops.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, ops: Ops, size: int, eps: float, dtype):
+        super().__init__()
+        self.ops, self.eps = ops, eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+
+    def forward(self, x):
+        return self.ops.rmsnorm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, ops: Ops, config: ModelConfig, dtype):
+        super().__init__()
+        self.ops = ops
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        bias = config.has_attention_bias
+        self.q_proj = Linear(ops, config.hidden_size, self.heads * self.head_dim, bias, dtype)
+        self.k_proj = Linear(ops, config.hidden_size, self.kv_heads * self.head_dim, bias, dtype)
+        self.v_proj = Linear(ops, config.hidden_size, self.kv_heads * self.head_dim, bias, dtype)
+        self.o_proj = Linear(ops, self.heads * self.head_dim, config.hidden_size, False, dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(ops, self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(ops, self.head_dim, config.rms_norm_eps, dtype)
+        self.sliding_window = config.sliding_window if config.model_type == "mistral" else None
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, batch: ForwardBatch, k_cache, v_cache, cos, sin):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self.ops.rope(q, batch.positions, cos, sin)
+        k = self.ops.rope(k, batch.positions, cos, sin)
+        o = self.ops.attention(q, k, v, k_cache, v_cache, batch.attn, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, ops: Ops, config: ModelConfig, dtype):
+        super().__init__()
+        self.ops = ops
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = Linear(ops, h, i, bias, dtype)
+        self.up_proj = Linear(ops, h, i, bias, dtype)
+        self.down_proj = Linear(ops, i, h, bias, dtype)
+
+    def forward(self, x):
+        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, ops: Ops, config: ModelConfig, dtype):
+        super().__init__()
+        self.self_attn = Attention(ops, config, dtype)
+        self.mlp = MLP(ops, config, dtype)
+        self.input_layernorm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, x, batch, k_cache, v_cache, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, ops: Ops, config: ModelConfig, dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(ops, config, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class DenseDecoder(nn.Module):
+    def __init__(self, config: ModelConfig, ops: Ops, max_positions: int | None = None):
+        super().__init__()
+        dtype = ops.spec.dtype
+        self.config, self.ops = config, ops
+        self.model = Backbone(ops, config, dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
+        cos, sin = cos_sin_table(config, max_positions or config.max_position_embeddings)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Hidden states after the final norm, one row per token of the batch: [T, hidden]."""
+        x = self.ops.embedding(batch.input_ids, self.model.embed_tokens.weight)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, batch, cache.k[i], cache.v[i], self.rope_cos, self.rope_sin)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ops.lm_head(hidden, self.lm_head_weight)
+
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        expected = set(self.state_dict())
+        missing = sorted(expected - set(state))
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, first {missing[:3]}: it does not match config.json")
+        unexpected = sorted(k for k in set(state) - expected if not k.endswith("rotary_emb.inv_freq"))
+        if unexpected and unexpected != ["lm_head.weight"]:
+            raise ValueError(f"checkpoint has {len(unexpected)} tensors this model does not, first {unexpected[:3]}")
+        with torch.no_grad():
+            for name, tensor in self.state_dict().items():
+                if tuple(state[name].shape) != tuple(tensor.shape):
+                    raise ValueError(f"tensor {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(tensor.shape)}")
+                tensor.copy_(state[name])
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.state_dict().items()}

@@ -1,0 +1,91 @@
+"""Log-probabilities and entropy of sampled tokens under the distribution the engine sampled from.
+
+The distribution is softmax(logits / temperature) restricted to `keep` (top-k / top-p) and
+renormalised. The engine's sampler and the trainer call this same function, so a token's
+log-prob is computed by one formula on both sides.
+
+consistent: exp/log on fixed-shape pieces, the vocabulary sum as a fixed tree; no step depends
+on the number of rows. baseline: torch.log_softmax.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from onepath.numerics.spec import ExecutionSpec
+from onepath.ops.autograd import apply_kernel
+from onepath.ops.pinned import pinned_unary, tree_sum
+from onepath.ops.topk import sort_descending
+
+
+def _scaled(logits, temperature, keep):
+    x = logits.float() / temperature[:, None]
+    return x if keep is None else x.masked_fill(~keep, -math.inf)
+
+
+def reference(logits, tokens, temperature, keep):
+    logp = torch.log_softmax(_scaled(logits, temperature, keep), dim=-1)
+    token_lp = logp.gather(-1, tokens[:, None])[:, 0]
+    safe = logp if keep is None else logp.masked_fill(~keep, 0.0)
+    entropy = -(safe.exp() * safe).sum(-1)
+    return token_lp, entropy
+
+
+def consistent_softmax_parts(x):
+    """(x - max, sum of exp, exp) of each row, by the fixed-order recipe."""
+    shifted = x - x.amax(dim=-1, keepdim=True)
+    e = pinned_unary(torch.exp, shifted)
+    return shifted, tree_sum(e), e
+
+
+def consistent(logits, tokens, temperature, keep):
+    shifted, total, e = consistent_softmax_parts(_scaled(logits, temperature, keep))
+    log_total = pinned_unary(torch.log, total)
+    token_lp = shifted.gather(-1, tokens[:, None])[:, 0] - log_total
+    logp = shifted - log_total[:, None]
+    p = e / total[:, None]
+    terms = torch.where(p > 0, p * logp, 0.0)
+    return token_lp, -tree_sum(terms)
+
+
+def token_logprobs(spec: ExecutionSpec, logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor,
+                   keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V], tokens [N], temperature [N], keep [N, V] bool or None -> (logprob [N], entropy [N]), FP32."""
+    if keep is not None:
+        picked = keep.gather(-1, tokens[:, None])[:, 0]
+        if not bool(picked.all()):
+            row = int((~picked).nonzero()[0])
+            raise ValueError(f"token {int(tokens[row])} of row {row} lies outside its top-k/top-p set: "
+                             "the trainer must use the sampling parameters the engine sampled with")
+    kernel = consistent if spec.mode == "consistent" else reference
+    return apply_kernel(lambda lg: kernel(lg, tokens, temperature, keep),
+                        lambda lg: reference(lg, tokens, temperature, keep), logits)
+
+
+def probs(spec: ExecutionSpec, logits, temperature, keep=None) -> torch.Tensor:
+    x = _scaled(logits, temperature, keep)
+    if spec.mode != "consistent":
+        return torch.softmax(x, dim=-1)
+    _, total, e = consistent_softmax_parts(x)
+    return e / total[:, None]
+
+
+def sampling_mask(spec: ExecutionSpec, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor | None:
+    """The tokens each row may sample: its top_k largest (0 = all), then the smallest prefix of
+    the rest, by descending probability, whose mass reaches top_p (1.0 = all). None when no row filters."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    if bool((k == vocab).all()) and bool((top_p >= 1.0).all()):
+        return None
+    order = sort_descending(spec, logits.float() / temperature[:, None])
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(vocab).expand_as(order))
+    keep = rank < k[:, None]
+    if bool((top_p < 1.0).any()):
+        p_sorted = probs(spec, logits, temperature, keep).gather(-1, order)
+        mass_before = torch.cumsum(p_sorted, dim=-1) - p_sorted
+        keep_sorted = mass_before < top_p[:, None]
+        keep &= keep_sorted.gather(-1, rank)
+    return keep

@@ -1,0 +1,31 @@
+"""rmsnorm: y = w * x / sqrt(mean(x^2) + eps), in FP32, rounded once to the input dtype.
+
+consistent: the sum of squares is a fixed tree over the hidden size (elementwise adds only);
+rsqrt runs on fixed-shape pieces. baseline: the stock `x.pow(2).mean(-1)` reduction.
+The order of the final products follows Hugging Face (normalise, cast, then scale by w).
+"""
+from __future__ import annotations
+
+import torch
+
+from onepath.numerics.spec import ExecutionSpec
+from onepath.ops.autograd import apply_kernel
+from onepath.ops.pinned import pinned_unary, tree_sum
+
+
+def reference(x, weight, eps):
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def consistent(x, weight, eps):
+    xf = x.float()
+    var = tree_sum(xf * xf) / xf.shape[-1]
+    inv = pinned_unary(torch.rsqrt, var + eps)
+    return weight * (xf * inv.unsqueeze(-1)).to(x.dtype)
+
+
+def rmsnorm(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    kernel = consistent if spec.mode == "consistent" else reference
+    return apply_kernel(lambda x, w: kernel(x, w, eps), lambda x, w: reference(x, w, eps), x, weight)

@@ -1,0 +1,26 @@
+"""silu_mul: SwiGLU's silu(gate) * up in FP32, rounded once to the input dtype.
+
+consistent: silu runs on fixed-shape pieces (its SIMD body and scalar tail differ in the last
+bit). baseline: the stock F.silu over the whole tensor.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from onepath.numerics.spec import ExecutionSpec
+from onepath.ops.autograd import apply_kernel
+from onepath.ops.pinned import pinned_unary
+
+
+def reference(gate, up):
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def consistent(gate, up):
+    return (pinned_unary(F.silu, gate.float()) * up.float()).to(gate.dtype)
+
+
+def silu_mul(spec: ExecutionSpec, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    kernel = consistent if spec.mode == "consistent" else reference
+    return apply_kernel(kernel, reference, gate, up)

@@ -1,0 +1,38 @@
+"""topk with a fixed tie rule: the larger position wins, indices emitted in descending key order.
+
+consistent: each score becomes one 64-bit key, order-preserving float bits in the high half and
+the position in the low half, so no two keys tie and the selection is a pure function of the row.
+baseline: torch.topk (ties broken however the library does it).
+"""
+from __future__ import annotations
+
+import torch
+
+from onepath.numerics.spec import ExecutionSpec
+
+
+def order_key(x: torch.Tensor) -> torch.Tensor:
+    bits = x.float().contiguous().view(torch.int32).to(torch.int64)
+    monotone = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    position = torch.arange(x.shape[-1], dtype=torch.int64)
+    return (monotone << 32) | position
+
+
+def key_position(key: torch.Tensor) -> torch.Tensor:
+    return key & 0xFFFFFFFF
+
+
+def topk(spec: ExecutionSpec, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not 1 <= k <= x.shape[-1]:
+        raise ValueError(f"top-k k = {k} must be in [1, {x.shape[-1]}]")
+    if spec.mode != "consistent":
+        return torch.topk(x, k, dim=-1)
+    indices = key_position(torch.topk(order_key(x), k, dim=-1).values)
+    return x.gather(-1, indices), indices
+
+
+def sort_descending(spec: ExecutionSpec, x: torch.Tensor) -> torch.Tensor:
+    """Indices of x's last dim from largest to smallest, ties by the larger position first (consistent)."""
+    if spec.mode != "consistent":
+        return torch.sort(x, dim=-1, descending=True).indices
+    return key_position(torch.sort(order_key(x), dim=-1, descending=True).values)

@@ -1,0 +1,137 @@
+"""Dataset rows in verl's format, and the seeded prompt sampler.
+
+A row: {"data_source": str, "prompt": [{"role", "content"}, ...] or str, "ability": str,
+"reward_model": {"style": str, "ground_truth": ...}, "extra_info": dict}.
+"""
+
+import json
+import random
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+SUPPORTED = (".parquet", ".jsonl", ".json")
+
+
+def load_rows(path) -> list[dict]:
+    path = Path(path)
+    if path.suffix not in SUPPORTED:
+        raise ValueError(f"{path}: unsupported extension {path.suffix!r}; "
+                         f"use one of {', '.join(SUPPORTED)}")
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset {path} not found: check the path")
+    if path.suffix == ".parquet":
+        rows = pq.read_table(path).to_pylist()
+        lines = None
+    else:
+        rows, lines = _read_json(path)
+    if not rows:
+        raise ValueError(f"{path} holds no rows: add rows or point to another file")
+    for i, row in enumerate(rows):
+        where = f"row {i} of {path}" + (f" (line {lines[i]})" if lines else "")
+        _validate(row, where)
+    return rows
+
+
+def _read_json(path: Path):
+    text = path.read_text()
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            return json.loads(text), None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
+    rows, lines = [], []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: malformed JSON on line {lineno} ({e.msg}): "
+                             f"{line[:80]!r}; fix or delete the line") from None
+        lines.append(lineno)
+    return rows, lines
+
+
+def _validate(row, where: str):
+    if not isinstance(row, dict):
+        raise ValueError(f"{where} is a {type(row).__name__}, not an object: "
+                         "each row must be a JSON object with prompt and reward_model")
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        raise ValueError(f"{where} has no reward_model.ground_truth: "
+                         f"add reward_model.ground_truth to {where}, or drop the row")
+    prompt = row.get("prompt")
+    ok = isinstance(prompt, str) or (
+        isinstance(prompt, list)
+        and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt))
+    if not ok or not prompt_text(row):
+        raise ValueError(f"{where} has a missing or empty prompt ({prompt!r}): give it a "
+                         "non-empty string or a list of {'role', 'content'} messages, "
+                         "or drop the row")
+
+
+def prompt_text(row: dict) -> str:
+    """The prompt as one string: a chat list's contents concatenated, roles dropped.
+
+    v1 applies no chat template; a model that needs one gets its prompts pre-rendered.
+    """
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        return prompt
+    return "".join(message["content"] for message in prompt)
+
+
+def reward_kwargs(row: dict) -> dict:
+    """The keyword arguments a reward function receives for this row."""
+    others = {k: v for k, v in row.items() if k not in ("prompt", "reward_model")}
+    return {**others,
+            "ground_truth": row["reward_model"]["ground_truth"],
+            "data_source": row.get("data_source"),
+            "extra_info": row.get("extra_info") or {}}
+
+
+class PromptSampler:
+    """Rows in epochs, each a fresh shuffle fixed by (seed, epoch), so a resumed run continues
+    the same sequence from (epoch, cursor)."""
+
+    def __init__(self, rows: list[dict], seed: int = 0, shuffle: bool = True):
+        if not rows:
+            raise ValueError("PromptSampler got no rows: load a dataset with at least one row")
+        self.rows = rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.cursor = 0
+        self.order = self._order()
+
+    def _order(self) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.shuffle:
+            # A string seed hashes with sha512: the same order in every process and Python run.
+            random.Random(f"{self.seed}/{self.epoch}").shuffle(order)
+        return order
+
+    def next_batch(self, n: int) -> list[dict]:
+        batch = []
+        while len(batch) < n:
+            if self.cursor == len(self.order):
+                self.epoch += 1
+                self.cursor = 0
+                self.order = self._order()
+            take = min(n - len(batch), len(self.order) - self.cursor)
+            batch += [self.rows[i] for i in self.order[self.cursor:self.cursor + take]]
+            self.cursor += take
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
+                "shuffle": self.shuffle, "num_rows": len(self.rows)}
+
+    def load_state_dict(self, state: dict):
+        if state["num_rows"] != len(self.rows):
+            raise ValueError(f"sampler state is for {state['num_rows']} rows but the dataset has "
+                             f"{len(self.rows)}: resume with the dataset the run started with")
+        self.seed, self.epoch, self.cursor = state["seed"], state["epoch"], state["cursor"]
+        self.shuffle = state.get("shuffle", True)
+        self.order = self._order()

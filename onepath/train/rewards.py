@@ -1,0 +1,82 @@
+"""Reward functions: `fn(prompt: str, completion: str, **row) -> float`.
+
+`row` is the dataset row flattened by `data.reward_kwargs`: at least ground_truth, data_source and
+extra_info; the trainer adds response_length (completion tokens).
+"""
+
+import functools
+import importlib.util
+import threading
+from pathlib import Path
+
+
+def exact_answer(prompt: str, completion: str, ground_truth, **row) -> float:
+    return float(completion.strip() == str(ground_truth).strip())
+
+
+def math_answer(prompt: str, completion: str, ground_truth, **row) -> float:
+    """1.0 if math_verify finds the completion's answer equal to ground_truth.
+
+    Reads "#### 42" (GSM8K), \\boxed{...} and a plain final number; garbage scores 0.
+    """
+    from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
+
+    # math_verify's timeouts use SIGALRM, which only the main thread may set.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    if "####" in completion:
+        # GSM8K's marker: its answer is the token right after it, whatever text follows.
+        completion = (completion.rsplit("####", 1)[1].split() or [""])[0]
+    try:
+        gold = parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=timeout)
+        answer = parse(completion, parsing_timeout=timeout)
+        return float(bool(gold and answer and verify(gold, answer, timeout_seconds=timeout)))
+    except (Exception, TimeoutException):  # TimeoutException is a BaseException
+        return 0.0
+
+
+def overlong_penalty(reward_fn, max_response_tokens: int, buffer_tokens: int,
+                     penalty_factor: float = 1.0):
+    """DAPO's soft overlong punishment: 0 up to max - buffer tokens, then falls linearly to
+    -penalty_factor at max_response_tokens; added to reward_fn's score."""
+    if not 0 < buffer_tokens <= max_response_tokens:
+        raise ValueError(f"overlong buffer_tokens {buffer_tokens} must be in "
+                         f"(0, max_response_tokens {max_response_tokens}]: lower the buffer")
+    expected = max_response_tokens - buffer_tokens
+
+    @functools.wraps(reward_fn)
+    def wrapped(prompt: str, completion: str, **row) -> float:
+        if "response_length" not in row:
+            raise KeyError("overlong_penalty needs response_length=<completion tokens> "
+                           "in the reward call")
+        length = row["response_length"]
+        penalty = min(0.0, (expected - length) / buffer_tokens) * penalty_factor
+        return reward_fn(prompt, completion, **row) + penalty
+
+    return wrapped
+
+
+REWARDS = {"exact_answer": exact_answer, "math_answer": math_answer}
+
+
+def get_reward(name_or_path: str):
+    """A reward by name (exact_answer, math_answer) or as "path/to/file.py:function_name"."""
+    if name_or_path in REWARDS:
+        return REWARDS[name_or_path]
+    path, sep, name = name_or_path.rpartition(":")
+    if not sep or not path.endswith(".py"):
+        raise ValueError(f"unknown reward {name_or_path!r}: use one of {', '.join(REWARDS)}, "
+                         "or path/to/file.py:function_name")
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"reward file {file} not found (from {name_or_path!r}): "
+                                "check the path")
+    spec = importlib.util.spec_from_file_location(f"onepath_reward_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise AttributeError(f"reward file {file} has no function {name!r}: define "
+                             f"def {name}(prompt, completion, **row) -> float there, "
+                             "or fix the name after ':'")
+    return fn

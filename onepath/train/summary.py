@@ -1,0 +1,45 @@
+"""The closing summary of a run: is every diff exactly 0, how far the baseline drifts, did reward rise."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DIFF_KEYS = ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean", "training/rollout_probs_diff_std",
+             "rollout_corr/k3_kl", "rollout_corr/logprob_abs_diff_max", "rollout_corr/tokens_differing_frac")
+
+
+def mode_summary(history: list[dict]) -> dict:
+    rewards = [m["critic/score/mean"] for m in history]
+    exact = [all(m[k] == 0.0 for k in DIFF_KEYS) for m in history]
+    head, tail = rewards[:5], rewards[-5:]
+    return {
+        "steps": len(history),
+        "steps_with_diff_exactly_0": sum(exact),
+        "max_probs_diff": max((m["training/rollout_probs_diff_max"] for m in history), default=0.0),
+        "max_k3_kl": max((m["rollout_corr/k3_kl"] for m in history), default=0.0),
+        "reward_first5": sum(head) / max(len(head), 1),
+        "reward_last5": sum(tail) / max(len(tail), 1),
+        "rollout_tokens_per_s": sum(m["perf/rollout_tokens_per_s"] for m in history) / max(len(history), 1),
+    }
+
+
+def summarise(histories: dict[str, list[dict]], out: Path, seconds: float) -> bool:
+    """Print and write summary.json; True when the consistent run (if any) kept diff = 0 on every step."""
+    summary = {mode: mode_summary(h) for mode, h in histories.items()}
+    summary["wall_seconds"] = seconds
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"\nonepath run summary ({seconds:.0f} s)")
+    print(f"{'mode':<11} {'steps':>5} {'diff=0 steps':>12} {'max|dp|':>10} {'max k3':>10} "
+          f"{'reward 1-5':>10} {'last 5':>7} {'tok/s':>8}")
+    for mode, s in summary.items():
+        if mode == "wall_seconds":
+            continue
+        print(f"{mode:<11} {s['steps']:>5} {s['steps_with_diff_exactly_0']:>12} {s['max_probs_diff']:>10.3g} "
+              f"{s['max_k3_kl']:>10.3g} {s['reward_first5']:>10.3f} {s['reward_last5']:>7.3f} "
+              f"{s['rollout_tokens_per_s']:>8.0f}")
+    consistent = summary.get("consistent")
+    ok = consistent is None or consistent["steps_with_diff_exactly_0"] == consistent["steps"]
+    if consistent is not None:
+        verdict = "every diff metric exactly 0 on every step" if ok else "DIFF != 0: the contract is broken"
+        print(f"consistent: {verdict}")
+    return ok

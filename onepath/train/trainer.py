@@ -1,0 +1,203 @@
+"""The GRPO loop: rollout on the engine, reward, recompute log-probs on the trainer, compare, update, sync.
+
+One update per step (step batch = mini-batch), so the trainer's weights are the weights that
+sampled, and in consistent mode every diff metric is exactly 0 before every update.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from onepath.config import RunConfig, dump_yaml
+from onepath.consistency.diff import rollout_diff
+from onepath.engine.llm_engine import LLMEngine
+from onepath.engine.sampling_params import SamplingParams
+from onepath.engine.scheduler import SchedulerConfig
+from onepath.models.checkpoint import load_config, load_state_dict, load_tokenizer, load_tokenizer_config, save_checkpoint
+from onepath.models.config import ModelConfig
+from onepath.models.dense import DenseDecoder
+from onepath.numerics.spec import ExecutionSpec, check_same_spec
+from onepath.ops import Ops
+from onepath.tasks import arithmetic
+from onepath.train.actor import Actor, Responses
+from onepath.train.data import PromptSampler, load_rows, prompt_text, reward_kwargs
+from onepath.train.grpo import group_advantages, policy_loss
+from onepath.train.metrics import MetricsLogger, Timer
+from onepath.train.rewards import get_reward
+from onepath.train.warm_start import warm_start
+
+
+@dataclass
+class Setup:
+    """What both modes of a run share: tokenizer, architecture, initial weights, data, reward."""
+    tokenizer: object
+    tokenizer_config: dict
+    model_config: ModelConfig
+    init_state: dict
+    train_rows: list
+    test_rows: list
+    reward_fn: object
+    eos_token_ids: tuple
+
+
+def build_model(model_config: ModelConfig, spec: ExecutionSpec, max_positions: int, state: dict | None) -> DenseDecoder:
+    model = DenseDecoder(model_config, Ops(spec), max_positions=max_positions)
+    if state is None:
+        model.init_weights(seed=0)
+    else:
+        model.load_hf_state_dict(state)
+    return model
+
+
+def prepare(cfg: RunConfig, out: Path, progress: bool = True) -> Setup:
+    torch.manual_seed(cfg.train.seed)
+    random.seed(cfg.train.seed)
+    if cfg.data.train_path:
+        train_rows = load_rows(cfg.data.train_path)
+        test_rows = load_rows(cfg.data.val_path) if cfg.data.val_path else []
+    else:
+        train_path, test_path = arithmetic.write_dataset(out / "data", cfg.data.seed, cfg.data.n_train, cfg.data.n_test,
+                                                         max_operand=cfg.data.max_operand)
+        train_rows, test_rows = load_rows(train_path), load_rows(test_path)
+    if cfg.model.path:
+        tokenizer = load_tokenizer(cfg.model.path)
+        tok_config = load_tokenizer_config(cfg.model.path)
+        model_config = load_config(cfg.model.path)
+        state = load_state_dict(cfg.model.path)
+    else:
+        tokenizer = arithmetic.build_tokenizer()
+        tok_config = arithmetic.tokenizer_config(tokenizer, model_max_length=cfg.rollout.max_model_len)
+        m = cfg.model
+        model_config = ModelConfig(
+            vocab_size=tokenizer.get_vocab_size(), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+            num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+            num_key_value_heads=m.num_key_value_heads, model_type=m.model_type,
+            max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
+            tie_word_embeddings=m.tie_word_embeddings, bos_token_id=arithmetic.BOS_ID,
+            eos_token_id=arithmetic.EOS_ID, pad_token_id=arithmetic.PAD_ID)
+        state = None
+    eos = model_config.eos_token_ids or (arithmetic.EOS_ID,)
+    state = warm_started(cfg, out, model_config, state, tokenizer, tok_config, train_rows, eos, progress)
+    return Setup(tokenizer, tok_config, model_config, state, train_rows, test_rows, get_reward(cfg.train.reward), eos)
+
+
+def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos, progress) -> dict:
+    """Warm-start weights, reused from out/warm_start when its settings match."""
+    ws = cfg.warm_start
+    if ws.steps == 0:
+        return state if state is not None else build_model(model_config, ExecutionSpec("baseline"), cfg.rollout.max_model_len, None).hf_state_dict()
+    fingerprint = hashlib.sha256(json.dumps([cfg.to_dict()[k] for k in ("model", "data", "warm_start")],
+                                            sort_keys=True).encode()).hexdigest()[:16]
+    where = out / "warm_start"
+    if (where / "fingerprint.txt").exists() and (where / "fingerprint.txt").read_text() == fingerprint:
+        return load_state_dict(where)
+    model = build_model(model_config, ExecutionSpec("baseline"), cfg.rollout.max_model_len, state)
+    examples = []
+    for row in rows:
+        p = tokenizer.encode(prompt_text(row)).ids
+        c = tokenizer.encode(str(row["reward_model"]["ground_truth"]), add_special_tokens=False).ids + [eos[0]]
+        examples.append((p, c))
+    losses = warm_start(model, examples, ws.steps, ws.batch_size, ws.lr, ws.seed, cfg.rollout.block_size, progress)
+    save_checkpoint(where, model.hf_state_dict(), model_config, tokenizer, tok_config)
+    (where / "fingerprint.txt").write_text(fingerprint)
+    tqdm.write(f"warm start: {ws.steps} steps, loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    return model.hf_state_dict()
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: RunConfig, mode: str, setup: Setup, run_dir: Path):
+        self.cfg, self.setup, self.run_dir = cfg, setup, run_dir
+        self.spec = ExecutionSpec(mode=mode)
+        max_len = cfg.rollout.max_model_len
+        self.policy = build_model(setup.model_config, self.spec, max_len, setup.init_state)
+        engine_model = build_model(setup.model_config, self.spec, max_len, setup.init_state)
+        check_same_spec(engine_model.ops.spec, self.policy.ops.spec)
+        r = cfg.rollout
+        self.engine = LLMEngine(engine_model, num_blocks=r.num_blocks, block_size=r.block_size,
+                                scheduler=SchedulerConfig(r.max_num_seqs, r.max_num_batched_tokens, max_len,
+                                                          r.prefill_chunk_size),
+                                eos_token_ids=setup.eos_token_ids, tokenizer=setup.tokenizer)
+        t = cfg.train
+        self.actor = Actor(self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm)
+        self.sampler = PromptSampler(setup.train_rows, seed=t.seed)
+        self.timer = Timer()
+
+    def params(self, step: int) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens,
+                              seed=r.seed * 1_000_003 + step)
+
+    def rollout(self, rows, step):
+        n = self.cfg.rollout.n
+        prompts = [self.setup.tokenizer.encode(prompt_text(row)).ids for row in rows for _ in range(n)]
+        ids = [step * 1_000_000 + i for i in range(len(prompts))]
+        start_tokens = self.engine.stats.generated_tokens
+        with self.timer("gen"):
+            outputs = self.engine.generate(prompts, self.params(step), request_ids=ids)
+        failed = [o for o in outputs if o.error]
+        if failed:
+            raise RuntimeError(f"{len(failed)} rollout requests failed, first: {failed[0].error}")
+        generated = self.engine.stats.generated_tokens - start_tokens
+        return outputs, generated
+
+    def score(self, rows, outputs) -> torch.Tensor:
+        n = self.cfg.rollout.n
+        rewards = []
+        with self.timer("reward"):
+            for i, o in enumerate(outputs):
+                row = rows[i // n]
+                completion = self.setup.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+                rewards.append(self.setup.reward_fn(prompt_text(row), completion, **reward_kwargs(row),
+                                                    response_length=len(o.token_ids)))
+        return torch.tensor(rewards, dtype=torch.float32)
+
+    def step(self, step: int) -> dict:
+        rows = self.sampler.next_batch(self.cfg.train.prompts_per_step)
+        outputs, generated = self.rollout(rows, step)
+        rewards = self.score(rows, outputs)
+        responses = Responses.build([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
+                                    [self.params(step)] * len(outputs), [o.logprobs for o in outputs])
+        advantages = group_advantages(rewards, self.cfg.rollout.n, self.cfg.train.norm_adv_by_std)
+        with self.timer("old_logprob"):
+            logprobs, entropy = self.actor.logprobs(responses)
+            old = logprobs.detach()
+            metrics = rollout_diff(responses.rollout_logprobs, old, responses.mask)
+        with self.timer("update"):
+            loss, pg = policy_loss(logprobs, old, advantages, responses.mask, self.cfg.train.clip_ratio)
+            grad_norm = self.actor.update(loss)
+        with self.timer("sync"):
+            self.engine.update_weights(self.policy.named_parameters())
+        lengths = responses.mask.sum(1).float()
+        timings = self.timer.metrics()
+        metrics.update(pg)
+        metrics.update({
+            "critic/score/mean": rewards.mean().item(),
+            "critic/advantages/mean": advantages.mean().item(),
+            "response_length/mean": lengths.mean().item(),
+            "actor/entropy": (entropy.detach()[responses.mask].mean().item() if responses.mask.any() else 0.0),
+            "actor/grad_norm": grad_norm,
+            "perf/rollout_tokens_per_s": generated / max(timings.get("timing_s/gen", 0.0), 1e-9),
+            **timings,
+        })
+        return metrics
+
+    def run(self, progress: bool = True) -> list[dict]:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        dump_yaml(self.cfg, self.run_dir / "config.yaml")
+        (self.run_dir / "spec.json").write_text(json.dumps({"hash": self.spec.hash(), "spec": self.spec.to_dict()}, indent=2))
+        tqdm.write(f"[{self.spec.mode}] ExecutionSpec {self.spec.hash()} (engine and trainer)")
+        history = []
+        with MetricsLogger(self.run_dir, console=progress) as logger:
+            for step in tqdm(range(1, self.cfg.train.steps + 1), desc=self.spec.mode, disable=not progress, leave=False):
+                metrics = self.step(step)
+                logger.log(step, metrics)
+                history.append(metrics)
+        save_checkpoint(self.run_dir / f"step_{self.cfg.train.steps}", self.policy.hf_state_dict(),
+                        self.setup.model_config, self.setup.tokenizer, self.setup.tokenizer_config)
+        return history

@@ -1,0 +1,45 @@
+"""Supervised warm start: teach the tiny model the task's answer format so RL has signal at step 1.
+
+This is initialisation, not part of the compared path: it runs the baseline ops and a plain
+cross-entropy loss.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from onepath.models.batch import ForwardBatch
+from onepath.models.dense import DenseDecoder
+from onepath.models.kv_cache import KVCache
+
+
+def sft_sequences(examples: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids incl. EOS) pairs, kept as they are; a hook for later packing."""
+    return examples
+
+
+def warm_start(model: DenseDecoder, examples: list[tuple[list[int], list[int]]], steps: int, batch_size: int,
+               lr: float, seed: int, block_size: int = 16, progress: bool = True) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
+    losses = []
+    for _ in tqdm(range(steps), desc="warm start", disable=not progress, leave=False):
+        picks = torch.randint(0, len(examples), (batch_size,), generator=g).tolist()
+        pairs = [examples[i] for i in picks]
+        batch, num_blocks = ForwardBatch.for_sequences([p + c[:-1] for p, c in pairs], block_size)
+        hidden = model(batch, KVCache(model.config, num_blocks, block_size, model.ops.spec.dtype))
+        rows, targets = [], []
+        for i, (p, c) in enumerate(pairs):
+            first = batch.attn.cu_seqlens[i] + len(p) - 1
+            rows += range(first, first + len(c))
+            targets += c
+        loss = F.cross_entropy(model.compute_logits(hidden[rows]).float(), torch.tensor(targets))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+    return losses
