@@ -11,7 +11,10 @@ def train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="onepath train", description="GRPO with bitwise-consistent rollout and trainer")
     parser.add_argument("--config", default=None, help="YAML run config (default: the embedded demo)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or per-step table")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (tiny models run fastest on one)")
     args, overrides = parser.parse_known_args(argv)
+    import torch
+    torch.set_num_threads(args.threads)
     from onepath.config import load_run_config
     from onepath.train.summary import summarise
     from onepath.train.trainer import GRPOTrainer, prepare

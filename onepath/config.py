@@ -77,9 +77,9 @@ class DataSection(_Section):
     task: str = "arithmetic"  # the embedded task, used when train_path is null
     train_path: str | None = None
     val_path: str | None = None
-    n_train: int = 4000
+    n_train: int = 3000
     n_test: int = 200
-    max_operand: int = 99
+    max_operand: int = 49
     seed: int = 0
 
     def __post_init__(self):
@@ -98,7 +98,7 @@ class DataSection(_Section):
 @dataclass(slots=True)
 class WarmStartSection(_Section):
     NAME: ClassVar[str] = "warm_start"
-    steps: int = 1200  # supervised steps on the task before RL; 0 disables
+    steps: int = 450  # supervised steps on the task before RL; 0 disables
     batch_size: int = 64
     lr: float = 3e-3
     seed: int = 0
@@ -153,25 +153,30 @@ class RolloutSection(_Section):
 class TrainSection(_Section):
     NAME: ClassVar[str] = "train"
     steps: int = 20
-    prompts_per_step: int = 16
-    lr: float = 1e-3
+    prompts_per_step: int = 256
+    lr: float = 5e-4
+    lr_warmup_steps: int = 5      # linear warm-up of the learning rate over the first N updates
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     clip_ratio: float = 0.2
     max_grad_norm: float = 1.0
     norm_adv_by_std: bool = True
     reward: str = "exact_answer"  # a name in onepath.train.rewards.REWARDS, or "file.py:function"
+    overlong_buffer: int = 0      # DAPO soft overlong penalty over the last N tokens of rollout.max_tokens; 0 = off
+    overlong_penalty_factor: float = 1.0
     seed: int = 0
     log_every: int = 1
 
     def __post_init__(self):
         self._coerce()
         self._require("steps", self.steps >= 0, "must be >= 0")
+        self._require("lr_warmup_steps", self.lr_warmup_steps >= 0, "must be >= 0", "0 turns warm-up off")
         self._positive("prompts_per_step", "log_every")
         self._finite_positive("lr", "clip_ratio", "max_grad_norm")
         self._require("weight_decay", math.isfinite(self.weight_decay) and self.weight_decay >= 0, "must be >= 0")
         self._require("betas", all(0 <= b < 1 for b in self.betas), "must both be in [0, 1)",
                       "Adam's moment decay rates, e.g. [0.9, 0.999]")
+        self._require("overlong_buffer", self.overlong_buffer >= 0, "must be >= 0", "0 turns the penalty off")
         self._require("reward", self.reward != "", "is empty",
                       "give a reward name such as exact_answer, or path/to/file.py:function")
 
@@ -200,6 +205,9 @@ class RunConfig(_Section):
         self.out = _convert("out", self.out, str)
         self._require("mode", self.mode in MODES, "is not a mode", f"use one of {', '.join(MODES)}")
         self._require("out", self.out != "", "is empty", "give the run directory, e.g. runs/demo")
+        if self.train.overlong_buffer > self.rollout.max_tokens:
+            raise ValueError(f"train.overlong_buffer = {self.train.overlong_buffer} > rollout.max_tokens = "
+                             f"{self.rollout.max_tokens}: the penalty window must fit in the response length")
         if self.model.path is None and self.rollout.max_model_len > self.model.max_position_embeddings:
             raise ValueError(
                 f"rollout.max_model_len = {self.rollout.max_model_len} > model.max_position_embeddings = "

@@ -66,3 +66,15 @@ class ForwardBatch:
             chunks.append(SeqChunk(list(tokens), 0, list(range(next_block, next_block + n_blocks))))
             next_block += n_blocks
         return cls.build(chunks, block_size), next_block
+
+    @classmethod
+    def for_completions(cls, prompts: list[list[int]], completions: list[list[int]],
+                        block_size: int) -> tuple["ForwardBatch", int, list[int]]:
+        """Each prompt + completion[:-1] from position 0 (the last token is sampled, never fed), and the
+        rows whose hidden states predict each completion token, in order."""
+        batch, num_blocks = cls.for_sequences([p + c[:-1] for p, c in zip(prompts, completions)], block_size)
+        rows = []
+        for i, (p, c) in enumerate(zip(prompts, completions)):
+            first = batch.attn.cu_seqlens[i] + len(p) - 1
+            rows += range(first, first + len(c))
+        return batch, num_blocks, rows

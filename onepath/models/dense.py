@@ -47,7 +47,9 @@ class Attention(nn.Module):
         self.q_proj = Linear(ops, config.hidden_size, self.heads * self.head_dim, bias, dtype)
         self.k_proj = Linear(ops, config.hidden_size, self.kv_heads * self.head_dim, bias, dtype)
         self.v_proj = Linear(ops, config.hidden_size, self.kv_heads * self.head_dim, bias, dtype)
-        self.o_proj = Linear(ops, self.heads * self.head_dim, config.hidden_size, False, dtype)
+        # Llama's and Qwen3's o_proj follow attention_bias like q/k/v; Qwen2's never has one.
+        self.o_proj = Linear(ops, self.heads * self.head_dim, config.hidden_size,
+                             bias and config.model_type != "qwen2", dtype)
         if config.qk_norm:
             self.q_norm = RMSNorm(ops, self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(ops, self.head_dim, config.rms_norm_eps, dtype)

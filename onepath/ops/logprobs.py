@@ -86,6 +86,7 @@ def sampling_mask(spec: ExecutionSpec, logits: torch.Tensor, temperature: torch.
     if bool((top_p < 1.0).any()):
         p_sorted = probs(spec, logits, temperature, keep).gather(-1, order)
         mass_before = torch.cumsum(p_sorted, dim=-1) - p_sorted
-        keep_sorted = mass_before < top_p[:, None]
+        # rows without top-p keep everything: a float32 running sum can reach 1.0 before the tail ends
+        keep_sorted = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
         keep &= keep_sorted.gather(-1, rank)
     return keep

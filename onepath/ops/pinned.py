@@ -19,9 +19,9 @@ PIECE = 16384
 
 
 def pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """A fresh copy padded with zero rows: a fresh allocation is 64-byte aligned, and a CPU GEMM's
+    bits can depend on its operand's alignment (seen: a 1-row GEMM at 24- vs 64-byte offsets)."""
     pad = (-x.shape[0]) % multiple
-    if pad == 0:
-        return x
     return torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
 
 

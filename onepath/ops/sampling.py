@@ -1,31 +1,48 @@
-"""Sampling by an exponential race with a per-request generator.
+"""Sampling by an exponential race with a per-request counter-based generator.
 
-token = argmax_i p_i / E_i with E_i ~ Exp(1) drawn from a generator keyed by
-(seed, request id, position): an exact draw from p whose noise is a function of the request
-alone, so a request's tokens never depend on its batch. Ties go to the larger position.
+token = argmax_i p_i / E_i with E_i ~ Exp(1). E_i is a pure function of (seed, request id,
+position, i): splitmix64 of a 64-bit key and the token index, so the draw is exact sampling from p
+and a request's tokens never depend on its batch. Ties go to the larger position.
 """
 from __future__ import annotations
 
 import torch
 
 MASK64 = (1 << 64) - 1
+GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _mix(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    z = (z + GOLDEN) & MASK64
+    z = ((z ^ (z >> 30)) * MIX1) & MASK64
+    z = ((z ^ (z >> 27)) * MIX2) & MASK64
     return z ^ (z >> 31)
 
 
 def sample_key(seed: int, request_id: int, position: int) -> int:
-    return _mix(_mix(_mix(seed) ^ request_id) ^ position) >> 1
+    return _mix(_mix(_mix(seed & MASK64) ^ (request_id & MASK64)) ^ (position & MASK64)) >> 1
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shift_right(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def uniform_noise(key: int, vocab: int) -> torch.Tensor:
+    """U[0, 1) float64 for token 0..vocab-1: splitmix64(key + (i + 1) * golden), wrapping int64 arithmetic."""
+    z = torch.arange(1, vocab + 1, dtype=torch.int64) * _signed(GOLDEN) + _signed(key)
+    z = (z ^ _shift_right(z, 30)) * _signed(MIX1)
+    z = (z ^ _shift_right(z, 27)) * _signed(MIX2)
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 11).double() * 2.0 ** -53
 
 
 def exponential_noise(key: int, vocab: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(key)
-    u = torch.rand(vocab, generator=g, dtype=torch.float64)
-    return -torch.log1p(-u)
+    return -torch.log1p(-uniform_noise(key, vocab))
 
 
 def sample(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:

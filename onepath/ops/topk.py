@@ -12,7 +12,8 @@ from onepath.numerics.spec import ExecutionSpec
 
 
 def order_key(x: torch.Tensor) -> torch.Tensor:
-    bits = x.float().contiguous().view(torch.int32).to(torch.int64)
+    # + 0.0 turns -0.0 into +0.0: equal values must tie, and ties go to the larger position
+    bits = (x.float() + 0.0).contiguous().view(torch.int32).to(torch.int64)
     monotone = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     position = torch.arange(x.shape[-1], dtype=torch.int64)
     return (monotone << 32) | position

@@ -34,23 +34,21 @@ class Responses:
 
 class Actor:
     def __init__(self, model: DenseDecoder, block_size: int, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0,
-                 max_grad_norm: float = 1.0):
+                 max_grad_norm: float = 1.0, warmup_steps: int = 0):
         self.model, self.ops, self.block_size = model, model.ops, block_size
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        # Adam's first steps move every weight by about lr whatever the gradient's size: ramp lr up
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0)
         self.max_grad_norm = max_grad_norm
 
     def logprobs(self, r: Responses) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies [B, T] of the completion tokens under the sampling distributions."""
-        sequences = [p + c[:-1] for p, c in zip(r.prompt_ids, r.completion_ids)]
-        batch, num_blocks = ForwardBatch.for_sequences(sequences, self.block_size)
+        batch, num_blocks, rows = ForwardBatch.for_completions(r.prompt_ids, r.completion_ids, self.block_size)
         cache = KVCache(self.model.config, num_blocks, self.block_size, self.ops.spec.dtype)
         hidden = self.model(batch, cache)
-        rows, tokens, owners = [], [], []
-        for i, (p, c) in enumerate(zip(r.prompt_ids, r.completion_ids)):
-            first = batch.attn.cu_seqlens[i] + len(p) - 1
-            rows += range(first, first + len(c))
-            tokens += c
-            owners += [i] * len(c)
+        tokens = [t for c in r.completion_ids for t in c]
+        owners = [i for i, c in enumerate(r.completion_ids) for _ in c]
         logits = self.model.compute_logits(hidden[rows])
         temperature = torch.tensor([r.params[i].temperature for i in owners], dtype=torch.float32)
         top_k = torch.tensor([r.params[i].top_k for i in owners], dtype=torch.long)
@@ -70,4 +68,5 @@ class Actor:
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
+        self.schedule.step()
         return float(grad_norm)

@@ -29,7 +29,7 @@ from onepath.train.actor import Actor, Responses
 from onepath.train.data import PromptSampler, load_rows, prompt_text, reward_kwargs
 from onepath.train.grpo import group_advantages, policy_loss
 from onepath.train.metrics import MetricsLogger, Timer
-from onepath.train.rewards import get_reward
+from onepath.train.rewards import get_reward, overlong_penalty
 from onepath.train.warm_start import warm_start
 
 
@@ -84,7 +84,11 @@ def prepare(cfg: RunConfig, out: Path, progress: bool = True) -> Setup:
         state = None
     eos = model_config.eos_token_ids or (arithmetic.EOS_ID,)
     state = warm_started(cfg, out, model_config, state, tokenizer, tok_config, train_rows, eos, progress)
-    return Setup(tokenizer, tok_config, model_config, state, train_rows, test_rows, get_reward(cfg.train.reward), eos)
+    reward_fn = get_reward(cfg.train.reward)
+    if cfg.train.overlong_buffer:
+        reward_fn = overlong_penalty(reward_fn, cfg.rollout.max_tokens, cfg.train.overlong_buffer,
+                                     cfg.train.overlong_penalty_factor)
+    return Setup(tokenizer, tok_config, model_config, state, train_rows, test_rows, reward_fn, eos)
 
 
 def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos, progress) -> dict:
@@ -124,7 +128,7 @@ class GRPOTrainer:
                                                           r.prefill_chunk_size),
                                 eos_token_ids=setup.eos_token_ids, tokenizer=setup.tokenizer)
         t = cfg.train
-        self.actor = Actor(self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm)
+        self.actor = Actor(self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm, t.lr_warmup_steps)
         self.sampler = PromptSampler(setup.train_rows, seed=t.seed)
         self.timer = Timer()
 

@@ -14,11 +14,6 @@ from onepath.models.dense import DenseDecoder
 from onepath.models.kv_cache import KVCache
 
 
-def sft_sequences(examples: list[tuple[list[int], list[int]]]) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids incl. EOS) pairs, kept as they are; a hook for later packing."""
-    return examples
-
-
 def warm_start(model: DenseDecoder, examples: list[tuple[list[int], list[int]]], steps: int, batch_size: int,
                lr: float, seed: int, block_size: int = 16, progress: bool = True) -> list[float]:
     g = torch.Generator().manual_seed(seed)
@@ -28,13 +23,9 @@ def warm_start(model: DenseDecoder, examples: list[tuple[list[int], list[int]]],
     for _ in tqdm(range(steps), desc="warm start", disable=not progress, leave=False):
         picks = torch.randint(0, len(examples), (batch_size,), generator=g).tolist()
         pairs = [examples[i] for i in picks]
-        batch, num_blocks = ForwardBatch.for_sequences([p + c[:-1] for p, c in pairs], block_size)
+        batch, num_blocks, rows = ForwardBatch.for_completions([p for p, _ in pairs], [c for _, c in pairs], block_size)
         hidden = model(batch, KVCache(model.config, num_blocks, block_size, model.ops.spec.dtype))
-        rows, targets = [], []
-        for i, (p, c) in enumerate(pairs):
-            first = batch.attn.cu_seqlens[i] + len(p) - 1
-            rows += range(first, first + len(c))
-            targets += c
+        targets = [t for _, c in pairs for t in c]
         loss = F.cross_entropy(model.compute_logits(hidden[rows]).float(), torch.tensor(targets))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
