@@ -45,6 +45,7 @@ def generate(argv: list[str]) -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args(argv)
     from onepath.engine.llm_engine import LLMEngine
     from onepath.engine.sampling_params import SamplingParams
@@ -54,7 +55,7 @@ def generate(argv: list[str]) -> int:
     from onepath.train.trainer import build_model
 
     config = load_config(args.model)
-    model = build_model(config, ExecutionSpec(mode=args.mode), args.max_model_len, load_state_dict(args.model))
+    model = build_model(config, ExecutionSpec.default(args.mode, args.device), args.max_model_len, load_state_dict(args.model))
     engine = LLMEngine(model, tokenizer=load_tokenizer(args.model),
                        scheduler=SchedulerConfig(max_model_len=args.max_model_len))
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -196,6 +196,7 @@ class RunConfig(_Section):
     rollout: RolloutSection = field(default_factory=RolloutSection)
     train: TrainSection = field(default_factory=TrainSection)
     mode: str = "consistent"
+    device: str = "cpu"
     out: str = "runs/demo"
 
     def __post_init__(self):
@@ -203,6 +204,8 @@ class RunConfig(_Section):
             self._require(name, isinstance(getattr(self, name), cls), f"must be a {cls.__name__}")
         self.mode = _convert("mode", self.mode, str)
         self.out = _convert("out", self.out, str)
+        self.device = _convert("device", self.device, str)
+        self._require("device", self.device in ("cpu", "cuda"), "is not a device", "use cpu or cuda")
         self._require("mode", self.mode in MODES, "is not a mode", f"use one of {', '.join(MODES)}")
         self._require("out", self.out != "", "is empty", "give the run directory, e.g. runs/demo")
         if self.train.overlong_buffer > self.rollout.max_tokens:
@@ -217,7 +220,7 @@ class RunConfig(_Section):
     def to_dict(self) -> dict:
         out = {name: {f.name: _plain(getattr(getattr(self, name), f.name)) for f in fields(cls)}
                for name, cls in SECTIONS.items()}
-        return {**out, "mode": self.mode, "out": self.out}
+        return {**out, "mode": self.mode, "device": self.device, "out": self.out}
 
     @classmethod
     def from_dict(cls, raw: dict) -> RunConfig:

@@ -17,9 +17,10 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def tiny_model(mode: str, seed: int = 0, std: float = 0.15, **overrides) -> DenseDecoder:
+def tiny_model(mode: str, seed: int = 0, std: float = 0.15, device: str = "cpu", max_positions: int = 256,
+               **overrides) -> DenseDecoder:
     """A random model with weights large enough that its distributions are far from uniform."""
-    model = DenseDecoder(tiny_config(**overrides), Ops(ExecutionSpec(mode=mode)), max_positions=256)
+    model = DenseDecoder(tiny_config(**overrides), Ops(ExecutionSpec.default(mode, device)), max_positions=max_positions)
     model.init_weights(seed, std=std)
     return model
 

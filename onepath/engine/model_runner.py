@@ -15,13 +15,13 @@ class ModelRunner:
     def __init__(self, model: DenseDecoder, num_blocks: int, block_size: int):
         self.model, self.ops = model, model.ops
         self.block_size = block_size
-        self.cache = KVCache(model.config, num_blocks, block_size, model.ops.spec.dtype)
+        self.cache = KVCache(model.config, num_blocks, block_size, model.ops.spec.dtype, model.device)
 
     @torch.no_grad()
     def run(self, scheduled: list[ScheduledSeq]) -> dict[int, tuple[int, float]]:
         chunks = [SeqChunk(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start, s.seq.block_table)
                   for s in scheduled]
-        batch = ForwardBatch.build(chunks, self.block_size)
+        batch = ForwardBatch.build(chunks, self.block_size, self.model.device)
         hidden = self.model(batch, self.cache)
         last = batch.last_token_rows()
         rows = [int(last[i]) for i, s in enumerate(scheduled) if s.samples]
@@ -33,12 +33,13 @@ class ModelRunner:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[int, tuple[int, float]]:
         """Draw each sequence's next token and its log-probability under the distribution it was drawn
         from: softmax(logits / temperature) restricted to top-k / top-p and renormalised."""
-        temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
-        top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long)
-        top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32)
+        device = logits.device
+        temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=device)
+        top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long, device=device)
+        top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=device)
         keep = self.ops.sampling_mask(logits, temperature, top_k, top_p)
         probs = self.ops.probs(logits, temperature, keep)
         keys = [sample_key(s.params.seed, s.request_id, s.num_tokens) for s in seqs]
         tokens = self.ops.sample(probs, keys)
         logprobs, _ = self.ops.token_logprobs(logits, tokens, temperature, keep)
-        return {s.request_id: (int(t), float(lp)) for s, t, lp in zip(seqs, tokens, logprobs)}
+        return {s.request_id: (t, lp) for s, t, lp in zip(seqs, tokens.tolist(), logprobs.tolist())}

@@ -29,10 +29,10 @@ class ForwardBatch:
         return self.attn.positions
 
     def last_token_rows(self) -> torch.Tensor:
-        return torch.tensor(self.attn.cu_seqlens[1:], dtype=torch.long) - 1
+        return torch.tensor(self.attn.cu_seqlens[1:], dtype=torch.long, device=self.input_ids.device) - 1
 
     @classmethod
-    def build(cls, chunks: list[SeqChunk], block_size: int) -> "ForwardBatch":
+    def build(cls, chunks: list[SeqChunk], block_size: int, device: str | torch.device = "cpu") -> "ForwardBatch":
         ids, positions, query_seq, slots, cu, ctx = [], [], [], [], [0], []
         for b, c in enumerate(chunks):
             n = len(c.token_ids)
@@ -49,15 +49,15 @@ class ForwardBatch:
         tables = torch.zeros((len(chunks), width), dtype=torch.long)
         for b, c in enumerate(chunks):
             tables[b, :len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.long)
-        attn = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.long),
-            query_seq=torch.tensor(query_seq, dtype=torch.long),
-            cu_seqlens=cu, context_lens=ctx, block_tables=tables,
-            slot_mapping=torch.tensor(slots, dtype=torch.long), block_size=block_size)
-        return cls(torch.tensor(ids, dtype=torch.long), attn)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)
+        attn = AttentionMetadata(positions=as_tensor(positions), query_seq=as_tensor(query_seq), cu_seqlens=cu,
+                                 context_lens=ctx, block_tables=tables.to(device),
+                                 slot_mapping=as_tensor(slots), block_size=block_size)
+        return cls(as_tensor(ids), attn)
 
     @classmethod
-    def for_sequences(cls, sequences: list[list[int]], block_size: int) -> tuple["ForwardBatch", int]:
+    def for_sequences(cls, sequences: list[list[int]], block_size: int,
+                      device: str | torch.device = "cpu") -> tuple["ForwardBatch", int]:
         """Whole sequences from position 0 over a private cache (the trainer's forward).
         Returns the batch and the number of cache blocks it needs."""
         chunks, next_block = [], 0
@@ -65,14 +65,14 @@ class ForwardBatch:
             n_blocks = -(-len(tokens) // block_size)
             chunks.append(SeqChunk(list(tokens), 0, list(range(next_block, next_block + n_blocks))))
             next_block += n_blocks
-        return cls.build(chunks, block_size), next_block
+        return cls.build(chunks, block_size, device), next_block
 
     @classmethod
     def for_completions(cls, prompts: list[list[int]], completions: list[list[int]],
-                        block_size: int) -> tuple["ForwardBatch", int, list[int]]:
+                        block_size: int, device: str | torch.device = "cpu") -> tuple["ForwardBatch", int, list[int]]:
         """Each prompt + completion[:-1] from position 0 (the last token is sampled, never fed), and the
         rows whose hidden states predict each completion token, in order."""
-        batch, num_blocks = cls.for_sequences([p + c[:-1] for p, c in zip(prompts, completions)], block_size)
+        batch, num_blocks = cls.for_sequences([p + c[:-1] for p, c in zip(prompts, completions)], block_size, device)
         rows = []
         for i, (p, c) in enumerate(zip(prompts, completions)):
             first = batch.attn.cu_seqlens[i] + len(p) - 1

@@ -115,6 +115,11 @@ class DenseDecoder(nn.Module):
         cos, sin = cos_sin_table(config, max_positions or config.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.to(ops.spec.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.rope_cos.device
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -156,4 +161,4 @@ class DenseDecoder(nn.Module):
                 tensor.copy_(state[name])
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.state_dict().items()}
+        return {k: v.detach().cpu() for k, v in self.state_dict().items()}

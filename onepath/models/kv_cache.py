@@ -7,11 +7,12 @@ from onepath.models.config import ModelConfig
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: str | torch.device = "cpu"):
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         # zeros, not empty: unused slots are masked, but 0 * NaN would still poison a masked sum
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @staticmethod

@@ -50,6 +50,17 @@ class ExecutionSpec:
         if missing:
             object.__setattr__(self, "ops", {**self.ops, **{name: OpSpec() for name in missing}})
 
+    @classmethod
+    def default(cls, mode: str = "consistent", device: str = "cpu") -> "ExecutionSpec":
+        """FP32 on the CPU; on the GPU BF16 storage and GEMMs with FP32 accumulation, KV tiles of 32,
+        FP32 log-probs."""
+        if device == "cpu":
+            return cls(mode=mode, device=device)
+        bf16 = OpSpec(dtype="bfloat16", kv_tile=32)
+        ops = {name: bf16 for name in OPS}
+        ops.update(logprobs=OpSpec(dtype="float32"), sampling=OpSpec(dtype="float32"), topk=OpSpec(dtype="float32"))
+        return cls(mode=mode, device=device, ops=ops)
+
     def op(self, name: str) -> OpSpec:
         return self.ops[name]
 

@@ -48,7 +48,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
 
 
 def _key_mask(pos, length, window):
-    j = torch.arange(length)
+    j = torch.arange(length, device=pos.device)
     valid = j[None, :] <= pos[:, None]
     if window:
         valid &= j[None, :] > pos[:, None] - window
@@ -58,7 +58,7 @@ def _key_mask(pos, length, window):
 def consistent(q, k_cache, v_cache, meta: AttentionMetadata, scale, window, kv_tile, rows):
     heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    head_to_kv = torch.arange(heads) // (heads // num_kv_heads)
+    head_to_kv = torch.arange(heads, device=q.device) // (heads // num_kv_heads)
     bs = meta.block_size
     keys_flat = k_cache.view(-1, num_kv_heads, head_dim)
     values_flat = v_cache.view(-1, num_kv_heads, head_dim)
@@ -66,7 +66,7 @@ def consistent(q, k_cache, v_cache, meta: AttentionMetadata, scale, window, kv_t
     def chunk(qc, pos, seq):
         length = -(-(int(pos.max()) + 1) // kv_tile) * kv_tile
         valid = _key_mask(pos, length, window)
-        j = torch.arange(length)
+        j = torch.arange(length, device=q.device)
         blocks = meta.block_tables[seq][:, (j // bs).clamp(max=meta.block_tables.shape[1] - 1)]
         slots = torch.where(valid, blocks * bs + j % bs, 0)
         k = keys_flat[slots][:, :, head_to_kv].float()           # [R, L, H, D]
@@ -84,7 +84,7 @@ def consistent(q, k_cache, v_cache, meta: AttentionMetadata, scale, window, kv_t
 
 def _gather_context(cache, meta, b):
     bs = meta.block_size
-    j = torch.arange(meta.context_lens[b])
+    j = torch.arange(meta.context_lens[b], device=cache.device)
     slots = meta.block_tables[b][j // bs] * bs + j % bs
     return cache.view(-1, *cache.shape[2:])[slots]
 

@@ -54,7 +54,11 @@ def token_logprobs(spec: ExecutionSpec, logits: torch.Tensor, tokens: torch.Tens
     """logits [N, V], tokens [N], temperature [N], keep [N, V] bool or None -> (logprob [N], entropy [N]), FP32."""
     if keep is not None:
         picked = keep.gather(-1, tokens[:, None])[:, 0]
-        if not bool(picked.all()):
+        if spec.mode != "consistent":
+            # the baseline trainer's logits differ from the engine's, so its top-k/top-p set can miss
+            # the sampled token: let the token in rather than give it -inf
+            keep = keep.scatter(-1, tokens[:, None], True)
+        elif not bool(picked.all()):
             row = int((~picked).nonzero()[0])
             raise ValueError(f"token {int(tokens[row])} of row {row} lies outside its top-k/top-p set: "
                              "the trainer must use the sampling parameters the engine sampled with")
@@ -81,7 +85,7 @@ def sampling_mask(spec: ExecutionSpec, logits: torch.Tensor, temperature: torch.
         return None
     order = sort_descending(spec, logits.float() / temperature[:, None])
     rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(vocab).expand_as(order))
+    rank.scatter_(-1, order, torch.arange(vocab, device=order.device).expand_as(order))
     keep = rank < k[:, None]
     if bool((top_p < 1.0).any()):
         p_sorted = probs(spec, logits, temperature, keep).gather(-1, order)

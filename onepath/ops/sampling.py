@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from onepath.ops.pinned import pinned_unary
+
 MASK64 = (1 << 64) - 1
 GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
@@ -32,24 +34,22 @@ def _shift_right(z: torch.Tensor, s: int) -> torch.Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-def uniform_noise(key: int, vocab: int) -> torch.Tensor:
-    """U[0, 1) float64 for token 0..vocab-1: splitmix64(key + (i + 1) * golden), wrapping int64 arithmetic."""
-    z = torch.arange(1, vocab + 1, dtype=torch.int64) * _signed(GOLDEN) + _signed(key)
+def uniform_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U[0, 1) float64 [N, vocab] for keys [N]: splitmix64(key + (i + 1) * golden) in wrapping int64 arithmetic."""
+    z = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device) * _signed(GOLDEN) + keys[:, None]
     z = (z ^ _shift_right(z, 30)) * _signed(MIX1)
     z = (z ^ _shift_right(z, 27)) * _signed(MIX2)
     z = z ^ _shift_right(z, 31)
     return _shift_right(z, 11).double() * 2.0 ** -53
 
 
-def exponential_noise(key: int, vocab: int) -> torch.Tensor:
-    return -torch.log1p(-uniform_noise(key, vocab))
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    return pinned_unary(lambda u: -torch.log1p(-u), uniform_noise(keys, vocab))
 
 
 def sample(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
-    """probs [N, V] (zeros outside the allowed set), one key per row -> token ids [N]."""
+    """probs [N, V] (zeros outside the allowed set), one key per row -> token ids [N] on probs' device."""
     vocab = probs.shape[-1]
-    tokens = []
-    for row, key in zip(probs, keys):
-        race = row.double() / exponential_noise(key, vocab)
-        tokens.append(vocab - 1 - int(torch.argmax(race.flip(0))))
-    return torch.tensor(tokens, dtype=torch.long)
+    key_tensor = torch.tensor(keys, dtype=torch.int64, device=probs.device)
+    race = probs.double() / exponential_noise(key_tensor, vocab)
+    return vocab - 1 - torch.argmax(race.flip(-1), dim=-1)

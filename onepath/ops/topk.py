@@ -15,7 +15,7 @@ def order_key(x: torch.Tensor) -> torch.Tensor:
     # + 0.0 turns -0.0 into +0.0: equal values must tie, and ties go to the larger position
     bits = (x.float() + 0.0).contiguous().view(torch.int32).to(torch.int64)
     monotone = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    position = torch.arange(x.shape[-1], dtype=torch.int64)
+    position = torch.arange(x.shape[-1], dtype=torch.int64, device=x.device)
     return (monotone << 32) | position
 
 

@@ -44,19 +44,22 @@ class Actor:
 
     def logprobs(self, r: Responses) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies [B, T] of the completion tokens under the sampling distributions."""
-        batch, num_blocks, rows = ForwardBatch.for_completions(r.prompt_ids, r.completion_ids, self.block_size)
-        cache = KVCache(self.model.config, num_blocks, self.block_size, self.ops.spec.dtype)
+        device = self.model.device
+        batch, num_blocks, rows = ForwardBatch.for_completions(r.prompt_ids, r.completion_ids, self.block_size, device)
+        cache = KVCache(self.model.config, num_blocks, self.block_size, self.ops.spec.dtype, device)
         hidden = self.model(batch, cache)
         tokens = [t for c in r.completion_ids for t in c]
         owners = [i for i, c in enumerate(r.completion_ids) for _ in c]
         logits = self.model.compute_logits(hidden[rows])
-        temperature = torch.tensor([r.params[i].temperature for i in owners], dtype=torch.float32)
-        top_k = torch.tensor([r.params[i].top_k for i in owners], dtype=torch.long)
-        top_p = torch.tensor([r.params[i].top_p for i in owners], dtype=torch.float32)
+        temperature = torch.tensor([r.params[i].temperature for i in owners], dtype=torch.float32, device=device)
+        top_k = torch.tensor([r.params[i].top_k for i in owners], dtype=torch.long, device=device)
+        top_p = torch.tensor([r.params[i].top_p for i in owners], dtype=torch.float32, device=device)
         with torch.no_grad():
             keep = self.ops.sampling_mask(logits.detach(), temperature, top_k, top_p)
-        lp, entropy = self.ops.token_logprobs(logits, torch.tensor(tokens, dtype=torch.long), temperature, keep)
-        return self.scatter(lp, r.mask), self.scatter(entropy, r.mask)
+        tokens = torch.tensor(tokens, dtype=torch.long, device=device)
+        lp, entropy = self.ops.token_logprobs(logits, tokens, temperature, keep)
+        mask = r.mask.to(device)
+        return self.scatter(lp, mask), self.scatter(entropy, mask)
 
     @staticmethod
     def scatter(values, mask):

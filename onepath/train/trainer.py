@@ -95,13 +95,15 @@ def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos
     """Warm-start weights, reused from out/warm_start when its settings match."""
     ws = cfg.warm_start
     if ws.steps == 0:
-        return state if state is not None else build_model(model_config, ExecutionSpec("baseline"), cfg.rollout.max_model_len, None).hf_state_dict()
+        if state is None:
+            state = build_model(model_config, ExecutionSpec("baseline"), cfg.rollout.max_model_len, None).hf_state_dict()
+        return state
     fingerprint = hashlib.sha256(json.dumps([cfg.to_dict()[k] for k in ("model", "data", "warm_start")],
                                             sort_keys=True).encode()).hexdigest()[:16]
     where = out / "warm_start"
     if (where / "fingerprint.txt").exists() and (where / "fingerprint.txt").read_text() == fingerprint:
         return load_state_dict(where)
-    model = build_model(model_config, ExecutionSpec("baseline"), cfg.rollout.max_model_len, state)
+    model = build_model(model_config, ExecutionSpec.default("baseline", cfg.device), cfg.rollout.max_model_len, state)
     examples = []
     for row in rows:
         p = tokenizer.encode(prompt_text(row)).ids
@@ -117,7 +119,7 @@ def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos
 class GRPOTrainer:
     def __init__(self, cfg: RunConfig, mode: str, setup: Setup, run_dir: Path):
         self.cfg, self.setup, self.run_dir = cfg, setup, run_dir
-        self.spec = ExecutionSpec(mode=mode)
+        self.spec = ExecutionSpec.default(mode, cfg.device)
         max_len = cfg.rollout.max_model_len
         self.policy = build_model(setup.model_config, self.spec, max_len, setup.init_state)
         engine_model = build_model(setup.model_config, self.spec, max_len, setup.init_state)
@@ -171,9 +173,11 @@ class GRPOTrainer:
         with self.timer("old_logprob"):
             logprobs, entropy = self.actor.logprobs(responses)
             old = logprobs.detach()
-            metrics = rollout_diff(responses.rollout_logprobs, old, responses.mask)
+            device = old.device
+            mask = responses.mask.to(device)
+            metrics = rollout_diff(responses.rollout_logprobs.to(device), old, mask)
         with self.timer("update"):
-            loss, pg = policy_loss(logprobs, old, advantages, responses.mask, self.cfg.train.clip_ratio)
+            loss, pg = policy_loss(logprobs, old, advantages.to(device), mask, self.cfg.train.clip_ratio)
             grad_norm = self.actor.update(loss)
         with self.timer("sync"):
             self.engine.update_weights(self.policy.named_parameters())
@@ -184,7 +188,7 @@ class GRPOTrainer:
             "critic/score/mean": rewards.mean().item(),
             "critic/advantages/mean": advantages.mean().item(),
             "response_length/mean": lengths.mean().item(),
-            "actor/entropy": (entropy.detach()[responses.mask].mean().item() if responses.mask.any() else 0.0),
+            "actor/entropy": (entropy.detach()[mask].mean().item() if responses.mask.any() else 0.0),
             "actor/grad_norm": grad_norm,
             "perf/rollout_tokens_per_s": generated / max(timings.get("timing_s/gen", 0.0), 1e-9),
             **timings,

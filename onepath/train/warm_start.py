@@ -23,10 +23,11 @@ def warm_start(model: DenseDecoder, examples: list[tuple[list[int], list[int]]],
     for _ in tqdm(range(steps), desc="warm start", disable=not progress, leave=False):
         picks = torch.randint(0, len(examples), (batch_size,), generator=g).tolist()
         pairs = [examples[i] for i in picks]
-        batch, num_blocks, rows = ForwardBatch.for_completions([p for p, _ in pairs], [c for _, c in pairs], block_size)
-        hidden = model(batch, KVCache(model.config, num_blocks, block_size, model.ops.spec.dtype))
+        batch, num_blocks, rows = ForwardBatch.for_completions([p for p, _ in pairs], [c for _, c in pairs], block_size,
+                                                               model.device)
+        hidden = model(batch, KVCache(model.config, num_blocks, block_size, model.ops.spec.dtype, model.device))
         targets = [t for _, c in pairs for t in c]
-        loss = F.cross_entropy(model.compute_logits(hidden[rows]).float(), torch.tensor(targets))
+        loss = F.cross_entropy(model.compute_logits(hidden[rows]).float(), torch.tensor(targets, device=model.device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

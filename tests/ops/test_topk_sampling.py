@@ -138,12 +138,13 @@ def test_sample_key_depends_on_seed_request_and_position():
     grid = list(itertools.product(range(6), range(6), range(6)))
     keys = [sample_key(*triple) for triple in grid]
     assert len(set(keys)) == len(grid)
-    assert all(0 <= key < 2 ** 63 for key in keys)   # a valid torch.Generator seed
+    assert all(0 <= key < 2 ** 63 for key in keys)   # fits a signed 64-bit tensor
     # the noise each key feeds the race differs too
-    noise = {tuple(exponential_noise(key, 4).tolist()) for key in keys}
+    noise = {tuple(row) for row in exponential_noise(torch.tensor(keys), 4).tolist()}
     assert len(noise) == len(grid)
 
 
 def test_keys_differing_in_high_bits_give_different_noise():
     key = sample_key(1, 2, 3)
-    assert not torch.equal(exponential_noise(key, 8), exponential_noise(key ^ (1 << 40), 8))
+    noise = exponential_noise(torch.tensor([key, key ^ (1 << 40)]), 8)
+    assert not torch.equal(noise[0], noise[1])
