@@ -21,12 +21,13 @@ class OpSpec:
     row_chunk: int = 16        # rows per fixed-shape launch (CPU): a row's kernel never depends on M
     reduce_tile: int = 16      # width of one tile of an ordered reduction
     kv_tile: int = 16          # keys per attention tile, absolute positions [i*kv_tile, (i+1)*kv_tile)
+    kv_split: int = 256        # keys per split-KV partial (GPU), absolute positions, merged in ascending order
 
     def __post_init__(self):
         for name in ("dtype", "accum_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} {getattr(self, name)!r} is unknown: use one of {sorted(DTYPES)}")
-        for name in ("row_chunk", "reduce_tile", "kv_tile"):
+        for name in ("row_chunk", "reduce_tile", "kv_tile", "kv_split"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name} {v} must be a power of two >= 1")

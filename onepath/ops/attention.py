@@ -159,8 +159,13 @@ def attention(spec: ExecutionSpec, q, k, v, k_cache, v_cache, meta: AttentionMet
               sliding_window: int | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens; caches: [blocks, block_size, Hkv, D]."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    if spec.mode == "consistent":
-        o = spec.op("attention")
+    o = spec.op("attention")
+    if spec.mode == "consistent" and spec.device == "cuda":
+        from onepath.ops.cuda.attention import paged_attention
+        kernel = lambda q, k, v: paged_attention(q, k_cache, v_cache, meta.positions, meta.query_seq, meta.block_tables,
+                                                 scale, sliding_window, o.kv_tile, o.kv_split,
+                                                 max_context=max(meta.context_lens))
+    elif spec.mode == "consistent":
         kernel = lambda q, k, v: consistent(q, k_cache, v_cache, meta, scale, sliding_window, o.kv_tile, o.row_chunk)
     else:
         kernel = lambda q, k, v: baseline(q, k, v, k_cache, v_cache, meta, scale, sliding_window)

@@ -3,7 +3,10 @@
 consistent (CPU): the GEMM runs on fixed [row_chunk, K] pieces. torch's CPU GEMM picks a kernel
 by M (M = 1, 2..15, >= 16 give a row different bits), so one fixed M per launch is what makes a
 row's bits independent of the batch, of its position in it, and of the phase.
-baseline: one F.linear over all rows (the library's M-dependent choice).
+consistent (CUDA): the Triton persistent GEMM of ops/cuda/matmul.py (fixed BLOCK_K, no split-K).
+baseline: one F.linear over all rows (the library's M-dependent choice; cuBLAS on the GPU).
+The LM head returns FP32 logits: the consistent GEMM rounds its FP32 accumulator to FP32 once;
+the baseline rounds to the weights' dtype first, as the stock engines do.
 """
 from __future__ import annotations
 
@@ -21,21 +24,25 @@ def reference(x, weight, bias=None):
 
 def consistent(x, weight, bias=None, rows: int = 16):
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if bias is None:
-        out = row_chunks(lambda c: F.linear(c, weight), rows, x2)
-    else:
-        out = row_chunks(lambda c: F.linear(c, weight, bias), rows, x2)
+    out = row_chunks(lambda c: F.linear(c, weight, bias), rows, x.reshape(-1, shape[-1]))
     return out.reshape(*shape[:-1], weight.shape[0])
 
 
 def linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            op: str = "linear") -> torch.Tensor:
-    if spec.mode == "consistent":
+    out_dtype = torch.float32 if op == "lm_head" else x.dtype
+    if spec.mode == "consistent" and spec.device == "cuda":
+        from onepath.ops.cuda.matmul import matmul
+
+        def kernel(x, w, b=None):
+            return matmul(x.reshape(-1, x.shape[-1]), w, b, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
+    elif spec.mode == "consistent":
         rows = spec.op(op).row_chunk
-        kernel = (lambda x, w: consistent(x, w, rows=rows)) if bias is None else \
-            (lambda x, w, b: consistent(x, w, b, rows=rows))
+
+        def kernel(x, w, b=None):
+            return consistent(x, w, b, rows=rows).to(out_dtype)
     else:
-        kernel = reference
+        def kernel(x, w, b=None):
+            return reference(x, w, b).to(out_dtype)
     inputs = (x, weight) if bias is None else (x, weight, bias)
-    return apply_kernel(kernel, reference, *inputs)
+    return apply_kernel(kernel, lambda *t: reference(*t).to(out_dtype), *inputs)

@@ -63,11 +63,16 @@ def token_logprobs(spec: ExecutionSpec, logits: torch.Tensor, tokens: torch.Tens
             raise ValueError(f"token {int(tokens[row])} of row {row} lies outside its top-k/top-p set: "
                              "the trainer must use the sampling parameters the engine sampled with")
     kernel = consistent if spec.mode == "consistent" else reference
+    if spec.mode == "consistent" and spec.device == "cuda":
+        from onepath.ops.cuda.logprobs import token_logprobs as kernel
     return apply_kernel(lambda lg: kernel(lg, tokens, temperature, keep),
                         lambda lg: reference(lg, tokens, temperature, keep), logits)
 
 
 def probs(spec: ExecutionSpec, logits, temperature, keep=None) -> torch.Tensor:
+    if spec.mode == "consistent" and spec.device == "cuda":
+        from onepath.ops.cuda.logprobs import probs as triton_probs
+        return triton_probs(logits, temperature, keep)
     x = _scaled(logits, temperature, keep)
     if spec.mode != "consistent":
         return torch.softmax(x, dim=-1)

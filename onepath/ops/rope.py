@@ -24,5 +24,9 @@ def rope(spec: ExecutionSpec, x: torch.Tensor, positions: torch.Tensor, cos_tabl
     if positions.numel() and int(positions.max()) >= cos_table.shape[0]:
         raise ValueError(f"position {int(positions.max())} >= the RoPE table's {cos_table.shape[0]} positions: "
                          "raise max_model_len / max_position_embeddings")
-    cos, sin = cos_table[positions], sin_table[positions]
-    return apply_kernel(lambda x: reference(x, cos, sin), lambda x: reference(x, cos, sin), x)
+    if spec.mode == "consistent" and spec.device == "cuda":
+        from onepath.ops.cuda.elementwise import rope as triton_rope
+        kernel = lambda x: triton_rope(x, positions, cos_table, sin_table)
+    else:
+        kernel = lambda x: reference(x, cos_table[positions], sin_table[positions])
+    return apply_kernel(kernel, lambda x: reference(x, cos_table[positions], sin_table[positions]), x)

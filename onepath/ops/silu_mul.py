@@ -23,4 +23,6 @@ def consistent(gate, up):
 
 def silu_mul(spec: ExecutionSpec, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     kernel = consistent if spec.mode == "consistent" else reference
+    if spec.mode == "consistent" and spec.device == "cuda":
+        from onepath.ops.cuda.elementwise import silu_mul as kernel
     return apply_kernel(kernel, reference, gate, up)

@@ -42,24 +42,55 @@ class Actor:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0)
         self.max_grad_norm = max_grad_norm
 
-    def logprobs(self, r: Responses) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies [B, T] of the completion tokens under the sampling distributions."""
+    def logprobs(self, r: Responses, max_tokens: int | None = None,
+                 head_rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies [B, T] of the completion tokens under the sampling distributions.
+
+        Sequences run in micro-batches of at most `max_tokens` tokens and the LM head in chunks of
+        `head_rows` rows, so FP32 logits never exist for the whole batch; neither split moves a bit."""
+        lps, entropies = [], []
+        for group in self.micro_batches(r, max_tokens):
+            lp, entropy = self.forward([r.prompt_ids[i] for i in group], [r.completion_ids[i] for i in group],
+                                       [r.params[i] for i in group], head_rows)
+            lps.append(lp)
+            entropies.append(entropy)
+        mask = r.mask.to(self.model.device)
+        return self.scatter(torch.cat(lps), mask), self.scatter(torch.cat(entropies), mask)
+
+    @staticmethod
+    def micro_batches(r: Responses, max_tokens: int | None) -> list[list[int]]:
+        groups, size = [[]], 0
+        for i, (p, c) in enumerate(zip(r.prompt_ids, r.completion_ids)):
+            n = len(p) + len(c)
+            if max_tokens and groups[-1] and size + n > max_tokens:
+                groups.append([])
+                size = 0
+            groups[-1].append(i)
+            size += n
+        return groups
+
+    def forward(self, prompts, completions, params, head_rows):
         device = self.model.device
-        batch, num_blocks, rows = ForwardBatch.for_completions(r.prompt_ids, r.completion_ids, self.block_size, device)
+        batch, num_blocks, rows = ForwardBatch.for_completions(prompts, completions, self.block_size, device)
         cache = KVCache(self.model.config, num_blocks, self.block_size, self.ops.spec.dtype, device)
         hidden = self.model(batch, cache)
-        tokens = [t for c in r.completion_ids for t in c]
-        owners = [i for i, c in enumerate(r.completion_ids) for _ in c]
-        logits = self.model.compute_logits(hidden[rows])
-        temperature = torch.tensor([r.params[i].temperature for i in owners], dtype=torch.float32, device=device)
-        top_k = torch.tensor([r.params[i].top_k for i in owners], dtype=torch.long, device=device)
-        top_p = torch.tensor([r.params[i].top_p for i in owners], dtype=torch.float32, device=device)
-        with torch.no_grad():
-            keep = self.ops.sampling_mask(logits.detach(), temperature, top_k, top_p)
-        tokens = torch.tensor(tokens, dtype=torch.long, device=device)
-        lp, entropy = self.ops.token_logprobs(logits, tokens, temperature, keep)
-        mask = r.mask.to(device)
-        return self.scatter(lp, mask), self.scatter(entropy, mask)
+        tokens = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)
+        owners = [i for i, c in enumerate(completions) for _ in c]
+        temperature = torch.tensor([params[i].temperature for i in owners], dtype=torch.float32, device=device)
+        top_k = torch.tensor([params[i].top_k for i in owners], dtype=torch.long, device=device)
+        top_p = torch.tensor([params[i].top_p for i in owners], dtype=torch.float32, device=device)
+        lps, entropies = [], []
+        for a in range(0, len(rows), head_rows):
+            b = min(a + head_rows, len(rows))
+            logits = self.model.compute_logits(hidden[rows[a:b]])
+            with torch.no_grad():
+                keep = self.ops.sampling_mask(logits.detach(), temperature[a:b], top_k[a:b], top_p[a:b])
+            lp, entropy = self.ops.token_logprobs(logits, tokens[a:b], temperature[a:b], keep)
+            lps.append(lp)
+            entropies.append(entropy)
+        if not lps:
+            return hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32)
+        return torch.cat(lps), torch.cat(entropies)
 
     @staticmethod
     def scatter(values, mask):

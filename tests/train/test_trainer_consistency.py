@@ -83,3 +83,18 @@ def test_grpo_steps_keep_diff_exactly_zero(tmp_path):
 def test_grpo_negative_control_baseline_reports_a_diff(tmp_path):
     history = grpo_run("baseline", tmp_path)
     assert any(m["training/rollout_probs_diff_max"] > 0 for m in history)
+
+
+def test_micro_batches_and_head_chunks_do_not_move_a_bit():
+    engine_model, policy = tiny_model("consistent", seed=6), tiny_model("consistent", seed=6)
+    engine = LLMEngine(engine_model, num_blocks=256, block_size=16, scheduler=SchedulerConfig(max_model_len=128))
+    prompts = random_prompts(torch.Generator().manual_seed(3), 9)
+    outs = engine.generate(prompts, PARAMS[2], request_ids=list(range(9)))
+    r = Responses.build([o.prompt_token_ids for o in outs], [o.token_ids for o in outs], [PARAMS[2]] * 9,
+                        [o.logprobs for o in outs])
+    actor = Actor(policy, block_size=16, lr=1e-3)
+    with torch.no_grad():
+        whole, _ = actor.logprobs(r)
+        split, _ = actor.logprobs(r, max_tokens=50, head_rows=7)
+    assert len(actor.micro_batches(r, 50)) > 2
+    assert torch.equal(whole, split) and torch.equal(whole, r.rollout_logprobs)

@@ -1,0 +1,187 @@
+"""Time onepath.ops.cuda.attention (paged, batch-invariant) against torch SDPA flash on dense K/V.
+
+    python bench/kernels_attention.py [--out bench/results/kernels-attention.json] [--variants]
+
+Decode: B sequences x context L, one query each, Qwen3-0.6B heads (H 16, Hkv 8, D 128), bf16, block 16,
+random non-contiguous block tables; ours with the launch it picks (split-KV at decode) and with the
+in-register launch, vs SDPA flash (Lq = 1) on dense, GQA-expanded K/V (no paging cost, no invariance):
+median microseconds, GB/s of the K/V a step must read. Prefill: B x L causal tokens, ours vs SDPA flash
+(is_causal), TFLOP/s. --variants also times num_warps 8 and kv_tile 64 (other bits: for choosing the
+contract, not interchangeable with the default). Without CUDA it prints why and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
+DECODE_BATCH = [1, 8, 32, 64, 128, 256]
+DECODE_CONTEXT = [512, 1024, 2048, 4096]
+PREFILL = [(8, 2048), (1, 8192), (32, 512)]
+CEILINGS = {"bf16_gemm_tflops_cublas_8192": 789, "device_copy_tb_s": 4.2}
+
+
+def _time_us(fn, rep_ms):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3
+
+
+def _paged(lengths, gen):
+    """A paged bf16 cache holding `lengths` tokens per sequence in shuffled blocks, and the dense copy."""
+    blocks = [-(-n // BLOCK) for n in lengths]
+    perm = torch.randperm(sum(blocks), device="cuda", generator=gen)
+    tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32, device="cuda")
+    at = 0
+    for b, n in enumerate(blocks):
+        tables[b, :n] = perm[at:at + n]
+        at += n
+    shape = (sum(blocks), BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device="cuda", generator=gen).bfloat16()
+    v_cache = torch.randn(shape, device="cuda", generator=gen).bfloat16()
+    return k_cache, v_cache, tables
+
+
+def _dense(cache, tables, length):
+    """[B, H, L, D] for SDPA: the paged K or V gathered and expanded to the query heads."""
+    j = torch.arange(length, device="cuda")
+    slots = tables[:, j // BLOCK].long() * BLOCK + j % BLOCK
+    x = cache.view(-1, KV_HEADS, HEAD_DIM)[slots]                         # [B, L, Hkv, D]
+    return x.repeat_interleave(HEADS // KV_HEADS, dim=2).transpose(1, 2).contiguous()
+
+
+def _flash(q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _variants(args):
+    base = [("ours", {})]
+    if args.variants:
+        base += [("ours num_warps 8", {"num_warps": 8}), ("ours kv_tile 64", {"kv_tile": 64})]
+    return base
+
+
+def _call(A, kw, *a, **call_kw):
+    """paged_attention with a variant's settings (num_warps is a module constant: set, then restore)."""
+    warps = A.NUM_WARPS
+    A.NUM_WARPS = kw.get("num_warps", warps)
+    try:
+        return A.paged_attention(*a, kv_tile=kw.get("kv_tile", 32), **call_kw)
+    finally:
+        A.NUM_WARPS = warps
+
+
+def decode(args, A, gen):
+    rows = []
+    print(f"{'decode B':>8s} {'L':>5s} {'variant':>18s} {'launch':>12s} {'us':>8s} {'flash us':>8s} "
+          f"{'speed':>6s} {'GB/s':>6s}")
+    for length in args.contexts:
+        for batch in args.batches:
+            k_cache, v_cache, tables = _paged([length] * batch, gen)
+            q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+            positions = torch.full((batch,), length - 1, device="cuda")
+            seqs = torch.arange(batch, device="cuda")
+            scale = HEAD_DIM ** -0.5
+            kd, vd = _dense(k_cache, tables, length), _dense(v_cache, tables, length)
+            qd = q[:, :, None]
+            flash = _time_us(lambda: _flash(qd, kd, vd, False), args.rep_ms)
+            ref = _flash(qd, kd, vd, False)[:, :, 0].float()
+            moved = 2 * batch * length * KV_HEADS * HEAD_DIM * 2
+            for name, kw in _variants(args):
+                for launch, split in (("split-KV", True), ("in-register", False)):
+                    fn = lambda: _call(A, kw, q, k_cache, v_cache, positions, seqs, tables, scale,
+                                       split_kv=split, max_context=length)
+                    us = _time_us(fn, args.rep_ms)
+                    err = (fn().float() - ref).abs().max().item()
+                    rows.append(dict(batch=batch, context=length, variant=name, launch=launch, us=us,
+                                     flash_us=flash, speed_vs_flash=flash / us, gb_s=moved / us * 1e-3,
+                                     max_abs_diff_vs_flash=err))
+                    print(f"{batch:8d} {length:5d} {name:>18s} {launch:>12s} {us:8.1f} {flash:8.1f} "
+                          f"{flash / us:6.2f} {moved / us * 1e-3:6.0f}", flush=True)
+            del k_cache, v_cache, kd, vd
+            torch.cuda.empty_cache()
+    return rows
+
+
+def prefill(args, A, gen):
+    rows = []
+    print(f"{'prefill':>13s} {'variant':>18s} {'us':>9s} {'flash us':>9s} {'speed':>6s} {'TF/s':>6s} "
+          f"{'flash TF/s':>10s}")
+    for batch, length in PREFILL:
+        k_cache, v_cache, tables = _paged([length] * batch, gen)
+        q = torch.randn(batch * length, HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+        positions = torch.arange(length, device="cuda").repeat(batch)
+        seqs = torch.arange(batch, device="cuda").repeat_interleave(length)
+        scale = HEAD_DIM ** -0.5
+        kd, vd = _dense(k_cache, tables, length), _dense(v_cache, tables, length)
+        qd = q.view(batch, length, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+        flash = _time_us(lambda: _flash(qd, kd, vd, True), args.rep_ms)
+        ref = _flash(qd, kd, vd, True).transpose(1, 2).reshape(-1, HEADS, HEAD_DIM).float()
+        flops = 4.0 * batch * length * (length + 1) / 2 * HEADS * HEAD_DIM
+        for name, kw in _variants(args):
+            fn = lambda: _call(A, kw, q, k_cache, v_cache, positions, seqs, tables, scale, max_context=length)
+            us = _time_us(fn, args.rep_ms)
+            err = (fn().float() - ref).abs().max().item()
+            rows.append(dict(batch=batch, length=length, variant=name, us=us, flash_us=flash,
+                             speed_vs_flash=flash / us, tflops=flops / us * 1e-6, flash_tflops=flops / flash * 1e-6,
+                             max_abs_diff_vs_flash=err))
+            print(f"{batch:4d} x {length:5d}  {name:>18s} {us:9.1f} {flash:9.1f} {flash / us:6.2f} "
+                  f"{flops / us * 1e-6:6.1f} {flops / flash * 1e-6:10.1f}", flush=True)
+        del k_cache, v_cache, kd, vd
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run(args) -> dict:
+    import triton
+
+    from onepath.ops.cuda import attention as A
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    decode_rows = decode(args, A, gen)
+    prefill_rows = prefill(args, A, gen)
+    return dict(
+        date=datetime.datetime.now().isoformat(timespec="seconds"),
+        gpu=torch.cuda.get_device_name(0), sms=torch.cuda.get_device_properties(0).multi_processor_count,
+        torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+        command="python " + " ".join(sys.argv), timing="triton.testing.do_bench median, L2 flushed",
+        shape=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK, dtype="bfloat16"),
+        contract=dict(kv_tile=32, kv_split=inspect.signature(A.paged_attention).parameters["kv_split"].default,
+                      num_warps=A.NUM_WARPS, block_m=A.BLOCK_M),
+        ceilings=CEILINGS, decode=decode_rows, prefill=prefill_rows,
+    )
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench/results/kernels-attention.json")
+    p.add_argument("--variants", action="store_true", help="also time num_warps 8 and kv_tile 64")
+    p.add_argument("--batches", type=int, nargs="+", default=DECODE_BATCH)
+    p.add_argument("--contexts", type=int, nargs="+", default=DECODE_CONTEXT)
+    p.add_argument("--rep-ms", type=int, default=50, help="do_bench time budget per measurement")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("kernels_attention: no CUDA device here; nothing timed (run it on the GPU machine)")
+        return
+    result = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Triton kernels for CUDA (Hopper): the consistent backend on the GPU."""

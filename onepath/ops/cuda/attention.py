@@ -1,0 +1,296 @@
+"""paged attention on Hopper: one Triton kernel for prefill, chunked prefill, decode and the training forward.
+
+The contract: a query's output bits are a function of its own q, its sequence's cached K/V, its
+absolute position p, the window, `kv_tile` and `kv_split`; never of the other queries in the launch,
+their number, the phase, or where its K/V sit in the paged cache. What keeps it:
+- keys are reduced in tiles of absolute positions [j*kv_tile, (j+1)*kv_tile), ascending, with an
+  online softmax in FP32 (running max, rescale per tile, exp2 of pre-scaled scores). Tiles are
+  grouped into splits of absolute positions [s*kv_split, (s+1)*kv_split): each split starts a fresh
+  (max, sum, acc) and the splits are merged in ascending order by `_merge`. The tree is fixed by p;
+- masked keys score -inf and contribute exact zeros. A program's rows end in the same tile (their
+  positions share one kv_tile-aligned block); with a window they may start in different tiles, and
+  a leading tile or split without a key for a row keeps that row's state at exactly (-inf, 0, 0)
+  (`_rescale` is 1 when the max does not move), the state a fresh start has;
+- every dot has one shape in every launch: [BLOCK_M, D] x [D, kv_tile] for the scores and
+  [BLOCK_M, kv_tile] x [kv_tile, D] for P V (P rounded once to the cache dtype, accumulated in FP32),
+  and a query sits at rows fixed by its position (below), so its dot rows see the same instruction
+  stream whatever fills the other rows; `input_precision="ieee"` keeps FP32 inputs out of TF32;
+- `enable_fp_fusion=False`: no mul+add is contracted into an FMA at the compiler's choice, so the
+  merge in registers and the merge kernel run the same IEEE operations; NUM_WARPS is one constant
+  (it fixes the MMA layout, hence the order of each row's max and sum inside a tile).
+
+Program mapping: a program owns one KV head and BLOCK_M = 64 rows: the positions [i*Q, (i+1)*Q) of ONE
+sequence (Q = min(64 / group, kv_tile), group padded to a power of two) times the group's query heads
+(GQA: the H / Hkv heads that read one K/V head). Position p takes rows (p % Q) * group + (0..group):
+the same rows in prefill, in a chunk and in decode. A prefill program shares each K/V tile among Q
+queries; a decode program holds one (the MMA rows it wastes are free: decode is bound by the K/V read).
+Two launches, same bits: in-register (grid [query blocks, Hkv]; a program walks its splits and merges
+them) and split-KV (grid [query blocks, Hkv, splits]; one split per program writes FP32 partials, then
+`_merge_splits_kernel` merges a row's splits in the same order with the same `_merge`). Split-KV fills
+the SMs when few queries cover long contexts (decode); the choice is speed only, and
+tests/gpu/test_attention_gpu.py proves both launches give the same bits.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows (query tokens x group heads) per program: one shape for every launch, so every dot is the same.
+BLOCK_M = 64
+# Fixes the MMA layout, hence the order of a row's max and sum inside a tile: one value for both launches.
+NUM_WARPS = 4
+NUM_STAGES = 2
+# split-KV launch when the step has at most this many query tokens (decode and small chunks).
+SPLIT_MAX_TOKENS = 256
+# "No window": a lower key bound below every position.
+NO_WINDOW = 1 << 30
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _rescale(m, m_new):
+    # exp2(m - m_new), and exactly 1 when the max did not move: a tile or split without any key for
+    # the row then leaves (max, sum, acc) unchanged bit for bit, and no -inf - -inf NaN appears.
+    return tl.where(m_new == m, 1.0, tl.exp2(m - m_new))
+
+
+@triton.jit
+def _merge(m, l, acc, m_split, l_split, acc_split):
+    """Fold one split's (max, sum, acc) into the running state; shared by both launches."""
+    m_new = tl.maximum(m, m_split)
+    a = _rescale(m, m_new)
+    b = _rescale(m_split, m_new)
+    return m_new, l * a + l_split * b, acc * a[:, None] + acc_split * b[:, None]
+
+
+@triton.jit
+def _attend_split(q, s, tile_lo, tile_end, lo_key, last_key, pos, first_key, row_ok, table, k_base, v_base,
+                  d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                  BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr,
+                  SPLIT_TILES: tl.constexpr):
+    """(max, sum, acc) of split s: its tiles in ascending order from a fresh state; shared by both launches."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    cols = tl.arange(0, KV_TILE)
+    for j in range(tl.maximum(s * SPLIT_TILES, tile_lo), tl.minimum((s + 1) * SPLIT_TILES, tile_end)):
+        key = j * KV_TILE + cols
+        # Only the program's keys are read: later slots may be unwritten, earlier ones (out of
+        # every row's window) may be freed.
+        load_ok = (key >= lo_key) & (key <= last_key)
+        block = tl.load(table + key // BLOCK_SIZE, mask=load_ok, other=0).to(tl.int64)
+        slot = key % BLOCK_SIZE
+        kv_mask = load_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + block[:, None] * stride_kb + slot[:, None] * stride_ks, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + block[:, None] * stride_vb + slot[:, None] * stride_vs, mask=kv_mask, other=0.0)
+        # ieee: fp32 inputs stay fp32 (the default would be TF32); 16-bit inputs ignore it.
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        valid = row_ok[:, None] & (key[None, :] <= pos[:, None]) & (key[None, :] >= first_key[:, None])
+        scores = tl.where(valid, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = _rescale(m_i, m_new)
+        p = tl.exp2(scores - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["num_tokens", "window", "num_splits"])
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, seq_ptr, table_ptr, starts_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    num_tokens, window, qk_scale, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    num_heads = tl.num_programs(1) * GROUP
+
+    # Rows: the program holds positions [base, base + BLOCK_Q) of one sequence; position base + i takes
+    # rows i * GROUP_PAD + (0..GROUP), so a query sits at the same rows of the same dot in every phase
+    # and batch. BLOCK_Q divides KV_TILE: all of a program's rows end in the same tile and split.
+    t0 = tl.load(starts_ptr + pid)
+    live = t0 < num_tokens
+    t0 = tl.where(live, t0, 0)
+    seq = tl.load(seq_ptr + t0)
+    first_pos = tl.load(pos_ptr + t0).to(tl.int32)
+    rows = tl.arange(0, BLOCK_M)
+    offset = rows // GROUP_PAD
+    g = rows % GROUP_PAD
+    tok = t0 + offset - first_pos % BLOCK_Q
+    tok_ok = (tok >= t0) & (tok < num_tokens) & (offset < BLOCK_Q)
+    tok_c = tl.where(tok_ok, tok, 0)
+    pos = tl.load(pos_ptr + tok_c).to(tl.int32)
+    row_ok = live & tok_ok & (g < GROUP) & (tl.load(seq_ptr + tok_c) == seq)
+    row_ok = row_ok & (pos == first_pos - first_pos % BLOCK_Q + offset)
+    first_key = tl.maximum(pos - window + 1, 0)
+    head = kv_head * GROUP + tl.where(g < GROUP, g, 0)
+    tok_c = tok_c.to(tl.int64)
+
+    # This program's keys and tiles: the union of its rows' ranges.
+    last_key = tl.max(tl.where(row_ok, pos, -1), 0)
+    tile_end = tl.where(last_key >= 0, last_key // KV_TILE + 1, 0)
+    lo_key = tl.min(tl.where(row_ok, first_key, tile_end * KV_TILE), 0)
+    tile_lo = lo_key // KV_TILE
+    split_lo = tile_lo // SPLIT_TILES
+    split_end = tl.cdiv(tile_end, SPLIT_TILES)
+
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + tok_c[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    table = table_ptr + seq.to(tl.int64) * stride_table
+    k_base = k_ptr + kv_head * stride_kh + d[None, :]
+    v_base = v_ptr + kv_head * stride_vh + d[None, :]
+
+    if SPLIT:
+        s = tl.program_id(2)
+        m_i, l_i, acc = _attend_split(q, s, tile_lo, tile_end, lo_key, last_key, pos, first_key, row_ok,
+                                      table, k_base, v_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
+                                      stride_vs, BLOCK_M, D_PAD, BLOCK_SIZE, KV_TILE, SPLIT_TILES)
+        part = (tok_c * num_heads + head) * num_splits + s
+        keep = row_ok & (s >= split_lo) & (s < split_end) & (s < num_splits)
+        tl.store(part_m_ptr + part, m_i, mask=keep)
+        tl.store(part_l_ptr + part, l_i, mask=keep)
+        tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
+    else:
+        m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_run = tl.zeros([BLOCK_M], tl.float32)
+        acc_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        for s in range(split_lo, split_end):
+            m_i, l_i, acc = _attend_split(q, s, tile_lo, tile_end, lo_key, last_key, pos, first_key, row_ok,
+                                          table, k_base, v_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
+                                          stride_vs, BLOCK_M, D_PAD, BLOCK_SIZE, KV_TILE, SPLIT_TILES)
+            m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
+        out = acc_run / tl.where(row_ok, l_run, 1.0)[:, None]
+        tl.store(out_ptr + tok_c[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["window", "num_splits"])
+def _merge_splits_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, pos_ptr,
+    window, num_splits, stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    KV_SPLIT: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    num_heads = tl.num_programs(1) * GROUP
+    g = tl.arange(0, GROUP_PAD)
+    row_ok = g < GROUP
+    head = kv_head * GROUP + tl.where(row_ok, g, 0)
+    d = tl.arange(0, D_PAD)
+    pos = tl.load(pos_ptr + tok).to(tl.int32)
+    # The splits that hold this row's keys, in the order the in-register launch merges them.
+    split_lo = tl.maximum(pos - window + 1, 0) // KV_SPLIT
+    split_end = tl.minimum(pos // KV_SPLIT + 1, num_splits)
+    m_run = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_run = tl.zeros([GROUP_PAD], tl.float32)
+    acc_run = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for s in range(split_lo, split_end):
+        part = (tok * num_heads + head) * num_splits + s
+        m_i = tl.load(part_m_ptr + part, mask=row_ok, other=float("-inf"))
+        l_i = tl.load(part_l_ptr + part, mask=row_ok, other=0.0)
+        acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + d[None, :], mask=row_ok[:, None], other=0.0)
+        m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
+    out = acc_run / tl.where(row_ok, l_run, 1.0)[:, None]
+    tl.store(out_ptr + tok * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+
+
+def _query_blocks(positions: torch.Tensor, query_seq: torch.Tensor, tokens_per_block: int,
+                  num_seqs: int) -> torch.Tensor:
+    """First token of each program's query block: a run of one sequence's tokens cut where
+    position // tokens_per_block changes. Padded with T (empty programs) to a length known from the
+    shapes alone, so no host sync and a fixed grid (CUDA graphs)."""
+    num_tokens = query_seq.shape[0]
+    t = torch.arange(num_tokens, device=query_seq.device)
+    aligned = positions // tokens_per_block
+    new_block = torch.ones(num_tokens, dtype=torch.bool, device=query_seq.device)
+    new_block[1:] = (query_seq[1:] != query_seq[:-1]) | (aligned[1:] != aligned[:-1])
+    block = new_block.cumsum(0) - 1
+    # A block holds >= 1 token, and a run of n consecutive positions spans <= cdiv(n, tokens_per_block) + 1.
+    num_blocks = min(num_tokens, triton.cdiv(num_tokens, tokens_per_block) + 2 * min(num_tokens, num_seqs))
+    starts = torch.full((num_blocks,), num_tokens, dtype=torch.int64, device=query_seq.device)
+    return starts.scatter_reduce_(0, block, t, "amin")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                    query_seq: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                    sliding_window: int | None = None, kv_tile: int = 32, kv_split: int = 256,
+                    split_kv: bool | None = None, max_context: int | None = None) -> torch.Tensor:
+    """Causal attention of each query over its own sequence's keys in a paged KV cache.
+
+    q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (this step's K/V already written);
+    positions [T] absolute position p of each query, which attends to keys 0..p (and > p - window);
+    query_seq [T] the query's row in block_tables [B, max_blocks]; a sequence's queries are contiguous
+    in T at consecutive positions (an engine chunk, a training sequence); queries that are not are
+    left unwritten. Key at position j lives at slot block_tables[seq, j // block_size] * block_size + j % block_size.
+    kv_tile and kv_split (keys per tile, keys per split) fix the reduction tree: both sides must agree.
+    split_kv picks the launch (None: split-KV for at most SPLIT_MAX_TOKENS queries); max_context (keys,
+    default the block tables' capacity) bounds the split-KV partial buffer. Returns [T, H, D] in q's dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape or kv_dim != head_dim:
+        raise ValueError(f"paged_attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} do not match (expected caches [blocks, block_size, Hkv, D])")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"paged_attention: {num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
+    if kv_tile < 16 or kv_tile & (kv_tile - 1):
+        raise ValueError(f"paged_attention: kv_tile {kv_tile} must be a power of two >= 16 (a tl.dot dimension)")
+    if kv_split % kv_tile:
+        raise ValueError(f"paged_attention: kv_split {kv_split} must be a multiple of kv_tile {kv_tile}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"paged_attention: block_size {block_size} must be a power of two")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_attention: the caches' head_dim must be contiguous (stride 1)")
+    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"paged_attention: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype} must match")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(BLOCK_M, group_pad)
+    block_q = min(block_m // group_pad, kv_tile)
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    window = sliding_window or NO_WINDOW
+    positions = positions.contiguous()
+    query_seq = query_seq.contiguous()
+    starts = _query_blocks(positions, query_seq, block_q, block_tables.shape[0])
+    max_context = max_context or block_tables.shape[1] * block_size
+    num_splits = triton.cdiv(max_context, kv_split)
+    split = num_tokens <= SPLIT_MAX_TOKENS if split_kv is None else split_kv
+    if split:
+        part_m = torch.empty((num_tokens, num_heads, num_splits), device=q.device, dtype=torch.float32)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, d_pad), device=q.device, dtype=torch.float32)
+    else:
+        part_m = part_l = part_acc = None
+    common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=NUM_WARPS,
+                  enable_fp_fusion=False)
+    _paged_attention_kernel[(starts.shape[0], num_kv_heads, num_splits if split else 1)](
+        q, k_cache, v_cache, out, positions, query_seq, block_tables, starts,
+        part_acc, part_m, part_l,
+        num_tokens, window, scale * LOG2E, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        BLOCK_SIZE=block_size, KV_TILE=kv_tile, SPLIT_TILES=kv_split // kv_tile, BLOCK_M=block_m,
+        BLOCK_Q=block_q, SPLIT=split, num_stages=NUM_STAGES, **common,
+    )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_kv_heads)](
+            part_acc, part_m, part_l, out, positions, window, num_splits, out.stride(0), out.stride(1),
+            KV_SPLIT=kv_split, **common,
+        )
+    return out

@@ -1,0 +1,197 @@
+"""matmul: y = x W^T (+ b) on Hopper, batch-invariant and deterministic; every linear layer and the LM head.
+
+The contract: a row's output bits depend only on that row, the weight and the bias; never on M, on
+the other rows or on the row's position. What keeps it:
+- one program computes a whole output tile, walking K in ascending BLOCK_K = 64 steps with one
+  FP32 accumulator (`tl.dot(a, b, acc)`): no split-K, no atomics, no cross-program reduction;
+- BLOCK_K is the same for every tile config, so a row's reduction order is a function of K alone;
+- the tile config may follow M (small tiles fill the 132 SMs at decode, large ones reach the
+  tensor-core peak at prefill) only because each output element's MMA chain over K is the same
+  whatever the tile's M/N extent; tests/gpu/test_matmul.py proves the candidates give equal bits;
+- no autotuning: it picks by timing and could pick a different config on the other side;
+- `input_precision="ieee"`: tl.dot would run fp32 inputs as TF32 otherwise;
+- the bias is added in FP32 to the accumulator, then one rounding to out_dtype.
+
+The kernel is the persistent matmul of the Triton tutorial: grid = min(#SMs, #tiles), each program
+walks tiles with stride #SMs, grouped along M for L2 reuse. Loads are pointer loads, or TMA
+descriptors with `TileConfig.tma` (same values, same dot; a config flag, so the bench can compare).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# The K step of every config: it fixes the order in which a row's products are summed.
+BLOCK_K = 64
+# Programs of an interpreted (CPU) launch: small, so the persistent loop walks several tiles.
+INTERPRET_NUM_SMS = 3
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    tma: bool = False
+
+    def tiles(self, m: int, n: int) -> int:
+        return triton.cdiv(m, self.block_m) * triton.cdiv(n, self.block_n)
+
+
+# 16-bit inputs, largest tile first. BLOCK_M stays >= 64 so every config runs Hopper's wgmma
+# (an m64 instruction per warpgroup); 64-row and 32-column tiles fill the SMs at decode, where the
+# weight read is the cost and the wasted MMA rows are free.
+TILES_16BIT = (
+    TileConfig(128, 256, num_warps=8, num_stages=3),
+    TileConfig(128, 128, num_warps=8, num_stages=3),
+    TileConfig(64, 128, num_warps=4, num_stages=4),
+    TileConfig(64, 64, num_warps=4, num_stages=4),
+    TileConfig(64, 32, num_warps=4, num_stages=5),
+)
+# An fp32 output tile is staged through shared memory on its way out; 128x256 with its 3 pipeline
+# stages would need 272 KiB, over the H200's 227 KiB per block (see the sm_90 compile test).
+MAX_TILE_FP32_OUT = 128 * 128
+# fp32 inputs run the FMA path (ieee): one config for every M, so nothing to prove.
+TILE_FP32 = TileConfig(64, 64, num_warps=4, num_stages=2)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRET_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pick_config(m: int, n: int, dtype: torch.dtype, num_sms: int, out_dtype: torch.dtype | None = None) -> TileConfig:
+    """The largest tile that still gives every SM a tile (128-row tiles only once M fills them);
+    the smallest when none does."""
+    if dtype == torch.float32:
+        return TILE_FP32
+    wide_out = out_dtype == torch.float32
+    for config in TILES_16BIT:
+        if wide_out and config.block_m * config.block_n > MAX_TILE_FP32_OUT:
+            continue
+        if config.block_m <= max(64, m) and config.tiles(m, n) >= num_sms:
+            return config
+    return TILES_16BIT[-1]
+
+
+@triton.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(
+    x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+):
+    start_pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Rows/columns past the edge read row/column 0: unmasked loads, results never stored.
+        rows = tl.where(offs_m < M, offs_m, 0)
+        cols = tl.where(offs_n < N, offs_n, 0)
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # One ascending walk over K per tile, one accumulator: the reduction order of a row.
+        for ki in range(k_tiles):
+            if TMA:
+                a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
+                b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T
+            else:
+                k_left = K - ki * BLOCK_K
+                a = tl.load(x_ptr + rows[:, None] * stride_xm + (ki * BLOCK_K + offs_k)[None, :],
+                            mask=offs_k[None, :] < k_left, other=0.0)
+                b = tl.load(w_ptr + cols[None, :] * stride_wn + (ki * BLOCK_K + offs_k)[:, None],
+                            mask=offs_k[:, None] < k_left, other=0.0)
+            # ieee: fp32 inputs stay fp32 (the default would be TF32); 16-bit inputs ignore it.
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+        # int64: M x N logits (e.g. 16k tokens x 152k vocab) pass 2^31 elements.
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+                 mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def _tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned bases and row strides."""
+    row_bytes = x.shape[1] * x.element_size()
+    return row_bytes % 16 == 0 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None, config: TileConfig | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K]^T (+ bias[N]) with FP32 accumulation, rounded once to out_dtype
+    (default x.dtype). `config` forces a tile config (tests and benchmarks); by default it follows
+    M, which cannot move a row's bits."""
+    if x.dtype != weight.dtype:
+        raise TypeError(f"matmul: x is {x.dtype} but weight is {weight.dtype}; cast one so they match")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"matmul: dtype {x.dtype} unsupported; use bfloat16, float16 or float32")
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
+                         "(expected x [..., K], weight [N, K])")
+    n, k = weight.shape
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"matmul: bias {tuple(bias.shape)} does not match weight rows N={n}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    weight = weight.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
+    if m == 0 or n == 0:
+        return out.reshape(*lead, n)
+    if k == 0:
+        out.zero_()
+        if bias is not None:
+            out += bias
+        return out.reshape(*lead, n)
+
+    if max(x2.numel(), weight.numel()) >= 2 ** 31:
+        raise ValueError(f"matmul: x {tuple(x2.shape)} or weight {tuple(weight.shape)} has >= 2^31 elements "
+                         "(32-bit load offsets); split the rows into several calls")
+    num_sms = _num_sms(x.device)
+    config = config or pick_config(m, n, x.dtype, num_sms, out.dtype)
+    tma = config.tma and _tma_ok(x2, weight)
+    x_desc = w_desc = None
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        x_desc = TensorDescriptor.from_tensor(x2, [config.block_m, BLOCK_K])
+        w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, BLOCK_K])
+    grid = (min(num_sms, config.tiles(m, n)),)
+    _matmul_kernel[grid](
+        x2, weight, x_desc, w_desc, bias.contiguous() if bias is not None else None, out,
+        m, n, k,
+        x2.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, TMA=tma,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK_K,
+        GROUP_M=config.group_m, NUM_SMS=num_sms,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out.reshape(*lead, n)

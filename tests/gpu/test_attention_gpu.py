@@ -1,0 +1,153 @@
+"""The Triton paged attention kernel on the GPU (BF16, paged cache, non-contiguous random block tables):
+a probe's bits alone == inside batches of 2..32 sequences of 1..3000 tokens; prefill == chunked prefill
+(7, 64, 512) == decode token by token; in-register == split-KV launch; sliding window; run-to-run
+determinism; values within 1e-2 + 1e-2|ref| of an FP32 reference. Negative controls: SDPA flash's
+prefill last row differs from its decode, and a split-KV whose split count follows the batch differs
+from itself."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.ops.test_attention_interpret import PagedCache, chunked, phases, step
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DEVICE, DTYPE = "cuda", torch.bfloat16
+SHAPES = [(16, 8, 128), (32, 4, 128)]          # Qwen3-0.6B heads; GQA 8
+MAX_LEN, MAX_SEQS, TRIALS = 3000, 32, 4
+PHASE_LEN = 700                                 # crosses tiles (32), splits (256) and query blocks
+WINDOWS = (None, 1000, None, 333)
+
+
+def attn(*args, **kw):
+    from onepath.ops.cuda.attention import paged_attention
+    return paged_attention(*args, **kw)
+
+
+def _seq(n, shape, gen):
+    heads, kv_heads, head_dim = shape
+    randn = lambda *s: torch.randn(*s, generator=gen, device=DEVICE).to(DTYPE)
+    return randn(n, heads, head_dim), randn(n, kv_heads, head_dim), randn(n, kv_heads, head_dim)
+
+
+def _reference(q, k, v, start, window):
+    """FP32 attention of queries at positions start.. over keys 0..; q [nq, H, D], k/v [n, Hkv, D]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * q.shape[2] ** -0.5
+    i = torch.arange(start, start + q.shape[0], device=q.device)[:, None]
+    j = torch.arange(k.shape[0], device=q.device)[None, :]
+    allowed = (j <= i) & ((j > i - window) if window else True)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(~allowed, -math.inf), -1), v)
+
+
+def _close(out, ref):
+    err = (out.float() - ref).abs()
+    assert bool((err <= 1e-2 + 1e-2 * ref.abs()).all()), f"max error {err.max().item():.3g}"
+
+
+def _batch(seqs, gen, window, **kw):
+    """seqs: (q, k, v, start); tokens start.. are this step's chunk over the cached prefix."""
+    kv_heads, head_dim = seqs[0][1].shape[1:]
+    cache = PagedCache(sum(-(-q.shape[0] // 16) for q, *_ in seqs) + 7, kv_heads, head_dim, DTYPE, DEVICE, gen)
+    chunks = []
+    for q, k, v, start in seqs:
+        table = cache.table(q.shape[0])
+        cache.write(table, 0, k, v)
+        chunks.append((q[start:], start, table))
+    return step(attn, cache, chunks, head_dim ** -0.5, sliding_window=window, **kw)
+
+
+def _random_seq(shape, gen, cuda_gen):
+    """1..MAX_LEN tokens; the step is a decode (last token) half the time, else a chunk from a random start."""
+    n = int(torch.randint(1, MAX_LEN + 1, (1,), generator=gen))
+    start = n - 1 if torch.rand(1, generator=gen) < 0.5 else int(torch.randint(0, n, (1,), generator=gen))
+    return (*_seq(n, shape, cuda_gen), start)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"H{s[0]}-Hkv{s[1]}-D{s[2]}")
+def test_alone_equals_batch(shape):
+    gen, cuda_gen = torch.Generator().manual_seed(0), torch.Generator(DEVICE).manual_seed(0)
+    for trial in range(TRIALS):
+        window = WINDOWS[trial]
+        probe = _random_seq(shape, gen, cuda_gen)
+        alone = _batch([probe], gen, window, split_kv=False)[0]
+        assert torch.equal(_batch([probe], gen, window, split_kv=True)[0], alone), "split-KV != in-register"
+        _close(alone, _reference(probe[0][probe[3]:], probe[1], probe[2], probe[3], window))
+        num_others = int(torch.randint(1, MAX_SEQS, (1,), generator=gen))
+        others = [_random_seq(shape, gen, cuda_gen) for _ in range(num_others)]
+        at = int(torch.randint(0, len(others) + 1, (1,), generator=gen))
+        batch = others[:at] + [probe] + others[at:]
+        first = _batch(batch, gen, window)
+        assert torch.equal(first[at], alone), (trial, len(batch), probe[0].shape[0], probe[3])
+        again = _batch(batch, gen, window)
+        assert all(torch.equal(a, b) for a, b in zip(first, again)), "not deterministic run to run"
+        if sum(q.shape[0] - s for q, _, _, s in batch) <= 4096:
+            assert torch.equal(_batch(batch, gen, window, split_kv=True)[at], alone)
+
+
+@pytest.mark.parametrize("window", [None, 200])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"H{s[0]}-Hkv{s[1]}-D{s[2]}")
+def test_prefill_equals_chunks_equals_decode(shape, window):
+    gen, cuda_gen = torch.Generator().manual_seed(1), torch.Generator(DEVICE).manual_seed(1)
+    q, k, v = _seq(PHASE_LEN, shape, cuda_gen)
+    scale = shape[2] ** -0.5
+
+    def run(sizes, **kw):
+        cache = PagedCache(-(-PHASE_LEN // 16) + 9, shape[1], shape[2], DTYPE, DEVICE, gen)
+        return phases(attn, q, k, v, sizes, cache, scale, sliding_window=window, **kw)
+
+    whole = run([PHASE_LEN])
+    _close(whole, _reference(q, k, v, 0, window))
+    prefix = 3 * PHASE_LEN // 7
+    runs = {"prefill split-KV": run([PHASE_LEN], split_kv=True), "decode": run([1] * PHASE_LEN),
+            f"prefix {prefix} + decode": run([prefix] + [1] * (PHASE_LEN - prefix))}
+    for size in (7, 64, 512):
+        runs[f"chunks of {size}"] = run(chunked(PHASE_LEN, size))
+        runs[f"chunks of {size}, in-register"] = run(chunked(PHASE_LEN, size), split_kv=False)
+    for name, out in runs.items():
+        differ = (out != whole).any(dim=(1, 2)).nonzero().flatten().tolist()
+        assert not differ, f"{name}: tokens {differ[:10]} differ from the whole prefill"
+
+
+def _sdpa_flash(q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (x.transpose(0, 1)[None] for x in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)[0].transpose(0, 1)
+
+
+def _split_kv_decode(q, k, v, num_splits):
+    """FP32 decode of one query over all keys in num_splits equal pieces, merged by their softmax weights."""
+    group = q.shape[0] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    m, l, acc = [], [], []
+    for piece in torch.tensor_split(torch.arange(k.shape[0], device=q.device), num_splits):
+        s = torch.einsum("hd,khd->hk", q.float(), k[piece]) * q.shape[1] ** -0.5
+        m.append(s.amax(-1))
+        e = torch.exp(s - m[-1][:, None])
+        l.append(e.sum(-1))
+        acc.append(torch.einsum("hk,khd->hd", e, v[piece]))
+    m_all = torch.stack(m).amax(0)
+    w = [torch.exp(mi - m_all) for mi in m]
+    return sum(wi[:, None] * a for wi, a in zip(w, acc)) / sum(wi * li for wi, li in zip(w, l))[:, None]
+
+
+def test_negative_controls():
+    """The properties above are not free: SDPA flash gives the last token other bits in prefill than
+    in decode, and a split count chosen from the batch (many splits for 1 sequence, few for 32) moves bits."""
+    cuda_gen = torch.Generator(DEVICE).manual_seed(2)
+    flash_differs = []
+    for shape in SHAPES:
+        for n in (100, 700, 1500, 3000):
+            q, k, v = _seq(n, shape, cuda_gen)
+            prefill_last = _sdpa_flash(q, k, v, causal=True)[-1]
+            decode = _sdpa_flash(q[-1:], k, v, causal=False)[0]
+            flash_differs.append(not torch.equal(prefill_last, decode))
+    assert any(flash_differs), "SDPA flash prefill last row == decode in every case: control failed"
+    q, k, v = _seq(3000, SHAPES[0], cuda_gen)
+    assert not torch.equal(_split_kv_decode(q[-1], k, v, 16), _split_kv_decode(q[-1], k, v, 1))

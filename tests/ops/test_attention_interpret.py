@@ -1,0 +1,189 @@
+"""The Triton paged attention kernel's logic on CPU (TRITON_INTERPRET=1, tiny shapes): close to a float64
+causal reference; a probe's bits alone == inside a batch; prefill == chunked prefill == decode token by
+token; the in-register and split-KV launches agree; sliding window. Each check runs in a subprocess
+because TRITON_INTERPRET must be set before triton is imported. The helpers build paged batches for
+tests/gpu/test_attention_gpu.py too."""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, KV_TILE, KV_SPLIT = 4, 2, 16, 16, 16, 32
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- helpers (shared with the GPU test) ----
+
+class PagedCache:
+    """K/V caches filled with NaN, so a read of any slot the kernel must not touch poisons the output.
+    Sequences get blocks drawn at random from a shuffled pool: tables are non-contiguous."""
+
+    def __init__(self, num_blocks, num_kv_heads, head_dim, dtype, device, gen, block_size=BLOCK):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.full(shape, math.nan, dtype=dtype, device=device)
+        self.v = torch.full(shape, math.nan, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.free = torch.randperm(num_blocks, generator=gen).tolist()
+
+    def table(self, length):
+        n = -(-length // self.block_size)
+        table, self.free = self.free[:n], self.free[n:]
+        return table
+
+    def write(self, table, start, k, v):
+        j = torch.arange(start, start + k.shape[0])
+        slots = (torch.tensor(table)[j // self.block_size] * self.block_size + j % self.block_size).to(self.k.device)
+        self.k.view(-1, *self.k.shape[2:])[slots] = k.to(self.k.dtype)
+        self.v.view(-1, *self.v.shape[2:])[slots] = v.to(self.v.dtype)
+
+
+def step(attn, cache, chunks, scale, **kw):
+    """One launch over chunks (q [n, H, D], start, table): the chunk's queries sit at positions
+    start..start+n-1 of their sequence, whose K/V 0..start+n-1 are in the cache. Returns each chunk's output."""
+    device = cache.k.device
+    positions = torch.cat([torch.arange(s, s + q.shape[0]) for q, s, _ in chunks]).to(device)
+    query_seq = torch.cat([torch.full((q.shape[0],), i) for i, (q, _, _) in enumerate(chunks)]).to(device)
+    width = max(len(t) for _, _, t in chunks)
+    tables = torch.tensor([t + [0] * (width - len(t)) for _, _, t in chunks], dtype=torch.int32, device=device)
+    q = torch.cat([q for q, _, _ in chunks]).to(device)
+    out = attn(q, cache.k, cache.v, positions, query_seq, tables, scale, **kw)
+    return list(out.split([q.shape[0] for q, _, _ in chunks]))
+
+
+def phases(attn, q, k, v, sizes, cache, scale, **kw):
+    """One sequence through successive steps of the given query lengths over one cache, writing each
+    step's K/V before its launch (as the engine does)."""
+    table = cache.table(q.shape[0])
+    outs, pos = [], 0
+    for size in sizes:
+        cache.write(table, pos, k[pos:pos + size], v[pos:pos + size])
+        outs += step(attn, cache, [(q[pos:pos + size], pos, table)], scale, **kw)
+        pos += size
+    assert pos == q.shape[0]
+    return torch.cat(outs)
+
+
+def chunked(n, size):
+    return [size] * (n // size) + ([n % size] if n % size else [])
+
+
+def causal_reference(q, k, v, scale, window=None):
+    """Causal GQA attention of one whole sequence in float64."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    i, j = torch.arange(q.shape[0])[:, None], torch.arange(q.shape[0])[None, :]
+    allowed = (j <= i) & ((j > i - window) if window else True)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(~allowed.to(q.device), -math.inf), -1), v)
+
+
+# ---- checks, run in the interpreter subprocess ----
+
+SCALE = HEAD_DIM ** -0.5
+
+
+def _seq(n, gen, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM):
+    return (torch.randn(n, heads, head_dim, generator=gen), torch.randn(n, kv_heads, head_dim, generator=gen),
+            torch.randn(n, kv_heads, head_dim, generator=gen))
+
+
+def _attn(**fixed):
+    from onepath.ops.cuda.attention import paged_attention
+    return lambda *a, **kw: paged_attention(*a, kv_tile=KV_TILE, kv_split=KV_SPLIT, **fixed, **kw)
+
+
+def _batch(attn, seqs, gen, window=None):
+    """seqs: (q, k, v, start); tokens start.. are this step's chunk over the cached prefix."""
+    kv_heads, head_dim = seqs[0][1].shape[1:]
+    cache = PagedCache(sum(-(-q.shape[0] // BLOCK) for q, *_ in seqs) + 5, kv_heads, head_dim, torch.float32,
+                       "cpu", gen)
+    chunks = []
+    for q, k, v, start in seqs:
+        table = cache.table(q.shape[0])
+        cache.write(table, 0, k, v)
+        chunks.append((q[start:], start, table))
+    return step(attn, cache, chunks, head_dim ** -0.5, sliding_window=window)
+
+
+def check_reference():
+    """Also MHA, a group of 3 (padded to 4) and head_dim 24 (padded to 32)."""
+    gen = torch.Generator().manual_seed(0)
+    for shape, window in (((HEADS, KV_HEADS, HEAD_DIM), None), ((HEADS, KV_HEADS, HEAD_DIM), 5),
+                          ((2, 2, 16), None), ((6, 2, 24), 11)):
+        seqs = [(*_seq(n, gen, *shape), 0) for n in (1, 17, 40, 33)]
+        for split in (False, True):
+            outs = _batch(_attn(split_kv=split), seqs, gen, window)
+            for (q, k, v, _), out in zip(seqs, outs):
+                ref = causal_reference(q, k, v, shape[2] ** -0.5, window)
+                torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def check_batch_invariance():
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(4):
+        window = (None, 7)[trial % 2]
+        n = int(torch.randint(1, 41, (1,), generator=gen))
+        probe = (*_seq(n, gen), int(torch.randint(0, n, (1,), generator=gen)))
+        alone = {split: _batch(_attn(split_kv=split), [probe], gen, window)[0] for split in (False, True)}
+        assert torch.equal(alone[False], alone[True]), "in-register and split-KV launches differ"
+        others = []
+        for _ in range(int(torch.randint(2, 7, (1,), generator=gen))):
+            m = int(torch.randint(1, 41, (1,), generator=gen))
+            start = m - 1 if torch.rand(1, generator=gen) < 0.5 else int(torch.randint(0, m, (1,), generator=gen))
+            others.append((*_seq(m, gen), start))
+        at = int(torch.randint(0, len(others) + 1, (1,), generator=gen))
+        batch = others[:at] + [probe] + others[at:]
+        for split in (False, True):
+            assert torch.equal(_batch(_attn(split_kv=split), batch, gen, window)[at], alone[False]), (trial, split)
+
+
+def check_phases():
+    gen = torch.Generator().manual_seed(2)
+    for window in (None, 9):
+        q, k, v = _seq(40, gen)
+        runs = {}
+        # decode token by token runs the split-KV launch (as an engine decode step would), the decode
+        # after a prefix the in-register one; prefill and chunks run both.
+        for name, sizes, splits in (("prefill", [40], (False, True)), ("chunk7", chunked(40, 7), (False, True)),
+                                    ("chunk16", chunked(40, 16), (False, True)), ("decode", [1] * 40, (True,)),
+                                    ("prefix+decode", [23] + [1] * 17, (False,))):
+            for split in splits:
+                cache = PagedCache(8, KV_HEADS, HEAD_DIM, torch.float32, "cpu", gen)
+                runs[name, split] = phases(_attn(split_kv=split), q, k, v, sizes, cache, SCALE, sliding_window=window)
+        first = runs["prefill", False]
+        torch.testing.assert_close(first.double(), causal_reference(q, k, v, SCALE, window), atol=1e-5, rtol=1e-5)
+        for key, out in runs.items():
+            assert torch.equal(out, first), (window, key)
+
+
+def check_control():
+    """The reduction tree shows in the bits (another kv_tile or kv_split gives other bits), so the
+    equalities above are not trivially true."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = _seq(40, gen)
+    from onepath.ops.cuda.attention import paged_attention
+    outs = []
+    for tile, split in ((16, 32), (32, 32), (16, 16)):
+        attn = lambda *a, **kw: paged_attention(*a, kv_tile=tile, kv_split=split, **kw)
+        outs.append(_batch(attn, [(q, k, v, 0)], gen)[0])
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+
+
+# ---- pytest entry ----
+
+CHECKS = ["check_reference", "check_batch_invariance", "check_phases", "check_control"]
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_interpreted(check):
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    code = f"import torch; torch.set_num_threads(1); import tests.ops.test_attention_interpret as t; t.{check}()"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]

@@ -1,0 +1,224 @@
+"""onepath.ops.cuda.{rmsnorm, elementwise, logprobs} run by Triton's CPU interpreter (TRITON_INTERPRET=1).
+
+The interpreter must be on before the kernels are decorated, so the checks run in a subprocess: this
+file, run as a script, prints one JSON line of results that the tests below assert on. Tiny shapes
+that still cross a chunk boundary (H > BLOCK_H, V > BLOCK_V). What this proves is the kernels'
+logic (chunk walk, masks, the one rounding, keep, rows never mixing); the bits of Hopper's
+exp/log and reduction trees are tests/gpu/test_norm_elementwise_logprobs_gpu.py's job.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CHECKS = ["rmsnorm_values", "rmsnorm_rows_alone_equal_rows_in_batch", "rmsnorm_residual", "rmsnorm_misaligned_input",
+          "silu_mul_values", "silu_mul_rows_alone_equal_rows_in_batch", "rope_equals_reference",
+          "rope_rows_alone_equal_rows_in_batch", "logprobs_values", "logprobs_rows_alone_equal_rows_in_batch",
+          "logprobs_keep_none_equals_all_kept", "probs_values", "probs_rows_alone_equal_rows_in_batch"]
+
+
+def _patch_bf16_rounding():
+    """Triton 3.6's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even): round as the GPU does."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def convert_rtne(data, src, dst, rounding_mode):
+        if src == tl.float32 and dst == tl.bfloat16:
+            wide = torch.from_numpy(np.array(data, dtype=np.float32))
+            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(np.shape(data))
+        return convert(data, src, dst, rounding_mode)
+
+    interpreter._convert_float = convert_rtne
+
+
+def _run_checks() -> dict:
+    _patch_bf16_rounding()
+    import math
+
+    import torch
+
+    from onepath.ops import logprobs as LP
+    from onepath.ops import rmsnorm as RN
+    from onepath.ops import rope as RP
+    from onepath.ops import silu_mul as SM
+    from onepath.ops.cuda import elementwise, logprobs, rmsnorm
+
+    gen = torch.Generator().manual_seed(0)
+    results = {}
+
+    def record(name, ok, detail=""):
+        prev = results.get(name, {"ok": True, "detail": ""})
+        results[name] = {"ok": prev["ok"] and bool(ok), "detail": prev["detail"] or ("" if ok else detail)}
+
+    def rand(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    def close(a, b, **tol):
+        try:
+            torch.testing.assert_close(a, b, **tol)
+            return True, ""
+        except AssertionError as e:
+            return False, str(e).splitlines()[-1]
+
+    def embedded(probe, m, make):
+        """A random batch of m rows (from make) with probe's rows at a random position."""
+        batch = make(m + probe.shape[0] - 1)
+        pos = int(torch.randint(m, (1,), generator=gen))
+        batch[pos:pos + probe.shape[0]] = probe
+        return batch, pos
+
+    # rmsnorm: H = 1030 walks a full 1024 chunk and a masked 6-wide tail.
+    for dtype in (torch.bfloat16, torch.float32):
+        for h in (40, 1030):
+            x, w = rand(5, h, dtype=dtype, scale=3), rand(h, dtype=dtype)
+            ok, why = close(rmsnorm.rmsnorm(x, w, 1e-6), RN.reference(x, w, 1e-6))
+            record("rmsnorm_values", ok, f"{dtype} H={h}: {why}")
+    h = 1030
+    w = rand(h)
+    probe = rand(1, h, scale=3)
+    alone = rmsnorm.rmsnorm(probe, w, 1e-5)
+    for m in (1, 2, 3, 7):
+        batch, pos = embedded(probe, m, lambda n: rand(n, h, scale=3))
+        record("rmsnorm_rows_alone_equal_rows_in_batch", torch.equal(rmsnorm.rmsnorm(batch, w, 1e-5)[pos], alone[0]),
+               f"M={m} pos={pos}")
+    x, r = rand(4, h, scale=2), rand(4, h, scale=2)
+    normed, summed = rmsnorm.rmsnorm_residual(x, r, w, 1e-5)
+    record("rmsnorm_residual", torch.equal(summed, x + r), "new residual != x + residual")
+    record("rmsnorm_residual", torch.equal(normed, rmsnorm.rmsnorm(x + r, w, 1e-5)), "normed != rmsnorm(x + residual)")
+    x3 = rand(2, 3, h)
+    flat_out = rmsnorm.rmsnorm(x3.reshape(6, h), w, 1e-5)
+    record("rmsnorm_residual", torch.equal(rmsnorm.rmsnorm(x3, w, 1e-5).reshape(6, h), flat_out), "leading dims")
+    # A view one element off 16-byte alignment (and odd H) takes aligned_rows' copy: same bits.
+    for hh in (1030, 37):
+        ww = rand(hh)
+        flat = rand(1 + 3 * hh)
+        odd = flat[1:].view(3, hh)
+        same = torch.equal(rmsnorm.rmsnorm(odd, ww, 1e-5), rmsnorm.rmsnorm(odd.clone(), ww, 1e-5))
+        record("rmsnorm_misaligned_input", same, f"H={hh}")
+
+    # silu_mul: I = 1100 crosses a BLOCK_I; gate/up as views of one fused projection.
+    width = 1100
+    fused = rand(6, 2 * width, scale=4)
+    gate, up = fused[:, :width], fused[:, width:]
+    ok, why = close(elementwise.silu_mul(gate, up), SM.reference(gate, up))
+    record("silu_mul_values", ok, why)
+    copies = elementwise.silu_mul(gate.contiguous(), up.contiguous())
+    record("silu_mul_values", torch.equal(elementwise.silu_mul(gate, up), copies), "views vs contiguous")
+    probe = rand(1, 2 * width, scale=4)
+    alone = elementwise.silu_mul(probe[:, :width], probe[:, width:])
+    for m in (1, 2, 7):
+        batch, pos = embedded(probe, m, lambda n: rand(n, 2 * width, scale=4))
+        got = elementwise.silu_mul(batch[:, :width], batch[:, width:])[pos]
+        record("silu_mul_rows_alone_equal_rows_in_batch", torch.equal(got, alone[0]), f"M={m} pos={pos}")
+
+    # rope: 5 heads (a partial head block), D = 24 (half 12, a partial power of two); q as a view of qkv.
+    heads, dim, positions_max = 5, 24, 64
+    cos, sin = torch.randn(positions_max, dim // 2, generator=gen), torch.randn(positions_max, dim // 2, generator=gen)
+    qkv = rand(9, heads + 2, dim, scale=2)
+    q = qkv[:, :heads]
+    pos = torch.randint(0, positions_max, (9,), generator=gen)
+    same = torch.equal(elementwise.rope(q, pos, cos, sin), RP.reference(q, cos[pos], sin[pos]))
+    record("rope_equals_reference", same, "bf16 rope != torch eager's unfused arithmetic")
+    qf = rand(4, heads, dim, dtype=torch.float32)
+    pf = torch.randint(0, positions_max, (4,), generator=gen)
+    same = torch.equal(elementwise.rope(qf, pf, cos, sin), RP.reference(qf, cos[pf], sin[pf]))
+    record("rope_equals_reference", same, "fp32")
+    probe, probe_pos = rand(1, heads, dim, scale=2), torch.tensor([17])
+    alone = elementwise.rope(probe, probe_pos, cos, sin)
+    for m in (1, 2, 7):
+        batch, at = embedded(probe, m, lambda n: rand(n, heads, dim, scale=2))
+        positions = torch.randint(0, positions_max, (m,), generator=gen)
+        positions[at] = 17
+        same = torch.equal(elementwise.rope(batch, positions, cos, sin)[at], alone[0])
+        record("rope_rows_alone_equal_rows_in_batch", same, f"M={m} pos={at}")
+
+    # token_logprobs / probs: V = 5000 walks a full 4096 chunk and a masked tail.
+    def plain(lg, tok, temp, keep):
+        x = (lg.double() / temp.double()[:, None]).masked_fill(~keep, -math.inf)
+        logp = torch.log_softmax(x, dim=-1)
+        ent = -(logp.exp() * logp.masked_fill(~keep, 0.0)).sum(-1)
+        return logp.gather(-1, tok[:, None])[:, 0].float(), ent.float(), logp.exp().float()
+
+    def batch_of(n, vocab, dtype=torch.bfloat16):
+        lg = rand(n, vocab, dtype=dtype, scale=4)
+        temp = 0.5 + torch.rand(n, generator=gen)
+        keep = torch.rand(n, vocab, generator=gen) < 0.6
+        tok = torch.multinomial(keep.float(), 1, generator=gen)[:, 0]
+        return lg, tok, temp, keep
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for vocab in (33, 5000):
+            lg, tok, temp, keep = batch_of(4, vocab, dtype)
+            keep[1] = True
+            for k in (keep, None):
+                kk = torch.ones_like(keep) if k is None else k
+                want_lp, want_ent, want_p = plain(lg, tok, temp, kk)
+                lp, ent = logprobs.token_logprobs(lg, tok, temp, k)
+                ok, why = close(lp, want_lp, rtol=1e-5, atol=2e-5)
+                record("logprobs_values", ok, f"logprob {dtype} V={vocab} keep={k is not None}: {why}")
+                ok, why = close(ent, want_ent, rtol=1e-5, atol=2e-5)
+                record("logprobs_values", ok, f"entropy {dtype} V={vocab} keep={k is not None}: {why}")
+                ref_lp, ref_ent = LP.reference(lg, tok, temp, k)
+                ok, why = close((lp, ent), (ref_lp, ref_ent), rtol=1e-5, atol=2e-5)
+                record("logprobs_values", ok, f"vs reference {dtype} V={vocab} keep={k is not None}: {why}")
+                ok, why = close(logprobs.probs(lg, temp, k), want_p, rtol=1e-5, atol=1e-7)
+                record("probs_values", ok, f"{dtype} V={vocab} keep={k is not None}: {why}")
+            outside = tok.clone()
+            outside[0] = int((~keep[0]).nonzero()[0])
+            record("logprobs_values", logprobs.token_logprobs(lg, outside, temp, keep)[0][0].item() == -math.inf,
+                   "a token outside keep must get -inf")
+
+    vocab = 5000
+    p_lg, p_tok, p_temp, p_keep = batch_of(1, vocab)
+    alone = logprobs.token_logprobs(p_lg, p_tok, p_temp, p_keep)
+    alone_p = logprobs.probs(p_lg, p_temp, p_keep)
+    for m in (1, 2, 7):
+        lg, tok, temp, keep = batch_of(m, vocab)
+        at = int(torch.randint(m, (1,), generator=gen))
+        lg[at], tok[at], temp[at], keep[at] = p_lg[0], p_tok[0], p_temp[0], p_keep[0]
+        lp, ent = logprobs.token_logprobs(lg, tok, temp, keep)
+        same = torch.equal(lp[at], alone[0][0]) and torch.equal(ent[at], alone[1][0])
+        record("logprobs_rows_alone_equal_rows_in_batch", same, f"M={m} pos={at}")
+        record("probs_rows_alone_equal_rows_in_batch", torch.equal(logprobs.probs(lg, temp, keep)[at], alone_p[0]),
+               f"M={m} pos={at}")
+    # A row with no filter: alone with keep=None, in a batch whose other rows carry top-k/top-p masks.
+    none_lp, none_ent = logprobs.token_logprobs(p_lg, p_tok, p_temp, None)
+    none_p = logprobs.probs(p_lg, p_temp, None)
+    for m in (1, 3):
+        lg, tok, temp, keep = batch_of(m, vocab)
+        at = m - 1
+        lg[at], tok[at], temp[at], keep[at] = p_lg[0], p_tok[0], p_temp[0], True
+        lp, ent = logprobs.token_logprobs(lg, tok, temp, keep)
+        same = torch.equal(lp[at], none_lp[0]) and torch.equal(ent[at], none_ent[0])
+        same = same and torch.equal(logprobs.probs(lg, temp, keep)[at], none_p[0])
+        record("logprobs_keep_none_equals_all_kept", same, f"M={m}")
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, __file__], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreted kernel checks crashed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_kernels_interpreted(interpreted, check):
+    assert interpreted[check]["ok"], f"{check}: {interpreted[check]['detail']}"
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    print(json.dumps(_run_checks()))

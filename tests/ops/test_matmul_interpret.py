@@ -1,0 +1,224 @@
+"""onepath.ops.cuda.matmul run by Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny shapes.
+
+The interpreter must be on before the kernel is decorated, so the checks run in a subprocess: this
+file, run as a script, prints one JSON line of results that the tests below assert on. On CPU the
+dot is numpy's, so what this proves is the kernel's logic (tile walk, masks, K tail, bias, the one
+rounding, rows never mixing); the bits of Hopper's MMA are tests/gpu/test_matmul.py's job.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CHECKS = ["values", "rows_alone_equal_rows_in_batch", "configs_agree", "bias_fp32_out", "one_rounding", "leading_dims"]
+DTYPES = ["bfloat16", "float16", "float32"]
+
+
+def _run_checks() -> dict:
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    # The interpreter's dot is numpy's: it reads bf16 as raw uint16 (Triton 3.6), and OpenBLAS's
+    # sgemm gives a row different bits by its position in the block (FMA or not by micro-tile).
+    # A row-independent model replaces it: exact products in fp64, each K block rounded once to
+    # fp32 and added to the accumulator, as the MMA chain does. Its fp32 -> bf16 cast truncates;
+    # the GPU's rounds to nearest even, as torch does.
+    def f64(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32) \
+                .reshape(h.data.shape).astype(np.float64)
+        return h.data.astype(np.float64)
+
+    def create_dot(self, a, b, d, *rest):
+        block = np.matmul(f64(a), f64(b)).astype(np.float32)
+        return interpreter.TensorHandle(block + d.data, d.dtype.scalar)
+
+    convert_float = interpreter._convert_float
+
+    def rne_convert_float(data, src, dst, rounding_mode):
+        if src == tl.float32 and dst == tl.bfloat16:
+            wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        return convert_float(data, src, dst, rounding_mode)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+    interpreter._convert_float = rne_convert_float
+
+    from onepath.ops.cuda.matmul import TILES_16BIT, TileConfig, matmul
+
+    gen = torch.Generator().manual_seed(0)
+    n, k = 48, 96  # K = 64 + 32: one full K tile and one masked tail
+    # Forced configs beside the default: 16-row tiles make M = 1..40 span up to three M tiles and
+    # the 3-program persistent loop walk several tiles; the TMA one reads through descriptors.
+    configs = {"default": None, "16x16": TileConfig(16, 16, 4, 2, group_m=2),
+               "tma_16x32": TileConfig(16, 32, 4, 2, tma=True)}
+    results = {}
+
+    def record(name, ok, detail=""):
+        prev = results.get(name, {"ok": True, "detail": ""})
+        results[name] = {"ok": prev["ok"] and bool(ok), "detail": prev["detail"] or ("" if ok else detail)}
+
+    def rand(*shape, dtype):
+        return torch.randn(*shape, generator=gen).to(getattr(torch, dtype))
+
+    def bound(x, w, out_dtype, exact):
+        # |out - exact| <= u_out|exact| + 2 K 2^-24 (|x| |w|^T): one rounding to out_dtype plus
+        # an FP32 sum of K products (exact in fp32) in any order.
+        u = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -23}[out_dtype]
+        a = x.double().abs() @ w.double().abs().T
+        return u * exact.abs() + 2 * x.shape[-1] * 2.0 ** -24 * a + 1e-30
+
+    for dtype in DTYPES:
+        w = rand(n, k, dtype=dtype)
+        for m in (1, 3, 17):
+            x = rand(m, k, dtype=dtype)
+            exact = x.double() @ w.double().T
+            for cname, cfg in configs.items():
+                y = matmul(x, w, config=cfg)
+                err = (y.double() - exact).abs()
+                record("values", y.dtype == x.dtype and y.shape == (m, n) and bool((err <= bound(x, w, y.dtype, exact)).all()),
+                       f"{dtype} M={m} {cname}: max err {err.max().item():.3g}")
+
+        for cname, cfg in configs.items():
+            probe = rand(1, k, dtype=dtype)
+            alone = matmul(probe, w, config=cfg)
+            for m in range(1, 41):
+                batch = rand(m, k, dtype=dtype)
+                pos = int(torch.randint(m, (1,), generator=gen))
+                batch[pos] = probe[0]
+                same = torch.equal(matmul(batch, w, config=cfg)[pos], alone[0])
+                record("rows_alone_equal_rows_in_batch", same, f"{dtype} {cname} M={m} pos={pos}")
+
+    # Every config (and TMA, and its pointer fallback when K * 2 bytes is not a multiple of 16)
+    # reads the same values and walks K the same way: with a row-independent dot, equal bits.
+    for dtype in DTYPES:
+        for kk in (k, 100):
+            x, w = rand(40, kk, dtype=dtype), rand(n, kk, dtype=dtype)
+            ref = matmul(x, w, config=configs["16x16"])
+            for cfg in (*configs.values(), *TILES_16BIT, TileConfig(64, 64, 4, 3, tma=True)):
+                record("configs_agree", torch.equal(matmul(x, w, config=cfg), ref), f"{dtype} K={kk} {cfg}")
+
+    w, b = rand(n, k, dtype="bfloat16"), rand(n, dtype="bfloat16")
+    probe = rand(2, k, dtype="bfloat16")
+    alone = matmul(probe, w, b, out_dtype=torch.float32)
+    exact = probe.double() @ w.double().T + b.double()
+    record("bias_fp32_out", alone.dtype == torch.float32, f"dtype {alone.dtype}")
+    record("bias_fp32_out", bool(((alone.double() - exact).abs() <= bound(probe, w, torch.float32, exact)).all()),
+           f"max err {(alone.double() - exact).abs().max().item():.3g}")
+    for m in (2, 5, 33):
+        batch = rand(m, k, dtype="bfloat16")
+        pos = int(torch.randint(m - 1, (1,), generator=gen))
+        batch[pos:pos + 2] = probe
+        record("bias_fp32_out", torch.equal(matmul(batch, w, b, out_dtype=torch.float32)[pos:pos + 2], alone), f"M={m}")
+
+    # bias added in fp32 before a single round-to-nearest-even: the bf16 result is the fp32 one rounded.
+    x = rand(7, k, dtype="bfloat16")
+    for bias in (None, b):
+        wide = matmul(x, w, bias, out_dtype=torch.float32)
+        record("one_rounding", torch.equal(matmul(x, w, bias), wide.to(torch.bfloat16)), f"bias={bias is not None}")
+
+    x3 = rand(2, 5, k, dtype="bfloat16")
+    y3 = matmul(x3, w)
+    record("leading_dims", y3.shape == (2, 5, n) and torch.equal(y3.reshape(10, n), matmul(x3.reshape(10, k), w)),
+           f"shape {tuple(y3.shape)}")
+    record("leading_dims", matmul(x3[:0].reshape(0, k), w).shape == (0, n), "M = 0")
+    return results
+
+
+def test_pick_config_fills_the_sms_and_keeps_block_k():
+    pytest.importorskip("triton")
+    import torch
+
+    from onepath.ops.cuda import matmul as mm
+
+    assert mm.pick_config(1, 4096, torch.bfloat16, 132) == mm.TILES_16BIT[-1]
+    assert mm.pick_config(1, 32000, torch.bfloat16, 132).block_m == 64, "decode: no 128-row tiles for one row"
+    assert mm.pick_config(4096, 4096, torch.bfloat16, 132) == mm.TILES_16BIT[0]
+    assert mm.pick_config(4096, 4096, torch.float32, 132) == mm.TILE_FP32
+    lm_head = mm.pick_config(8192, 151936, torch.bfloat16, 132, torch.float32)
+    assert lm_head.block_m * lm_head.block_n <= mm.MAX_TILE_FP32_OUT
+    assert all(c.block_m >= 64 for c in mm.TILES_16BIT), "BLOCK_M < 64 would leave Hopper's wgmma"
+    assert mm.BLOCK_K == 64
+
+
+# Hopper's opt-in shared memory per block (227 KiB); a config over it fails at launch on the H200.
+SM90_SHARED_BYTES = 232448
+
+
+def _compile_sm90(cfg, dtype: str, out: str):
+    """The kernel compiled for sm_90 by the Triton wheel's own ptxas: no GPU needed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from onepath.ops.cuda import matmul as mm
+
+    names = mm._matmul_kernel.arg_names
+    consts = dict(HAS_BIAS=True, TMA=cfg.tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=mm.BLOCK_K,
+                  GROUP_M=cfg.group_m, NUM_SMS=132)
+    sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}", "out_ptr": f"*{out}",
+           **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")}}
+    if cfg.tma:
+        sig["x_desc"] = f"tensordesc<{dtype}[{cfg.block_m}, {mm.BLOCK_K}]>"
+        sig["w_desc"] = f"tensordesc<{dtype}[{cfg.block_n}, {mm.BLOCK_K}]>"
+    else:
+        consts.update(x_desc=None, w_desc=None)
+    sig.update({n: "constexpr" for n in consts})
+    aligned = ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
+    src = ASTSource(mm._matmul_kernel, {n: sig[n] for n in names},
+                    constexprs={(names.index(n),): v for n, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+
+
+def test_every_config_compiles_for_sm90_on_wgmma_within_shared_memory():
+    """What the launcher can pick builds for the H200: within its shared memory; 16-bit inputs on
+    wgmma only (BLOCK_M >= 64: no mma.sync tile whose MMA could sum differently); fp32 inputs on
+    FMA (ieee, no TF32 tensor-core path)."""
+    pytest.importorskip("triton.backends.nvidia")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: the kernel is an interpreted function, not compilable")
+    import dataclasses
+
+    from onepath.ops.cuda import matmul as mm
+
+    cases = [(dataclasses.replace(c, tma=tma), "bf16", out) for c in mm.TILES_16BIT for tma in (False, True)
+             for out in ("bf16", "fp32") if out == "bf16" or c.block_m * c.block_n <= mm.MAX_TILE_FP32_OUT]
+    cases += [(mm.TILES_16BIT[-1], "fp16", "fp16"), (mm.TILE_FP32, "fp32", "fp32")]
+    bad = []
+    for cfg, dtype, out in cases:
+        kernel = _compile_sm90(cfg, dtype, out)
+        ptx, shared = kernel.asm["ptx"], kernel.metadata.shared
+        tensor_core = "wgmma.mma_async" in ptx and "mma.sync" not in ptx
+        no_mma = "wgmma" not in ptx and "mma.sync" not in ptx
+        if shared > SM90_SHARED_BYTES or not (no_mma if dtype == "fp32" else tensor_core):
+            bad.append((cfg, dtype, out, shared, "wgmma" in ptx, "mma.sync" in ptx))
+    assert not bad, f"(config, in, out, shared bytes, wgmma, mma.sync) that break the build contract: {bad}"
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, __file__], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreted matmul checks crashed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_matmul_interpreted(interpreted, check):
+    assert interpreted[check]["ok"], f"{check}: {interpreted[check]['detail']}"
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    print(json.dumps(_run_checks()))

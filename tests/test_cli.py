@@ -1,0 +1,34 @@
+import json
+
+from onepath.cli import main
+
+TINY = ["--warm_start.steps", "10", "--train.steps", "2", "--train.prompts_per_step", "4", "--rollout.n", "2",
+        "--data.n_train", "40", "--data.n_test", "4", "--quiet"]
+
+
+def test_train_both_modes_writes_the_run_directory(tmp_path, capsys):
+    assert main(["train", "--mode", "both", "--out", str(tmp_path), *TINY]) == 0
+    printed = capsys.readouterr().out
+    assert "every diff metric exactly 0 on every step" in printed
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["consistent"]["steps_with_diff_exactly_0"] == 2
+    for mode in ("consistent", "baseline"):
+        run = tmp_path / mode
+        assert (run / "config.yaml").exists() and (run / "tb").is_dir()
+        spec = json.loads((run / "spec.json").read_text())
+        assert spec["spec"]["mode"] == mode and len(spec["hash"]) == 16
+        assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert main(["generate", str(tmp_path / "consistent" / "step_2"), "12+3=", "--max-tokens", "4",
+                 "--max-model-len", "64"]) == 0
+    assert "'12+3=' ->" in capsys.readouterr().out
+
+
+def test_bad_override_is_a_clear_error(tmp_path, capsys):
+    assert main(["train", "--out", str(tmp_path), "--train.lrr", "1e-3"]) == 2
+    err = capsys.readouterr().err
+    assert "train.lrr" in err and "valid keys" in err
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "nowhere"), "1+1="]) == 2
+    assert "nowhere" in capsys.readouterr().err
