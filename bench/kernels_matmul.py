@@ -47,9 +47,14 @@ def _baseline(out_dtype):
     return "F.linear", lambda x, w: F.linear(x, w)
 
 
+GRAPH = False  # --graph: time CUDA-graph replays (no Python launch cost; L2 not flushed)
+
+
 def _time_us(fn, rep_ms):
     import triton.testing
 
+    if GRAPH:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
     return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3
 
 
@@ -118,7 +123,8 @@ def run(args) -> dict:
         date=datetime.datetime.now().isoformat(timespec="seconds"),
         gpu=torch.cuda.get_device_name(0), sms=sms, torch=torch.__version__, triton=triton.__version__,
         cuda=torch.version.cuda, python=platform.python_version(),
-        command="python " + " ".join(sys.argv), timing="triton.testing.do_bench median, L2 flushed",
+        command="python " + " ".join(sys.argv),
+        timing="do_bench_cudagraph median (graph replay, L2 not flushed)" if GRAPH else "triton.testing.do_bench median, L2 flushed",
         ceilings=CEILINGS, rows=rows, sweep=sweep,
     )
 
@@ -129,10 +135,13 @@ def main():
     p.add_argument("--sweep", action="store_true", help="also time every candidate tile config")
     p.add_argument("--ms", type=int, nargs="+", default=MS)
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per measurement")
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays: the kernel without launch cost")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("kernels_matmul: no CUDA device here; nothing timed (run it on the GPU machine)")
         return
+    global GRAPH
+    GRAPH = args.graph
     result = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

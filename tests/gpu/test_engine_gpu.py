@@ -64,7 +64,7 @@ def chunking(mode):
     prompts = random_prompts(gen, 6, low=100, high=200)
     ids = list(range(6))
     ref = engine(m).generate(prompts, PARAMS[0], request_ids=ids)
-    outs = [engine(m, prefill_chunk_size=c).generate(prompts, PARAMS[0], request_ids=ids) for c in (1, 7, 64)]
+    outs = [engine(m, prefill_chunk_size=c).generate(prompts, PARAMS[0], request_ids=ids) for c in (1, 7, 64, 1000)]
     small = engine(m, num_blocks=40)
     outs.append(small.generate(prompts, PARAMS[0], request_ids=ids))
     assert small.scheduler.num_preemptions > 0
@@ -108,3 +108,19 @@ def test_trainer_equals_engine_before_and_after_update_on_gpu():
 def test_negative_control_trainer_baseline_on_gpu():
     diffs = trainer_diffs("baseline")
     assert any(d["rollout_corr/tokens_differing_frac"] > 0 for d in diffs)
+
+
+def test_topk_ties_and_sampling_on_gpu():
+    from onepath.numerics.spec import ExecutionSpec
+    from onepath.ops import Ops
+    ops = Ops(ExecutionSpec.default("consistent", "cuda"))
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, -0.0, 0.0]], device="cuda").repeat(5, 1)
+    values, idx = ops.topk(x, 3)
+    assert idx.tolist() == [[4, 2, 1]] * 5 and values.tolist() == [[3.0, 3.0, 3.0]] * 5
+    probs = torch.softmax(torch.randn(64, 1000, device="cuda", generator=torch.Generator("cuda").manual_seed(0)), -1)
+    keys = list(range(1000, 1064))
+    alone = torch.cat([ops.sample(probs[i:i + 1], keys[i:i + 1]) for i in range(64)])
+    assert torch.equal(alone, ops.sample(probs, keys))
+    cpu = Ops(ExecutionSpec.default("consistent", "cpu")).sample(probs.cpu().double().float(), keys)
+    # the keyed noise is integer arithmetic: the same draws on both devices for the same probabilities
+    assert (cpu == alone.cpu()).float().mean() > 0.95
