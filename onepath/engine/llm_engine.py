@@ -36,19 +36,20 @@ class EngineStats:
     prefill_tokens: int = 0
     seconds: float = 0.0
     preemptions: int = 0
+    cached_tokens: int = 0  # tokens whose K/V came from the prefix cache instead of a forward pass
     extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:
     def __init__(self, model: DenseDecoder, *, num_blocks: int = 1024, block_size: int = 16,
                  scheduler: SchedulerConfig | None = None, eos_token_ids: tuple[int, ...] | None = None,
-                 tokenizer=None):
+                 tokenizer=None, enable_prefix_caching: bool = True):
         self.model, self.tokenizer = model, tokenizer
         self.scheduler_config = scheduler or SchedulerConfig()
         if self.scheduler_config.max_model_len > model.rope_cos.shape[0]:
             raise ValueError(f"max_model_len {self.scheduler_config.max_model_len} > the model's "
                              f"{model.rope_cos.shape[0]} RoPE positions: lower max_model_len")
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.eos_token_ids = model.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
@@ -101,12 +102,13 @@ class LLMEngine:
                 ids = prompt if isinstance(prompt, list) else []
                 outputs[rid] = RequestOutput(rid, list(ids), [], [], "error", str(e))
         start = time.perf_counter()
-        preemptions = self.scheduler.num_preemptions
+        preemptions, cached = self.scheduler.num_preemptions, self.block_manager.num_cached_tokens_hit
         while not self.scheduler.is_finished():
             for seq in self.step():
                 outputs[seq.request_id] = self.output(seq)
         self.stats.seconds += time.perf_counter() - start
         self.stats.preemptions += self.scheduler.num_preemptions - preemptions
+        self.stats.cached_tokens += self.block_manager.num_cached_tokens_hit - cached
         return [outputs[rid] for rid in request_ids]
 
     def output(self, seq: Sequence) -> RequestOutput:
@@ -117,7 +119,9 @@ class LLMEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors) -> None:
         """Copy new weights into the engine's own parameter storage (in place: nothing that holds a
-        reference to the old tensors, a captured graph included, goes stale)."""
+        reference to the old tensors, a captured graph included, goes stale). The prefix cache is
+        dropped first: its K/V were computed with the old weights."""
+        self.block_manager.reset_prefix_cache()
         params = dict(self.model.named_parameters())
         for name, tensor in dict(named_tensors).items():
             if name not in params:

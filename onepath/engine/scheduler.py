@@ -101,24 +101,26 @@ class Scheduler:
             return scheduled
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_tokens = self.chunk(seq, budget)
-            if not self.block_manager.can_allocate(seq, num_tokens):
+            # fresh or preempted: K/V of a prefix may already be in the cache, computed by another request
+            cached = self.block_manager.cached_prefix(seq)
+            num_tokens = self.chunk(seq, budget, len(cached) * self.block_manager.block_size)
+            if not self.block_manager.can_allocate(seq, num_tokens, cached):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            scheduled.append(self.take(seq, num_tokens))
+            scheduled.append(self.take(seq, num_tokens, cached))
             budget -= num_tokens
         return scheduled
 
-    def chunk(self, seq: Sequence, budget: int) -> int:
-        num_tokens = min(seq.num_uncomputed_tokens, budget)
+    def chunk(self, seq: Sequence, budget: int, num_cached_tokens: int = 0) -> int:
+        num_tokens = min(seq.num_uncomputed_tokens - num_cached_tokens, budget)
         if self.config.prefill_chunk_size is not None:
             num_tokens = min(num_tokens, self.config.prefill_chunk_size)
         return num_tokens
 
-    def take(self, seq: Sequence, num_tokens: int) -> ScheduledSeq:
-        self.block_manager.allocate(seq, num_tokens)
+    def take(self, seq: Sequence, num_tokens: int, cached: tuple[int, ...] = ()) -> ScheduledSeq:
+        self.block_manager.allocate(seq, num_tokens, cached)
         return ScheduledSeq(seq, num_tokens)
 
     def preempt(self, seq: Sequence) -> None:
@@ -136,6 +138,7 @@ class Scheduler:
             if seq.is_finished:  # aborted between schedule and postprocess
                 continue
             seq.num_computed_tokens += s.num_tokens
+            self.block_manager.cache_full_blocks(seq, s.start)  # their K/V are written now
             if not s.samples:
                 continue
             if seq.request_id not in sampled:

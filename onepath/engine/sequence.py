@@ -25,6 +25,7 @@ class Sequence:
         self.params = params
         self.eos_token_ids = tuple(eos_token_ids)
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of the full blocks of token_ids, filled lazily
         self.status = SequenceStatus.WAITING
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None

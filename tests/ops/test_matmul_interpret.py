@@ -161,7 +161,7 @@ def _compile_sm90(cfg, dtype: str, out: str):
     from onepath.ops.cuda import matmul as mm
 
     names = mm._matmul_kernel.arg_names
-    consts = dict(HAS_BIAS=True, TMA=cfg.tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=mm.BLOCK_K,
+    consts = dict(HAS_BIAS=True, TMA=cfg.tma, EVEN_M=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=mm.BLOCK_K,
                   GROUP_M=cfg.group_m, NUM_SMS=132)
     sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}", "out_ptr": f"*{out}",
            **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")}}

@@ -97,7 +97,7 @@ def _matmul_kernel(
     x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr, TMA: tl.constexpr, EVEN_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):
@@ -112,8 +112,12 @@ def _matmul_kernel(
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # Rows/columns past the edge read row/column 0: unmasked loads, results never stored.
+        # Rows past M are masked (no memory request): reading row 0 in their place made every
+        # program hammer one L2 line at decode (M=1 ran 4x slower than M=64). Columns past N read
+        # column 0; their results are never stored.
         rows = tl.where(offs_m < M, offs_m, 0)
+        # EVEN_M (every tile full) drops the row mask: a row's values, so its bits, are the same either way.
+        row_ok = (offs_m < M) | EVEN_M
         cols = tl.where(offs_n < N, offs_n, 0)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -125,7 +129,7 @@ def _matmul_kernel(
             else:
                 k_left = K - ki * BLOCK_K
                 a = tl.load(x_ptr + rows[:, None] * stride_xm + (ki * BLOCK_K + offs_k)[None, :],
-                            mask=offs_k[None, :] < k_left, other=0.0)
+                            mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
                 b = tl.load(w_ptr + cols[None, :] * stride_wn + (ki * BLOCK_K + offs_k)[:, None],
                             mask=offs_k[:, None] < k_left, other=0.0)
             # ieee: fp32 inputs stay fp32 (the default would be TF32); 16-bit inputs ignore it.
@@ -189,7 +193,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x2, weight, x_desc, w_desc, bias.contiguous() if bias is not None else None, out,
         m, n, k,
         x2.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, TMA=tma,
+        HAS_BIAS=bias is not None, TMA=tma, EVEN_M=m % config.block_m == 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK_K,
         GROUP_M=config.group_m, NUM_SMS=num_sms,
         num_warps=config.num_warps, num_stages=config.num_stages,
