@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
+	rm -rf runs/demo
 	$(BIN)/onepath train --config onepath/configs/demo.yaml --mode both --out runs/demo
 
 test: $(STAMP)

@@ -1,4 +1,4 @@
-"""onepath command line: `onepath train`, `onepath generate`."""
+"""onepath command line: `onepath train`, `onepath generate`, `onepath report`."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,9 @@ def train(argv: list[str]) -> int:
     parser.add_argument("--config", default=None, help="YAML run config (default: the embedded demo)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or per-step table")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (tiny models run fastest on one)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest complete step_N checkpoint in the run directory "
+                             "(a run directory without one starts at step 1)")
     args, overrides = parser.parse_known_args(argv)
     import torch
     torch.set_num_threads(args.threads)
@@ -29,9 +32,26 @@ def train(argv: list[str]) -> int:
     histories = {}
     for mode in modes:
         run_dir = out / mode if len(modes) > 1 else out
-        histories[mode] = GRPOTrainer(cfg, mode, setup, run_dir).run(progress=not args.quiet)
+        histories[mode] = GRPOTrainer(cfg, mode, setup, run_dir, resume=args.resume).run(progress=not args.quiet)
     ok = summarise(histories, out, time.perf_counter() - start)
+    from onepath.train.report import draw_report
+    print(f"report: {draw_report([out], out)}")
     return 0 if ok else 1
+
+
+def report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="onepath report", description="draw report.png from run directories")
+    parser.add_argument("runs", nargs="+", help="run directories (or a parent holding consistent/ and baseline/)")
+    parser.add_argument("--out", default=None, help="directory or .png path (default: the first run directory)")
+    args = parser.parse_args(argv)
+    from onepath.train.report import draw_report, report_summary
+    runs = [Path(p) for p in args.runs]
+    path = draw_report(runs, Path(args.out) if args.out else runs[0])
+    for label, s in report_summary(runs).items():
+        print(f"{label}: {s['steps']} steps, diff = 0 on {s['steps_with_diff_exactly_0']}, "
+              f"max |dp| {s['max_probs_diff']:.3g}, reward {s['reward_first5']:.3f} -> {s['reward_last5']:.3f}")
+    print(f"wrote {path}")
+    return 0
 
 
 def generate(argv: list[str]) -> int:
@@ -69,7 +89,7 @@ def generate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "generate": generate}
+COMMANDS = {"train": train, "generate": generate, "report": report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -166,10 +166,14 @@ class TrainSection(_Section):
     overlong_penalty_factor: float = 1.0
     seed: int = 0
     log_every: int = 1
+    save_every: int = 0           # checkpoint run_dir/step_N (weights + trainer state) every N steps; 0 = last only
+    keep_last: int = 2            # step_N checkpoints kept; older ones are deleted
 
     def __post_init__(self):
         self._coerce()
         self._require("steps", self.steps >= 0, "must be >= 0")
+        self._require("save_every", self.save_every >= 0, "must be >= 0", "0 saves the final step only")
+        self._require("keep_last", self.keep_last >= 1, "must be >= 1", "a run keeps at least its latest checkpoint")
         self._require("lr_warmup_steps", self.lr_warmup_steps >= 0, "must be >= 0", "0 turns warm-up off")
         self._positive("prompts_per_step", "log_every")
         self._finite_positive("lr", "clip_ratio", "max_grad_norm")

@@ -25,6 +25,7 @@ from onepath.models.dense import DenseDecoder
 from onepath.numerics.spec import ExecutionSpec, check_same_spec
 from onepath.ops import Ops
 from onepath.tasks import arithmetic
+from onepath.train import checkpoint
 from onepath.train.actor import Actor, Responses
 from onepath.train.data import PromptSampler, load_rows, prompt_text, reward_kwargs
 from onepath.train.grpo import group_advantages, policy_loss
@@ -117,12 +118,26 @@ def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: RunConfig, mode: str, setup: Setup, run_dir: Path):
+    """`resume`: continue from the latest complete run_dir/step_N (weights into policy and engine,
+    optimizer, LR schedule, RNG, sampler cursor, step); with none there, start at step 1."""
+
+    def __init__(self, cfg: RunConfig, mode: str, setup: Setup, run_dir: Path, resume: bool = False):
         self.cfg, self.setup, self.run_dir = cfg, setup, run_dir
         self.spec = ExecutionSpec.default(mode, cfg.device)
+        found = checkpoint.latest(run_dir)
+        if found is not None and not resume:
+            raise ValueError(f"{run_dir} holds checkpoints of an earlier run ({found.name} the latest): pass --resume "
+                             "to continue it, or remove them or choose another --out to start afresh")
+        self.start, saved, init_state = 0, None, setup.init_state
+        if found is not None:
+            saved = checkpoint.load(found)
+            checkpoint.check_compatible(found, saved[0], self.spec, setup.model_config.to_dict(), cfg)
+            self.start, init_state = saved[0]["step"], load_state_dict(found)
+        elif resume:
+            tqdm.write(f"[{mode}] --resume: no complete step_N checkpoint in {run_dir}, starting at step 1")
         max_len = cfg.rollout.max_model_len
-        self.policy = build_model(setup.model_config, self.spec, max_len, setup.init_state)
-        engine_model = build_model(setup.model_config, self.spec, max_len, setup.init_state)
+        self.policy = build_model(setup.model_config, self.spec, max_len, init_state)
+        engine_model = build_model(setup.model_config, self.spec, max_len, init_state)
         check_same_spec(engine_model.ops.spec, self.policy.ops.spec)
         r = cfg.rollout
         self.engine = LLMEngine(engine_model, num_blocks=r.num_blocks, block_size=r.block_size,
@@ -133,6 +148,29 @@ class GRPOTrainer:
         self.actor = Actor(self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm, t.lr_warmup_steps)
         self.sampler = PromptSampler(setup.train_rows, seed=t.seed)
         self.timer = Timer()
+        if saved is not None:
+            self.restore(*saved)
+            tqdm.write(f"[{mode}] resumed from {found} (step {self.start} of {t.steps})")
+
+    def state(self, step: int) -> tuple[dict, dict]:
+        """Everything besides the weights that the next step depends on: (JSON part, tensor part).
+        The engine needs none: sampling seeds and request ids are functions of the step."""
+        state = {"step": step, "spec_hash": self.spec.hash(), "spec": self.spec.to_dict(),
+                 "config_hash": checkpoint.config_hash(self.cfg), "config": self.cfg.to_dict(),
+                 "model_config": self.setup.model_config.to_dict(), "sampler": self.sampler.state_dict()}
+        tensors = {"optimizer": self.actor.optimizer.state_dict(), "schedule": self.actor.schedule.state_dict(),
+                   "rng": checkpoint.rng_state(self.cfg.device)}
+        return state, tensors
+
+    def restore(self, state: dict, tensors: dict):
+        self.actor.optimizer.load_state_dict(tensors["optimizer"])
+        self.actor.schedule.load_state_dict(tensors["schedule"])
+        self.sampler.load_state_dict(state["sampler"])
+        checkpoint.set_rng_state(tensors["rng"])
+
+    def save(self, step: int) -> Path:
+        return checkpoint.save(self.run_dir, step, self.policy.hf_state_dict(), self.setup, *self.state(step),
+                               keep_last=self.cfg.train.keep_last)
 
     def params(self, step: int) -> SamplingParams:
         r = self.cfg.rollout
@@ -200,12 +238,16 @@ class GRPOTrainer:
         dump_yaml(self.cfg, self.run_dir / "config.yaml")
         (self.run_dir / "spec.json").write_text(json.dumps({"hash": self.spec.hash(), "spec": self.spec.to_dict()}, indent=2))
         tqdm.write(f"[{self.spec.mode}] ExecutionSpec {self.spec.hash()} (engine and trainer)")
-        history = []
+        checkpoint.remove_leftovers(self.run_dir)
+        kept = checkpoint.rewind_metrics(self.run_dir, self.start)
+        history = [{k: v for k, v in r.items() if k != "step"} for r in kept]
+        t = self.cfg.train
         with MetricsLogger(self.run_dir, console=progress) as logger:
-            for step in tqdm(range(1, self.cfg.train.steps + 1), desc=self.spec.mode, disable=not progress, leave=False):
+            for step in tqdm(range(self.start + 1, t.steps + 1), desc=self.spec.mode, disable=not progress, leave=False,
+                             initial=self.start, total=t.steps):
                 metrics = self.step(step)
                 logger.log(step, metrics)
                 history.append(metrics)
-        save_checkpoint(self.run_dir / f"step_{self.cfg.train.steps}", self.policy.hf_state_dict(),
-                        self.setup.model_config, self.setup.tokenizer, self.setup.tokenizer_config)
+                if step == t.steps or (t.save_every and step % t.save_every == 0):
+                    self.save(step)
         return history

@@ -1,0 +1,168 @@
+"""Training checkpoints: `run_dir/step_N/` holds the policy in Hugging Face layout plus the trainer state.
+
+    step_N/config.json, model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json
+    step_N/trainer_state.json   step, sampler cursor, ExecutionSpec hash, config hash, config, model config
+    step_N/trainer_state.pt     AdamW state, LR schedule, RNG states (torch CPU, Python random, CUDA)
+
+The whole directory is written under a temporary name and renamed into place, so a run killed at
+any moment leaves only complete step_N directories; a leftover `.step_N.tmp-*` is never read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from onepath.config import RunConfig
+from onepath.models.checkpoint import _move_into_place, save_checkpoint
+
+STATE_JSON = "trainer_state.json"
+STATE_PT = "trainer_state.pt"
+STEP_DIR = re.compile(r"step_(\d+)")
+LEFTOVER = re.compile(r"\.+(step_\d+|metrics\.jsonl)\..*(tmp|old)-")
+# Settings a resumed run may change: how far to go, what to keep, where the run lives, and the
+# engine's capacity knobs, which move no bit in consistent mode (batch invariance is the contract).
+MAY_CHANGE = frozenset({
+    "out", "mode", "train.steps", "train.save_every", "train.keep_last", "train.log_every",
+    "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.num_blocks", "rollout.prefill_chunk_size"})
+
+
+def complete_steps(run_dir: Path) -> list[int]:
+    """The steps of the complete checkpoints in run_dir, ascending."""
+    if not run_dir.is_dir():
+        return []
+    steps = []
+    for path in run_dir.iterdir():
+        match = STEP_DIR.fullmatch(path.name)
+        if match and path.is_dir() and (path / STATE_JSON).is_file() and (path / STATE_PT).is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest(run_dir: Path) -> Path | None:
+    steps = complete_steps(run_dir)
+    return run_dir / f"step_{steps[-1]}" if steps else None
+
+
+def save(run_dir: Path, step: int, weights: dict, setup, state: dict, tensors: dict, keep_last: int) -> Path:
+    """Write step_N atomically (temporary directory, then rename), then delete all but the last keep_last."""
+    tmp = run_dir / f".step_{step}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        save_checkpoint(tmp, weights, setup.model_config, setup.tokenizer, setup.tokenizer_config)
+        torch.save(tensors, tmp / STATE_PT)
+        (tmp / STATE_JSON).write_text(json.dumps(state, indent=2) + "\n")
+        path = run_dir / f"step_{step}"
+        _move_into_place(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in complete_steps(run_dir)[:-keep_last]:
+        _remove(run_dir / f"step_{old}")
+    return path
+
+
+def load(path: Path) -> tuple[dict, dict]:
+    """(trainer_state.json, trainer_state.pt) of a checkpoint."""
+    state = json.loads((path / STATE_JSON).read_text())
+    tensors = torch.load(path / STATE_PT, map_location="cpu", weights_only=True)
+    return state, tensors
+
+
+def remove_leftovers(run_dir: Path) -> None:
+    """Delete what a killed write or delete left behind (never a complete step_N)."""
+    if run_dir.is_dir():
+        for path in run_dir.iterdir():
+            if LEFTOVER.match(path.name):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    # renamed first: a delete killed half-way must not leave a step_N that looks complete
+    aside = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+    os.replace(path, aside)
+    shutil.rmtree(aside)
+
+
+def rng_state(device: str) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def trajectory_config(cfg: RunConfig | dict) -> dict:
+    """The settings that decide a run's trajectory, flat (`train.lr`): all but MAY_CHANGE."""
+    raw = cfg.to_dict() if isinstance(cfg, RunConfig) else cfg
+    flat = {}
+    for key, value in raw.items():
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        for name, v in items:
+            flat[key if name is None else f"{key}.{name}"] = v
+    return {k: v for k, v in flat.items() if k not in MAY_CHANGE}
+
+
+def config_hash(cfg: RunConfig | dict) -> str:
+    return hashlib.sha256(json.dumps(trajectory_config(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_compatible(path: Path, state: dict, spec, model_config: dict, cfg: RunConfig) -> None:
+    """Raise ValueError naming what differs when the checkpoint cannot continue under this config."""
+    again = "resume with the settings the run started with (its config.yaml), or start a new run in another --out"
+    if state["spec_hash"] != spec.hash():
+        raise ValueError(f"{path} was written under ExecutionSpec {state['spec_hash']} "
+                         f"({state['spec']['mode']}, {state['spec']['device']}), this run's is {spec.hash()} "
+                         f"({spec.mode}, {spec.device}): the numeric contract changed; {again}")
+    changed = _changes(state["model_config"], model_config)
+    if changed:
+        raise ValueError(f"{path} holds a different model than this config builds ({changed}); {again}")
+    if state["config_hash"] != config_hash(cfg):
+        changed = _changes(trajectory_config(state["config"]), trajectory_config(cfg))
+        raise ValueError(f"{path} was written with other settings ({changed}); {again}")
+    if state["step"] > cfg.train.steps:
+        raise ValueError(f"{path} is past train.steps = {cfg.train.steps}: raise --train.steps to at least "
+                         f"{state['step']}")
+
+
+def _changes(old: dict, new: dict) -> str:
+    keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
+    shown = ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys[:4])
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > 4 else "")
+
+
+def rewind_metrics(run_dir: Path, step: int) -> list[dict]:
+    """Cut metrics.jsonl to steps <= step (a killed run logged steps its checkpoint lost, perhaps a
+    partial last line) and return those records: the file then holds each step of the run once."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                break  # the line a kill cut short
+            raise ValueError(f"{path}:{number}: not a JSON line ({e.msg}): fix or delete the line") from None
+        if record.get("step", 0) <= step:
+            records.append(record)
+    tmp = path.with_name(f".metrics.jsonl.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+    return records
