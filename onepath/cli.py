@@ -1,4 +1,4 @@
-"""onepath command line: `onepath train`, `onepath generate`, `onepath report`."""
+"""onepath command line: `onepath train | generate | report | bisect | diagnose`."""
 from __future__ import annotations
 
 import argparse
@@ -89,7 +89,17 @@ def generate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": train, "generate": generate, "report": report}
+def bisect(argv: list[str]) -> int:
+    from onepath.consistency.bisect import main as bisect_main
+    return bisect_main(argv)
+
+
+def diagnose(argv: list[str]) -> int:
+    from onepath.consistency.diagnose import main as diagnose_main
+    return diagnose_main(argv)
+
+
+COMMANDS = {"train": train, "generate": generate, "report": report, "bisect": bisect, "diagnose": diagnose}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,8 @@ from onepath.models.config import SUPPORTED_MODEL_TYPES
 
 MODES = ("consistent", "baseline", "both")
 EMBEDDED_TASKS = ("arithmetic",)
+OLD_LOGPROB = ("verify", "every_n", "skip")
+CORRECTION_LEVELS = ("token", "sequence")
 
 
 class _Section:
@@ -161,10 +163,18 @@ class TrainSection(_Section):
     clip_ratio: float = 0.2
     max_grad_norm: float = 1.0
     norm_adv_by_std: bool = True
+    old_logprob: str = "verify"   # verify: recompute and diff every step | every_n | skip: old = rollout log-probs
+    old_logprob_every: int = 10   # every_n: verify steps 1, 1 + N, 1 + 2N, ...
+    rollout_is: str | None = None         # TIS: null | token | sequence
+    rollout_is_threshold: float = 2.0     # TIS weight min(pi_old / pi_rollout, threshold)
+    rollout_rs: str | None = None         # MIS: null | token | sequence
+    rollout_rs_threshold: float = 2.0     # MIS masks ratios outside [1 / threshold, threshold]
     reward: str = "exact_answer"  # a name in onepath.train.rewards.REWARDS, or "file.py:function"
     overlong_buffer: int = 0      # DAPO soft overlong penalty over the last N tokens of rollout.max_tokens; 0 = off
     overlong_penalty_factor: float = 1.0
     seed: int = 0
+    val_every: int = 5            # score the held-out split every N steps and at the last; 0 = off
+    val_temperature: float | None = None  # null = rollout.temperature
     log_every: int = 1
     save_every: int = 0           # checkpoint run_dir/step_N (weights + trainer state) every N steps; 0 = last only
     keep_last: int = 2            # step_N checkpoints kept; older ones are deleted
@@ -183,6 +193,23 @@ class TrainSection(_Section):
         self._require("overlong_buffer", self.overlong_buffer >= 0, "must be >= 0", "0 turns the penalty off")
         self._require("reward", self.reward != "", "is empty",
                       "give a reward name such as exact_answer, or path/to/file.py:function")
+        self._require("old_logprob", self.old_logprob in OLD_LOGPROB, "is not a policy",
+                      f"use one of {', '.join(OLD_LOGPROB)}")
+        self._positive("old_logprob_every")
+        for key in ("rollout_is", "rollout_rs"):
+            level = getattr(self, key)
+            self._require(key, level is None or level in CORRECTION_LEVELS, "is not a level",
+                          f"use one of {', '.join(CORRECTION_LEVELS)}, or null for off")
+            self._require(key, level is None or self.old_logprob == "verify",
+                          f"needs train.old_logprob = 'verify', not {self.old_logprob!r}",
+                          "the correction weighs pi_old / pi_rollout, which is 1 whenever old log-probs are the "
+                          "rollout's")
+            threshold = f"{key}_threshold"
+            self._require(threshold, math.isfinite(getattr(self, threshold)) and getattr(self, threshold) >= 1,
+                          "must be a finite number >= 1", "the on-policy ratio 1 must pass untouched")
+        self._require("val_every", self.val_every >= 0, "must be >= 0", "0 turns evaluation off")
+        if self.val_temperature is not None:
+            self._finite_positive("val_temperature")
 
 
 SECTIONS: dict[str, type[_Section]] = {

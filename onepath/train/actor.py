@@ -74,11 +74,19 @@ class Actor:
         batch, num_blocks, rows = ForwardBatch.for_completions(prompts, completions, self.block_size, device)
         cache = KVCache(self.model.config, num_blocks, self.block_size, self.ops.spec.dtype, device)
         hidden = self.model(batch, cache)
-        tokens = torch.tensor([t for c in completions for t in c], dtype=torch.long, device=device)
-        owners = [i for i, c in enumerate(completions) for _ in c]
-        temperature = torch.tensor([params[i].temperature for i in owners], dtype=torch.float32, device=device)
-        top_k = torch.tensor([params[i].top_k for i in owners], dtype=torch.long, device=device)
-        top_p = torch.tensor([params[i].top_p for i in owners], dtype=torch.float32, device=device)
+        tokens = [t for c in completions for t in c]
+        row_params = [params[i] for i, c in enumerate(completions) for _ in c]
+        return self.head(hidden, rows, tokens, row_params, head_rows)
+
+    def head(self, hidden, rows: list[int], tokens: list[int], row_params: list[SamplingParams],
+             head_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob and entropy of tokens[i] from hidden[rows[i]] under row_params[i]'s sampling
+        distribution, the LM head run in chunks of head_rows rows."""
+        device = hidden.device
+        tokens = torch.tensor(tokens, dtype=torch.long, device=device)
+        temperature = torch.tensor([p.temperature for p in row_params], dtype=torch.float32, device=device)
+        top_k = torch.tensor([p.top_k for p in row_params], dtype=torch.long, device=device)
+        top_p = torch.tensor([p.top_p for p in row_params], dtype=torch.float32, device=device)
         lps, entropies = [], []
         for a in range(0, len(rows), head_rows):
             b = min(a + head_rows, len(rows))

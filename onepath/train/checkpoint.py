@@ -31,6 +31,7 @@ LEFTOVER = re.compile(r"\.+(step_\d+|metrics\.jsonl)\..*(tmp|old)-")
 # engine's capacity knobs, which move no bit in consistent mode (batch invariance is the contract).
 MAY_CHANGE = frozenset({
     "out", "mode", "train.steps", "train.save_every", "train.keep_last", "train.log_every",
+    "train.val_every", "train.val_temperature", "data.val_path",
     "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.num_blocks", "rollout.prefill_chunk_size"})
 
 
@@ -129,8 +130,10 @@ def check_compatible(path: Path, state: dict, spec, model_config: dict, cfg: Run
     changed = _changes(state["model_config"], model_config)
     if changed:
         raise ValueError(f"{path} holds a different model than this config builds ({changed}); {again}")
-    if state["config_hash"] != config_hash(cfg):
-        changed = _changes(trajectory_config(state["config"]), trajectory_config(cfg))
+    # the saved config read through today's RunConfig: keys added since it was written take their defaults
+    saved = RunConfig.from_dict(state["config"])
+    if config_hash(saved) != config_hash(cfg):
+        changed = _changes(trajectory_config(saved), trajectory_config(cfg))
         raise ValueError(f"{path} was written with other settings ({changed}); {again}")
     if state["step"] > cfg.train.steps:
         raise ValueError(f"{path} is past train.steps = {cfg.train.steps}: raise --train.steps to at least "

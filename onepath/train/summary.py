@@ -9,17 +9,22 @@ DIFF_KEYS = ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mea
 
 
 def mode_summary(history: list[dict]) -> dict:
+    """Diff figures are over the steps that measured them (train.old_logprob every_n / skip measure fewer)."""
     rewards = [m["critic/score/mean"] for m in history]
-    exact = [all(m[k] == 0.0 for k in DIFF_KEYS) for m in history]
+    verified = [m for m in history if all(k in m for k in DIFF_KEYS)]
+    exact = [all(m[k] == 0.0 for k in DIFF_KEYS) for m in verified]
+    scores = [m["val/score"] for m in history if "val/score" in m]
     head, tail = rewards[:5], rewards[-5:]
     return {
         "steps": len(history),
+        "steps_verified": len(verified),
         "steps_with_diff_exactly_0": sum(exact),
-        "max_probs_diff": max((m["training/rollout_probs_diff_max"] for m in history), default=0.0),
-        "max_k3_kl": max((m["rollout_corr/k3_kl"] for m in history), default=0.0),
+        "max_probs_diff": max((m["training/rollout_probs_diff_max"] for m in verified), default=0.0),
+        "max_k3_kl": max((m["rollout_corr/k3_kl"] for m in verified), default=0.0),
         "reward_first5": sum(head) / max(len(head), 1),
         "reward_last5": sum(tail) / max(len(tail), 1),
         "rollout_tokens_per_s": sum(m["perf/rollout_tokens_per_s"] for m in history) / max(len(history), 1),
+        "val_score_last": scores[-1] if scores else None,
     }
 
 
@@ -38,8 +43,12 @@ def summarise(histories: dict[str, list[dict]], out: Path, seconds: float) -> bo
               f"{s['max_k3_kl']:>10.3g} {s['reward_first5']:>10.3f} {s['reward_last5']:>7.3f} "
               f"{s['rollout_tokens_per_s']:>8.0f}")
     consistent = summary.get("consistent")
-    ok = consistent is None or consistent["steps_with_diff_exactly_0"] == consistent["steps"]
+    ok = consistent is None or consistent["steps_with_diff_exactly_0"] == consistent["steps_verified"]
     if consistent is not None:
         verdict = "every diff metric exactly 0 on every step" if ok else "DIFF != 0: the contract is broken"
+        if not consistent["steps_verified"]:
+            verdict = "diff not measured (train.old_logprob skip)"
+        elif ok and consistent["steps_verified"] < consistent["steps"]:
+            verdict = f"every diff metric exactly 0 on the {consistent['steps_verified']} verified steps (train.old_logprob)"
         print(f"consistent: {verdict}")
     return ok

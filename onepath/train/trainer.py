@@ -2,12 +2,22 @@
 
 One update per step (step batch = mini-batch), so the trainer's weights are the weights that
 sampled, and in consistent mode every diff metric is exactly 0 before every update.
+
+Old log-probs (train.old_logprob): the update's own forward runs with grad on every step; on a
+verified step its detached values are the old log-probs and are diffed against the rollout's (no
+second forward), on other steps the rollout's log-probs are the old ones. In consistent mode the two
+are the same bits, so every policy trains the same weights.
+
+Evaluation (train.val_every) samples the held-out rows on the same engine after the weight sync,
+with request ids below 0 (training's are >= 1_000_000), so no sampling key (seed, request id,
+position) is shared; it reads no training row and leaves the engine as it found it.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +38,7 @@ from onepath.tasks import arithmetic
 from onepath.train import checkpoint
 from onepath.train.actor import Actor, Responses
 from onepath.train.data import PromptSampler, load_rows, prompt_text, reward_kwargs
-from onepath.train.grpo import group_advantages, policy_loss
+from onepath.train.grpo import group_advantages, policy_loss, rollout_correction
 from onepath.train.metrics import MetricsLogger, Timer
 from onepath.train.rewards import get_reward, overlong_penalty
 from onepath.train.warm_start import warm_start
@@ -65,7 +75,7 @@ def prepare(cfg: RunConfig, out: Path, progress: bool = True) -> Setup:
     else:
         train_path, test_path = arithmetic.write_dataset(out / "data", cfg.data.seed, cfg.data.n_train, cfg.data.n_test,
                                                          max_operand=cfg.data.max_operand)
-        train_rows, test_rows = load_rows(train_path), load_rows(test_path)
+        train_rows, test_rows = load_rows(train_path), (load_rows(test_path) if cfg.data.n_test else [])
     if cfg.model.path:
         tokenizer = load_tokenizer(cfg.model.path)
         tok_config = load_tokenizer_config(cfg.model.path)
@@ -177,50 +187,66 @@ class GRPOTrainer:
         return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens,
                               seed=r.seed * 1_000_003 + step)
 
-    def rollout(self, rows, step):
-        n = self.cfg.rollout.n
+    def generate(self, rows, params: SamplingParams, ids: list[int], n: int, what: str):
         prompts = [self.setup.tokenizer.encode(prompt_text(row)).ids for row in rows for _ in range(n)]
-        ids = [step * 1_000_000 + i for i in range(len(prompts))]
-        start_tokens = self.engine.stats.generated_tokens
-        with self.timer("gen"):
-            outputs = self.engine.generate(prompts, self.params(step), request_ids=ids)
+        outputs = self.engine.generate(prompts, params, request_ids=ids)
         failed = [o for o in outputs if o.error]
         if failed:
-            raise RuntimeError(f"{len(failed)} rollout requests failed, first: {failed[0].error}")
+            raise RuntimeError(f"{len(failed)} {what} requests failed, first: {failed[0].error}")
+        return outputs
+
+    def rollout(self, rows, step):
+        ids = [step * 1_000_000 + i for i in range(len(rows) * self.cfg.rollout.n)]
+        start_tokens = self.engine.stats.generated_tokens
+        with self.timer("gen"):
+            outputs = self.generate(rows, self.params(step), ids, self.cfg.rollout.n, "rollout")
         generated = self.engine.stats.generated_tokens - start_tokens
         return outputs, generated
 
-    def score(self, rows, outputs) -> torch.Tensor:
-        n = self.cfg.rollout.n
+    def score(self, rows, outputs, n: int) -> torch.Tensor:
         rewards = []
-        with self.timer("reward"):
-            for i, o in enumerate(outputs):
-                row = rows[i // n]
-                completion = self.setup.tokenizer.decode(o.token_ids, skip_special_tokens=True)
-                rewards.append(self.setup.reward_fn(prompt_text(row), completion, **reward_kwargs(row),
-                                                    response_length=len(o.token_ids)))
+        for i, o in enumerate(outputs):
+            row = rows[i // n]
+            completion = self.setup.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+            rewards.append(self.setup.reward_fn(prompt_text(row), completion, **reward_kwargs(row),
+                                                response_length=len(o.token_ids)))
         return torch.tensor(rewards, dtype=torch.float32)
 
+    def verifies(self, step: int) -> bool:
+        """Whether this step recomputes the old log-probs and reports their diff to the rollout's."""
+        t = self.cfg.train
+        return t.old_logprob == "verify" or (t.old_logprob == "every_n" and (step - 1) % t.old_logprob_every == 0)
+
     def step(self, step: int) -> dict:
-        rows = self.sampler.next_batch(self.cfg.train.prompts_per_step)
+        t = self.cfg.train
+        rows = self.sampler.next_batch(t.prompts_per_step)
         outputs, generated = self.rollout(rows, step)
-        rewards = self.score(rows, outputs)
+        with self.timer("reward"):
+            rewards = self.score(rows, outputs, self.cfg.rollout.n)
         responses = Responses.build([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
                                     [self.params(step)] * len(outputs), [o.logprobs for o in outputs])
-        advantages = group_advantages(rewards, self.cfg.rollout.n, self.cfg.train.norm_adv_by_std)
-        with self.timer("old_logprob"):
+        advantages = group_advantages(rewards, self.cfg.rollout.n, t.norm_adv_by_std)
+        verify = self.verifies(step)
+        with self.timer("old_logprob" if verify else "update"):
             logprobs, entropy = self.actor.logprobs(responses)
-            old = logprobs.detach()
-            device = old.device
-            mask = responses.mask.to(device)
-            metrics = rollout_diff(responses.rollout_logprobs.to(device), old, mask)
+            device = logprobs.device
+            mask, rollout_logprobs = responses.mask.to(device), responses.rollout_logprobs.to(device)
+            if verify:
+                old = logprobs.detach()
+                metrics = rollout_diff(rollout_logprobs, old, mask)
+            else:
+                old, metrics = rollout_logprobs, {}
         with self.timer("update"):
-            loss, pg = policy_loss(logprobs, old, advantages.to(device), mask, self.cfg.train.clip_ratio)
+            weights, keep, corrections = rollout_correction(old, rollout_logprobs, mask, t.rollout_is,
+                                                            t.rollout_is_threshold, t.rollout_rs,
+                                                            t.rollout_rs_threshold)
+            loss, pg = policy_loss(logprobs, old, advantages.to(device), keep, t.clip_ratio, weights)
             grad_norm = self.actor.update(loss)
         with self.timer("sync"):
             self.engine.update_weights(self.policy.named_parameters())
         lengths = responses.mask.sum(1).float()
         timings = self.timer.metrics()
+        metrics.update(corrections)
         metrics.update(pg)
         metrics.update({
             "critic/score/mean": rewards.mean().item(),
@@ -232,6 +258,25 @@ class GRPOTrainer:
             **timings,
         })
         return metrics
+
+    def validate(self, step: int) -> dict:
+        """val/score: the mean reward of one sample per held-out row, under the weights this step trained."""
+        r, t, rows = self.cfg.rollout, self.cfg.train, self.setup.test_rows
+        start = time.perf_counter()
+        temperature = r.temperature if t.val_temperature is None else t.val_temperature
+        params = SamplingParams(temperature=temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens,
+                                seed=self.params(step).seed)
+        outputs = self.generate(rows, params, [-1 - i for i in range(len(rows))], 1, "evaluation")
+        # the next rollout must find the prefix cache as the weight sync left it: empty
+        self.engine.block_manager.reset_prefix_cache()
+        rewards = self.score(rows, outputs, 1)
+        length = sum(len(o.token_ids) for o in outputs) / len(outputs)
+        return {"val/score": rewards.mean().item(), "val/response_length/mean": length,
+                "timing_s/val": time.perf_counter() - start}
+
+    def validates(self, step: int) -> bool:
+        every = self.cfg.train.val_every
+        return bool(every and self.setup.test_rows) and (step % every == 0 or step == self.cfg.train.steps)
 
     def run(self, progress: bool = True) -> list[dict]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -246,6 +291,8 @@ class GRPOTrainer:
             for step in tqdm(range(self.start + 1, t.steps + 1), desc=self.spec.mode, disable=not progress, leave=False,
                              initial=self.start, total=t.steps):
                 metrics = self.step(step)
+                if self.validates(step):
+                    metrics.update(self.validate(step))
                 logger.log(step, metrics)
                 history.append(metrics)
                 if step == t.steps or (t.save_every and step % t.save_every == 0):

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.interpret import interpreted_results
 
 CHECKS = ["rmsnorm_values", "rmsnorm_rows_alone_equal_rows_in_batch", "rmsnorm_residual", "rmsnorm_misaligned_input",
           "silu_mul_values", "silu_mul_rows_alone_equal_rows_in_batch", "rope_equals_reference",
@@ -206,12 +207,7 @@ def _run_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, __file__], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreted kernel checks crashed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_results(__file__, "kernel")
 
 
 @pytest.mark.parametrize("check", CHECKS)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.interpret import interpreted_results
 
 CHECKS = ["values", "rows_alone_equal_rows_in_batch", "configs_agree", "bias_fp32_out", "one_rounding", "leading_dims"]
 DTYPES = ["bfloat16", "float16", "float32"]
@@ -206,12 +207,7 @@ def test_every_config_compiles_for_sm90_on_wgmma_within_shared_memory():
 
 @pytest.fixture(scope="module")
 def interpreted():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, __file__], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreted matmul checks crashed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_results(__file__, "matmul")
 
 
 @pytest.mark.parametrize("check", CHECKS)

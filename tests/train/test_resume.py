@@ -25,9 +25,6 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 10
 TINY = ["--warm_start.steps", "20", "--train.prompts_per_step", "4", "--rollout.n", "4", "--data.n_train", "64",
         "--data.n_test", "8", "--rollout.top_p", "0.9", "--train.save_every", "1"]
-# A reward with signal from the first step (the task's exact answers are rare this early), so the
-# weights, moments and LR schedule all move on every step.
-DIGITS = "def digits(prompt, completion, **row):\n    return sum(c.isdigit() for c in completion) / 8\n"
 # a run that SIGKILLs itself while writing step_2's trainer state, its weights already in the temporary dir
 KILLED_MID_WRITE = """
 import os, signal, sys, torch
@@ -40,13 +37,6 @@ torch.save = killed_in_step_2
 from onepath.cli import main
 sys.exit(main(sys.argv[1:]))
 """
-
-
-@pytest.fixture(scope="module")
-def reward(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("reward") / "digits.py"
-    path.write_text(DIGITS)
-    return f"{path}:digits"
 
 
 def command(out: Path, reward: str, *extra: str) -> list[str]:
