@@ -1,4 +1,4 @@
-"""onepath command line: `onepath train | generate | report | bisect | diagnose`."""
+"""onepath command line: `onepath train | generate | report | bisect | diagnose | slice`."""
 from __future__ import annotations
 
 import argparse
@@ -99,7 +99,13 @@ def diagnose(argv: list[str]) -> int:
     return diagnose_main(argv)
 
 
-COMMANDS = {"train": train, "generate": generate, "report": report, "bisect": bisect, "diagnose": diagnose}
+def slice_model(argv: list[str]) -> int:
+    from onepath.consistency.slice import main as slice_main
+    return slice_main(argv)
+
+
+COMMANDS = {"train": train, "generate": generate, "report": report, "bisect": bisect, "diagnose": diagnose,
+            "slice": slice_model}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,7 +61,6 @@ def save_checkpoint(path: str | Path, state_dict: dict[str, torch.Tensor], confi
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory: choose another checkpoint path")
     tensors = _tensors_to_save(state_dict, config)
-    shards = _split(tensors, max_shard_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -71,17 +70,7 @@ def save_checkpoint(path: str | Path, state_dict: dict[str, torch.Tensor], confi
         if dtype is not None:
             raw["torch_dtype"] = raw["dtype"] = dtype
         _write_json(tmp / CONFIG, raw)
-        if len(shards) == 1:
-            save_file(shards[0], tmp / WEIGHTS, metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, tmp / name, metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, name))
-            metadata = {"total_parameters": sum(t.numel() for t in tensors.values()),
-                        "total_size": sum(t.nbytes for t in tensors.values())}
-            _write_json(tmp / INDEX, {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))})
+        write_weights(tmp, tensors, max_shard_size)
         generation = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         _write_json(tmp / GENERATION_CONFIG, {k: v for k, v in generation.items() if v is not None})
         if tokenizer is not None:
@@ -92,6 +81,22 @@ def save_checkpoint(path: str | Path, state_dict: dict[str, torch.Tensor], confi
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_weights(path: Path, tensors: dict[str, torch.Tensor], max_shard_size: int | None) -> None:
+    """model.safetensors, or HF-named shards of at most max_shard_size bytes plus their index."""
+    shards = _split(tensors, max_shard_size)
+    if len(shards) == 1:
+        save_file(shards[0], path / WEIGHTS, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    metadata = {"total_parameters": sum(t.numel() for t in tensors.values()),
+                "total_size": sum(t.nbytes for t in tensors.values())}
+    _write_json(path / INDEX, {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))})
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import sys
 import time
 
@@ -185,14 +186,23 @@ def worker(rank: int, world: int, device: str, mode: str, steps: int, prompts_pe
                                                                               prompts_per_step)
         if rank == 0:
             queue.put(results)
+        # nobody leaves while another rank still talks to it (gloo aborts a process whose peer vanished)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run(world: int = 2, device: str = "cpu", mode: str = "consistent", steps: int = 2,
-        prompts_per_step: int = 4, port: int = 29533) -> dict:
+        prompts_per_step: int = 4, port: int | None = None) -> dict:
     """Every pairing of rollout and trainer layouts on `world` processes; returns the per-step reports."""
     os.environ.update(NO_MULTICAST)
+    port = port or free_port()
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.SimpleQueue()
     torch.multiprocessing.start_processes(worker, args=(world, device, mode, steps, prompts_per_step, port, queue),

@@ -4,7 +4,7 @@ from onepath.train.distributed import all_exact, run
 
 
 def test_every_layout_pairing_keeps_diff_exactly_zero():
-    results = run(world=2, device="cpu", mode="consistent", steps=2, prompts_per_step=4, port=29541)
+    results = run(world=2, device="cpu", mode="consistent", steps=2, prompts_per_step=4)
     assert len(results) == 4
     for name, history in results.items():
         trainers = [r for step in history for r in step["ranks"] if r["trains"]]
@@ -13,5 +13,5 @@ def test_every_layout_pairing_keeps_diff_exactly_zero():
 
 
 def test_negative_control_baseline_layouts_differ():
-    results = run(world=2, device="cpu", mode="baseline", steps=1, prompts_per_step=4, port=29542)
+    results = run(world=2, device="cpu", mode="baseline", steps=1, prompts_per_step=4)
     assert not all_exact(results)
