@@ -1,4 +1,4 @@
-"""onepath command line: `onepath train | generate | report | bisect | diagnose | slice`."""
+"""onepath command line: `onepath train | generate | report | check | bisect | diagnose | slice`."""
 from __future__ import annotations
 
 import argparse
@@ -89,6 +89,11 @@ def generate(argv: list[str]) -> int:
     return 0
 
 
+def check(argv: list[str]) -> int:
+    from onepath.consistency.gates import main as check_main
+    return check_main(argv)
+
+
 def bisect(argv: list[str]) -> int:
     from onepath.consistency.bisect import main as bisect_main
     return bisect_main(argv)
@@ -104,8 +109,8 @@ def slice_model(argv: list[str]) -> int:
     return slice_main(argv)
 
 
-COMMANDS = {"train": train, "generate": generate, "report": report, "bisect": bisect, "diagnose": diagnose,
-            "slice": slice_model}
+COMMANDS = {"train": train, "generate": generate, "report": report, "check": check, "bisect": bisect,
+            "diagnose": diagnose, "slice": slice_model}
 
 
 def main(argv: list[str] | None = None) -> int:

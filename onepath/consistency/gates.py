@@ -237,7 +237,9 @@ def locate(ctx: GateContext, a: Side, b: Side, probe: list[int], gate: str) -> t
     report = bisect(a, b, probe, out, ctx.block_size)
     if report.first is None:
         return report, {"found": False, "a": report.a, "b": report.b,
-                        "note": "no op differs in the teacher-forced replay of this case"}
+                        "note": "no op differs when this case is replayed teacher-forced with one prefill length for "
+                                "every sequence; the engine's own schedule mixed phases: see C4, or run `onepath "
+                                "bisect` with other --layout-a/--layout-b"}
     return report, {"found": True, "a": report.a, "b": report.b, **site_summary(report.first),
                     "repro": report.repro, "reproduces": report.reproduces}
 
@@ -574,10 +576,10 @@ def gate_c8(ctx: GateContext) -> GateResult:
     if moved:
         problems.append(f"the sync replaced parameter storage instead of copying in place: {moved[:3]}")
     evidence = {"steps": steps, "sync_in_place": not moved, "moved": moved[:5]}
-    detail = "; ".join(problems) or (f"2 updates: diff 0 before each ({', '.join(str(s['valid_tokens']) for s in steps)}"
-                                     " tokens), engine weights equal the trainer's after each in-place sync")
-    ok = not problems
-    return GateResult("C8", ok, evidence, detail)
+    tokens = ", ".join(str(s["valid_tokens"]) for s in steps)
+    detail = "; ".join(problems) or (f"2 updates: diff 0 before each ({tokens} tokens), engine weights equal the "
+                                     "trainer's after each in-place sync")
+    return GateResult("C8", not problems, evidence, detail)
 
 
 def gate_c9(ctx: GateContext) -> GateResult:
@@ -678,17 +680,12 @@ def run_gate(ctx: GateContext, name: str) -> GateResult:
 
 
 def run_gates(model, gates=tuple(GATES), device: str = "cpu", *, spec: ExecutionSpec | str | None = None,
-              ops_factory: Callable | None = None, on_result: Callable | None = None, **options) -> list[GateResult]:
+              ops_factory: Callable | None = None, **options) -> list[GateResult]:
     """Run `gates` in order on `model` ('tiny', a checkpoint directory or a ModelConfig). `ops_factory`
     (spec -> ops, e.g. an Ops subclass) builds every model under test; options are GateContext fields."""
     names = parse_gates(",".join(gates) if not isinstance(gates, str) else gates)
     ctx = GateContext.load(model, device, spec, ops_factory=ops_factory or Ops, **options)
-    results = []
-    for name in names:
-        results.append(run_gate(ctx, name))
-        if on_result:
-            on_result(results[-1])
-    return results
+    return [run_gate(ctx, name) for name in names]
 
 
 def format_result(r: GateResult, width: int = 150) -> str:
@@ -722,8 +719,8 @@ def main(argv: list[str]) -> int:
     ctx = GateContext.load(args.model, args.device, args.spec, ops_factory=load_class(args.ops), seed=args.seed,
                            max_model_len=args.max_model_len, min_throughput_ratio=args.min_ratio,
                            repro_dir=Path(args.repro_dir) if args.repro_dir else None)
-    print(f"onepath check {ctx.label}: {ctx.spec.mode} {ctx.device}, spec {ctx.spec.hash()}, "
-          f"backend {ctx.ops_factory.__qualname__}")
+    backend = getattr(ctx.ops_factory, "__qualname__", repr(ctx.ops_factory))
+    print(f"onepath check {ctx.label}: {ctx.spec.mode} {ctx.device}, spec {ctx.spec.hash()}, backend {backend}")
     results = []
     for name in names:
         results.append(run_gate(ctx, name))
@@ -733,6 +730,6 @@ def main(argv: list[str]) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "model": ctx.label, "device": ctx.device, "spec_hash": ctx.spec.hash(), "spec": ctx.spec.to_dict(),
-            "backend": ctx.ops_factory.__qualname__, "passed": passed == len(results),
+            "backend": backend, "passed": passed == len(results),
             "gates": [r.to_dict() for r in results]}, indent=2, default=str))
     return 0 if passed == len(results) else 1

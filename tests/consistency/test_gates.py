@@ -104,7 +104,8 @@ def test_every_gate_passes_on_the_real_path_with_its_evidence(tmp_path, capsys):
     c7 = g["C7"]["evidence"]
     assert c7["bound"] == GRAD_BOUNDS["float32"] == 1e-4
     assert set(c7["groups"]) == {"embeddings", "attention.q_proj", "attention.k_proj", "attention.v_proj",
-                                 "attention.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "norms", "lm_head"}
+                                 "attention.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "norms",
+                                 "lm_head"}
     assert all(0 < v["rel_err"] <= 1e-4 for v in c7["groups"].values())  # fp32 vs float64: close, not equal
     assert [s["exact"] for s in g["C8"]["evidence"]["steps"]] == [True, True]
     assert g["C9"]["evidence"]["hf_export_fresh_engine"]["equals_running_engine"]
@@ -215,3 +216,13 @@ def test_gate_names_and_groups():
     assert param_group("model.layers.3.self_attn.k_proj.bias") == "attention.k_proj"
     assert param_group("model.layers.0.self_attn.q_norm.weight") == "norms"
     assert isinstance(ModelConfig(**gates.TINY), ModelConfig)
+
+
+def test_cli_backend_flag_and_repro_dir(tmp_path, capsys):
+    ops = "tests.consistency.test_gates:SplitKAboveEightOps"
+    assert main(["tiny", "--ops", ops, "--gates", "C3", "--repro-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "backend SplitKAboveEightOps" in out and "first op: linear" in out
+    case = json.loads((tmp_path / "C3" / "case.json").read_text())
+    assert case["op"] == "linear" and case["a"]["ops_class"] == ops
+    assert (tmp_path / "C3" / "repro.py").is_file()
