@@ -19,7 +19,6 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from safetensors import SafetensorError, safe_open
 
 from onepath.models.checkpoint import (CONFIG, INDEX, REDOWNLOAD, WEIGHTS, _move_into_place, _read_index,

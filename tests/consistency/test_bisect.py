@@ -20,25 +20,15 @@ from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.checkpoint import save_checkpoint
 from onepath.models.dense import DenseDecoder
 from onepath.numerics.spec import ExecutionSpec
-from onepath.ops import Ops
 from tests.tiny import random_prompts, tiny_config, tiny_model
+from tests.planted import DecodeBaselineAttentionOps, SplitKAboveEightOps
 
 PROBE = [5, 9, 14, 3, 22, 41]
 OTHERS = [[7, 8, 9, 10], [30, 31, 32, 33, 34, 35, 36]]
 
 
-class MDependentOps(Ops):
-    """Planted defect: linear splits K in two halves when the launch has more than 8 rows."""
-
-    def linear(self, x, weight, bias=None):
-        if x.reshape(-1, x.shape[-1]).shape[0] <= 8:
-            return super().linear(x, weight, bias)
-        h = x.shape[-1] // 2
-        return super().linear(x[..., :h], weight[:, :h]) + super().linear(x[..., h:], weight[:, h:], bias)
-
-
 def planted_model() -> DenseDecoder:
-    model = DenseDecoder(tiny_config(), MDependentOps(ExecutionSpec.default("consistent")), max_positions=256)
+    model = DenseDecoder(tiny_config(), SplitKAboveEightOps(ExecutionSpec.default("consistent")), max_positions=256)
     model.init_weights(0, std=0.15)
     return model
 
@@ -57,7 +47,7 @@ def test_planted_m_dependent_linear_is_named_with_its_layer_and_reproduces_alone
     assert first.shape == [len(PROBE), 64] and first.differing > 0 and first.max_abs > 0 and first.max_ulp >= 1
     assert all(s.differing == 0 for s in report.sites[:first.site])
     case = json.loads((tmp_path / "repro" / "case.json").read_text())
-    assert case["a"]["ops_class"].endswith(":MDependentOps") and case["positions"] == list(range(len(PROBE)))
+    assert case["a"]["ops_class"].endswith(":SplitKAboveEightOps") and case["positions"] == list(range(len(PROBE)))
     assert report.reproduces
     out = run_repro(report.repro)
     assert out.returncode == 1, out.stderr
@@ -131,7 +121,7 @@ def test_ulp_distance():
 def test_cli_names_the_planted_defect_and_passes_the_real_path(tmp_path, capsys):
     model = tiny_model("consistent")
     save_checkpoint(tmp_path / "ckpt", model.hf_state_dict(), model.config)
-    planted = f"{MDependentOps.__module__}:MDependentOps"
+    planted = f"{SplitKAboveEightOps.__module__}:SplitKAboveEightOps"
     tokens = ",".join(map(str, PROBE))
     code = bisect_cli.main([str(tmp_path / "ckpt"), "--sides", "batch", "--ops-a", planted, "--ops-b", planted,
                             "--tokens", tokens, "--out", str(tmp_path / "repro"), "--json", str(tmp_path / "r.json")])
@@ -144,17 +134,8 @@ def test_cli_names_the_planted_defect_and_passes_the_real_path(tmp_path, capsys)
     assert bisect_cli.main([str(tmp_path / "ckpt"), "--sides", "spec", "--out", str(tmp_path / "spec")]) == 1
 
 
-class DecodeOps(Ops):
-    """Planted defect: decode steps (one query per sequence over a longer context) take the baseline attention."""
-
-    def attention(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
-        decode = all(meta.query_len(b) == 1 < meta.context_lens[b] for b in range(meta.num_seqs))
-        ops = Ops(self.spec.with_mode("baseline")) if decode else super()
-        return ops.attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
-
-
 def test_planted_decode_attention_is_named_and_its_repro_carries_the_kv_cache(tmp_path):
-    model = DenseDecoder(tiny_config(), DecodeOps(ExecutionSpec.default("consistent")), max_positions=256)
+    model = DenseDecoder(tiny_config(), DecodeBaselineAttentionOps(ExecutionSpec.default("consistent")), max_positions=256)
     model.init_weights(0, std=0.15)
     report = bisect(Side(model), Side(model, Layout(prefill=4)), PROBE * 3, tmp_path)
     assert (report.first.op, report.first.layer) == ("attention", 0)

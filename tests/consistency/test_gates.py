@@ -21,10 +21,10 @@ from onepath.engine.llm_engine import LLMEngine
 from onepath.models.checkpoint import save_checkpoint
 from onepath.models.config import ModelConfig
 from onepath.ops import Ops
-from onepath.ops import attention as _attention
 from onepath.ops import linear as _linear
 from onepath.ops.autograd import apply_kernel
 from tests.tiny import tiny_config, tiny_model
+from tests.planted import DecodeBaselineAttentionOps, SplitKAboveEightOps
 
 STALE = "model.layers.1.mlp.down_proj.weight"
 
@@ -40,25 +40,6 @@ class SmallLaunchStockGemmOps(Ops):
         if x.reshape(-1, x.shape[-1]).shape[0] > 8:
             return super().linear(x, weight, bias)
         return apply_kernel(_linear.reference, _linear.reference, *inputs(x, weight, bias))
-
-
-class SplitKAboveEightOps(Ops):
-    """M-dependent branch: above 8 rows, K is reduced in two halves."""
-
-    def linear(self, x, weight, bias=None):
-        if x.reshape(-1, x.shape[-1]).shape[0] <= 8:
-            return super().linear(x, weight, bias)
-        h = x.shape[-1] // 2
-        return super().linear(x[..., :h], weight[:, :h]) + super().linear(x[..., h:], weight[:, h:], bias)
-
-
-class DecodeBaselineAttentionOps(Ops):
-    """Decode with another reduction order: single-token query launches take the baseline attention."""
-
-    def attention(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
-        decode = all(meta.query_len(b) == 1 for b in range(meta.num_seqs))
-        spec = self.spec.with_mode("baseline") if decode else self.spec
-        return _attention.attention(spec, q, k, v, k_cache, v_cache, meta, scale, sliding_window)
 
 
 class ScaledBackwardOps(Ops):
@@ -219,7 +200,7 @@ def test_gate_names_and_groups():
 
 
 def test_cli_backend_flag_and_repro_dir(tmp_path, capsys):
-    ops = "tests.consistency.test_gates:SplitKAboveEightOps"
+    ops = "tests.planted:SplitKAboveEightOps"
     assert main(["tiny", "--ops", ops, "--gates", "C3", "--repro-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "backend SplitKAboveEightOps" in out and "first op: linear" in out

@@ -5,7 +5,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from onepath.models.config import ModelConfig
-from onepath.models.rope_scaling import SUPPORTED_ROPE_TYPES, cos_sin_table, inv_freq
+from onepath.models.rope_scaling import cos_sin_table, inv_freq
 
 SMALL = dict(vocab_size=97, intermediate_size=96, num_hidden_layers=2, num_key_value_heads=2)
 HALF = 8  # head_dim 16

@@ -1,0 +1,23 @@
+"""Backends with planted defects: each breaks one part of the contract, so a check can show it fails.
+Top-level classes of an importable module, so a bisect repro can load them by name."""
+from onepath.ops import Ops
+
+
+class SplitKAboveEightOps(Ops):
+    """An M-dependent branch: above 8 rows in a launch, linear reduces K in two halves."""
+
+    def linear(self, x, weight, bias=None):
+        if x.reshape(-1, x.shape[-1]).shape[0] <= 8:
+            return super().linear(x, weight, bias)
+        h = x.shape[-1] // 2
+        return super().linear(x[..., :h], weight[:, :h]) + super().linear(x[..., h:], weight[:, h:], bias)
+
+
+class DecodeBaselineAttentionOps(Ops):
+    """Decode with another reduction order: launches of single-token queries over a longer context
+    take the baseline attention."""
+
+    def attention(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
+        decode = all(meta.query_len(b) == 1 < meta.context_lens[b] for b in range(meta.num_seqs))
+        ops = Ops(self.spec.with_mode("baseline")) if decode else super()
+        return ops.attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
