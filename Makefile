@@ -1,24 +1,29 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+BASE := $(VENV)/.installed
+TEST := $(VENV)/.installed-test
 
 .PHONY: demo test install clean
 
-$(STAMP): pyproject.toml
+$(BASE): pyproject.toml
 	$(PY) -m venv $(VENV)
 	# torch==2.13.0 first: on the CPU machines it is the CPU build that lies on disk
 	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e .
+	touch $(BASE)
+
+$(TEST): $(BASE)
 	$(BIN)/pip install -q -e '.[test]'
-	touch $(STAMP)
+	touch $(TEST)
 
-install: $(STAMP)
+install: $(BASE)
 
-demo: $(STAMP)
+demo: $(BASE)
 	rm -rf runs/demo
 	$(BIN)/onepath train --config onepath/configs/demo.yaml --mode both --out runs/demo
 
-test: $(STAMP)
+test: $(TEST)
 	$(BIN)/pytest -q -m "not gpu"
 
 clean:
