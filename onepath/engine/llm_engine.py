@@ -6,7 +6,7 @@ from (after temperature, top-k and top-p), so the trainer can recompute the same
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -45,7 +45,8 @@ class LLMEngine:
                  scheduler: SchedulerConfig | None = None, eos_token_ids: tuple[int, ...] | None = None,
                  tokenizer=None, enable_prefix_caching: bool = True):
         self.model, self.tokenizer = model, tokenizer
-        self.scheduler_config = scheduler or SchedulerConfig()
+        self.scheduler_config = replace(scheduler or SchedulerConfig(),
+                                        chunk_align=model.ops.spec.op("attention").kv_tile)
         if self.scheduler_config.max_model_len > model.rope_cos.shape[0]:
             raise ValueError(f"max_model_len {self.scheduler_config.max_model_len} > the model's "
                              f"{model.rope_cos.shape[0]} RoPE positions: lower max_model_len")

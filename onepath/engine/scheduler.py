@@ -31,6 +31,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 512
     prefill_chunk_size: int | None = None
+    chunk_align: int = 1   # a prefill chunk that stops short of the end stops at a multiple of this (the KV tile)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -39,6 +40,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} must be >= 1")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len {self.max_model_len} must be >= 2: one prompt token and one generated")
+        if self.chunk_align < 1:
+            raise ValueError(f"chunk_align {self.chunk_align} must be >= 1 (1 = no alignment)")
         if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size {self.prefill_chunk_size} must be >= 1, or None to prefill "
                              "whole prompts")
@@ -117,6 +120,12 @@ class Scheduler:
         num_tokens = min(seq.num_uncomputed_tokens - num_cached_tokens, budget)
         if self.config.prefill_chunk_size is not None:
             num_tokens = min(num_tokens, self.config.prefill_chunk_size)
+        start = seq.num_computed_tokens + num_cached_tokens
+        end = start + num_tokens
+        aligned = end - end % self.config.chunk_align
+        # cut short chunks at a KV-tile boundary so the next chunk's queries start a tile; never stall
+        if end < seq.num_tokens and start < aligned < end:
+            num_tokens = aligned - start
         return num_tokens
 
     def take(self, seq: Sequence, num_tokens: int, cached: tuple[int, ...] = ()) -> ScheduledSeq:

@@ -288,3 +288,16 @@ def test_sampling_params_are_hashable_with_a_list_of_stop_ids():
 def test_scheduler_config_errors_name_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SchedulerConfig(**kwargs)
+
+
+def test_short_prefill_chunks_end_on_the_alignment():
+    bm = BlockManager(64, 16)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=40, max_model_len=256, chunk_align=16), bm)
+    seq = Sequence(0, list(range(3, 103)), SamplingParams(max_tokens=2))
+    sched.add(seq)
+    ends = []
+    while seq.num_computed_tokens < seq.num_prompt_tokens:
+        (s,) = sched.schedule()
+        ends.append(s.start + s.num_tokens)
+        sched.postprocess([s], {0: (5, -1.0)} if s.samples else {})
+    assert ends == [32, 64, 100]   # the last chunk reaches the end of the prompt: no cut
