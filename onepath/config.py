@@ -16,6 +16,7 @@ MODES = ("consistent", "baseline", "both")
 EMBEDDED_TASKS = ("arithmetic",)
 OLD_LOGPROB = ("verify", "every_n", "skip")
 CORRECTION_LEVELS = ("token", "sequence")
+ENVIRONMENTS = ("calculator",)
 
 
 class _Section:
@@ -127,9 +128,14 @@ class RolloutSection(_Section):
     max_model_len: int = 64
     prefill_chunk_size: int | None = None
     seed: int = 0
+    env: str | None = None        # null: single-turn | calculator: multi-turn tool episodes
+    max_turns: int = 3            # policy turns per episode when env is set
 
     def __post_init__(self):
         self._coerce()
+        self._require("env", self.env is None or self.env in ENVIRONMENTS, "is not an environment",
+                      f"use one of {', '.join(ENVIRONMENTS)}, or null for single-turn rollouts")
+        self._require("max_turns", self.max_turns >= 1, "must be >= 1", "1 is one policy turn per episode")
         self._require("n", self.n >= 1, "must be >= 1", "the group size is the number of samples per prompt")
         self._finite_positive("temperature")
         self._require("top_k", self.top_k >= 0, "must be >= 0", "0 turns top-k off")

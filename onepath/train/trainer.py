@@ -11,6 +11,11 @@ are the same bits, so every policy trains the same weights.
 Evaluation (train.val_every) samples the held-out rows on the same engine after the weight sync,
 with request ids below 0 (training's are >= 1_000_000), so no sampling key (seed, request id,
 position) is shared; it reads no training row and leaves the engine as it found it.
+
+Multi-turn (rollout.env): each training sample is an episode of up to rollout.max_turns policy turns
+with the environment's tokens between them (train.episodes). The reward reads the episode's final
+answer, the mask keeps policy tokens only, so the diff, the loss and response_length cover those
+alone. Evaluation stays single-turn.
 """
 from __future__ import annotations
 
@@ -35,9 +40,11 @@ from onepath.models.dense import DenseDecoder
 from onepath.numerics.spec import ExecutionSpec, check_same_spec
 from onepath.ops import Ops
 from onepath.tasks import arithmetic
+from onepath.tasks.calculator import CalculatorEnv
 from onepath.train import checkpoint
 from onepath.train.actor import Actor, Responses
 from onepath.train.data import PromptSampler, load_rows, prompt_text, reward_kwargs
+from onepath.train.episodes import episode_metrics, episode_responses, masked_logprobs, run_episodes
 from onepath.train.grpo import group_advantages, policy_loss, rollout_correction
 from onepath.train.metrics import MetricsLogger, Timer
 from onepath.train.rewards import get_reward, overlong_penalty
@@ -157,6 +164,7 @@ class GRPOTrainer:
         t = cfg.train
         self.actor = Actor(self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm, t.lr_warmup_steps)
         self.sampler = PromptSampler(setup.train_rows, seed=t.seed)
+        self.env = CalculatorEnv(setup.tokenizer, setup.eos_token_ids) if r.env == "calculator" else None
         self.timer = Timer()
         if saved is not None:
             self.restore(*saved)
@@ -184,32 +192,52 @@ class GRPOTrainer:
 
     def params(self, step: int) -> SamplingParams:
         r = self.cfg.rollout
+        # a multi-turn policy calls the calculator by ending its turn with "="
+        stop = (self.setup.tokenizer.token_to_id("="),) if self.env is not None else ()
         return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens,
-                              seed=r.seed * 1_000_003 + step)
+                              stop_token_ids=tuple(t for t in stop if t is not None), seed=r.seed * 1_000_003 + step)
+
+    def prompts(self, rows, n: int) -> list[list[int]]:
+        return [self.setup.tokenizer.encode(prompt_text(row)).ids for row in rows for _ in range(n)]
 
     def generate(self, rows, params: SamplingParams, ids: list[int], n: int, what: str):
-        prompts = [self.setup.tokenizer.encode(prompt_text(row)).ids for row in rows for _ in range(n)]
-        outputs = self.engine.generate(prompts, params, request_ids=ids)
+        outputs = self.engine.generate(self.prompts(rows, n), params, request_ids=ids)
         failed = [o for o in outputs if o.error]
         if failed:
             raise RuntimeError(f"{len(failed)} {what} requests failed, first: {failed[0].error}")
         return outputs
 
-    def rollout(self, rows, step):
-        ids = [step * 1_000_000 + i for i in range(len(rows) * self.cfg.rollout.n)]
-        start_tokens = self.engine.stats.generated_tokens
+    def rollout(self, rows, step) -> tuple[Responses, list[str], dict]:
+        """Responses, the completion texts the reward reads, and rollout metrics."""
+        n, params = self.cfg.rollout.n, self.params(step)
+        ids = [step * 1_000_000 + i for i in range(len(rows) * n)]
+        stats = self.engine.stats
+        start_tokens, start_cached = stats.generated_tokens, stats.cached_tokens
         with self.timer("gen"):
-            outputs = self.generate(rows, self.params(step), ids, self.cfg.rollout.n, "rollout")
-        generated = self.engine.stats.generated_tokens - start_tokens
-        return outputs, generated
+            if self.env is None:
+                outputs = self.generate(rows, params, ids, n, "rollout")
+            else:
+                episodes = run_episodes(self.engine, self.prompts(rows, n), self.env, params,
+                                        self.cfg.rollout.max_turns, episode_ids=ids)
+        if self.env is None:
+            responses = Responses.build([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
+                                        [params] * len(outputs), [o.logprobs for o in outputs])
+            texts, metrics = self.decode(outputs), {}
+        else:
+            responses = episode_responses(episodes, params)
+            texts = [e.reward_info.get("answer", "") for e in episodes]
+            metrics = {**episode_metrics(episodes), "perf/prefix_cache_hit_tokens": stats.cached_tokens - start_cached}
+        metrics["generated_tokens"] = stats.generated_tokens - start_tokens
+        return responses, texts, metrics
 
-    def score(self, rows, outputs, n: int) -> torch.Tensor:
-        rewards = []
-        for i, o in enumerate(outputs):
-            row = rows[i // n]
-            completion = self.setup.tokenizer.decode(o.token_ids, skip_special_tokens=True)
-            rewards.append(self.setup.reward_fn(prompt_text(row), completion, **reward_kwargs(row),
-                                                response_length=len(o.token_ids)))
+    def decode(self, outputs) -> list[str]:
+        return [self.setup.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
+
+    def score(self, rows, texts: list[str], lengths: list[int], n: int) -> torch.Tensor:
+        """Rewards of completions texts[i] of rows[i // n]; lengths[i] is its response length in tokens."""
+        rewards = [self.setup.reward_fn(prompt_text(rows[i // n]), text, **reward_kwargs(rows[i // n]),
+                                        response_length=length)
+                   for i, (text, length) in enumerate(zip(texts, lengths))]
         return torch.tensor(rewards, dtype=torch.float32)
 
     def verifies(self, step: int) -> bool:
@@ -220,15 +248,18 @@ class GRPOTrainer:
     def step(self, step: int) -> dict:
         t = self.cfg.train
         rows = self.sampler.next_batch(t.prompts_per_step)
-        outputs, generated = self.rollout(rows, step)
+        responses, texts, rollout_metrics = self.rollout(rows, step)
+        generated = rollout_metrics.pop("generated_tokens")
+        lengths = responses.mask.sum(1)  # policy tokens only: env tokens are outside the mask
         with self.timer("reward"):
-            rewards = self.score(rows, outputs, self.cfg.rollout.n)
-        responses = Responses.build([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
-                                    [self.params(step)] * len(outputs), [o.logprobs for o in outputs])
+            rewards = self.score(rows, texts, lengths.tolist(), self.cfg.rollout.n)
         advantages = group_advantages(rewards, self.cfg.rollout.n, t.norm_adv_by_std)
         verify = self.verifies(step)
         with self.timer("old_logprob" if verify else "update"):
-            logprobs, entropy = self.actor.logprobs(responses)
+            if self.env is None:
+                logprobs, entropy = self.actor.logprobs(responses)
+            else:
+                logprobs, entropy = masked_logprobs(self.actor, responses)
             device = logprobs.device
             mask, rollout_logprobs = responses.mask.to(device), responses.rollout_logprobs.to(device)
             if verify:
@@ -244,14 +275,14 @@ class GRPOTrainer:
             grad_norm = self.actor.update(loss)
         with self.timer("sync"):
             self.engine.update_weights(self.policy.named_parameters())
-        lengths = responses.mask.sum(1).float()
         timings = self.timer.metrics()
         metrics.update(corrections)
         metrics.update(pg)
+        metrics.update(rollout_metrics)
         metrics.update({
             "critic/score/mean": rewards.mean().item(),
             "critic/advantages/mean": advantages.mean().item(),
-            "response_length/mean": lengths.mean().item(),
+            "response_length/mean": lengths.float().mean().item(),
             "actor/entropy": (entropy.detach()[mask].mean().item() if responses.mask.any() else 0.0),
             "actor/grad_norm": grad_norm,
             "perf/rollout_tokens_per_s": generated / max(timings.get("timing_s/gen", 0.0), 1e-9),
@@ -269,7 +300,7 @@ class GRPOTrainer:
         outputs = self.generate(rows, params, [-1 - i for i in range(len(rows))], 1, "evaluation")
         # the next rollout must find the prefix cache as the weight sync left it: empty
         self.engine.block_manager.reset_prefix_cache()
-        rewards = self.score(rows, outputs, 1)
+        rewards = self.score(rows, self.decode(outputs), [len(o.token_ids) for o in outputs], 1)
         length = sum(len(o.token_ids) for o in outputs) / len(outputs)
         return {"val/score": rewards.mean().item(), "val/response_length/mean": length,
                 "timing_s/val": time.perf_counter() - start}
