@@ -25,12 +25,13 @@ HEADER_EVERY = 20
 
 
 class MetricsLogger:
-    def __init__(self, run_dir, tensorboard: bool = True, console: bool = True):
+    def __init__(self, run_dir, tensorboard: bool = True, console: bool = True, purge_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self._file = self.path.open("a")  # append: a resumed run continues its own file
-        self._writer = _summary_writer(self.run_dir / "tb") if tensorboard else None
+        # purge_step: a resumed run drops TensorBoard events from the steps it runs again
+        self._writer = _summary_writer(self.run_dir / "tb", purge_step) if tensorboard else None
         self.console = console
         self._rows = 0
 
@@ -126,14 +127,14 @@ class Timer:
         return seconds
 
 
-def _summary_writer(log_dir: Path):
+def _summary_writer(log_dir: Path, purge_step: int | None = None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
         warnings.warn(f"TensorBoard logging is off ({e}): metrics go to metrics.jsonl only; "
                       "pip install tensorboard to get it back", stacklevel=3)
         return None
-    return SummaryWriter(str(log_dir))
+    return SummaryWriter(str(log_dir), purge_step=purge_step)
 
 
 def _scalar(value):

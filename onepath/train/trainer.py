@@ -318,7 +318,7 @@ class GRPOTrainer:
         kept = checkpoint.rewind_metrics(self.run_dir, self.start)
         history = [{k: v for k, v in r.items() if k != "step"} for r in kept]
         t = self.cfg.train
-        with MetricsLogger(self.run_dir, console=progress) as logger:
+        with MetricsLogger(self.run_dir, console=progress, purge_step=self.start + 1 if self.start else None) as logger:
             for step in tqdm(range(self.start + 1, t.steps + 1), desc=self.spec.mode, disable=not progress, leave=False,
                              initial=self.start, total=t.steps):
                 metrics = self.step(step)

@@ -44,6 +44,21 @@ def test_tensorboard_events(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("rollout_corr/k3_kl")] == [(1, 0.0), (2, 1.5)]
 
 
+def test_resumed_logger_replaces_rerun_steps_in_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    with MetricsLogger(tmp_path, console=False) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, {"critic/score/mean": float(step)})
+    # killed after step 3, resumed from the step-1 checkpoint: steps 2 and 3 run again
+    with MetricsLogger(tmp_path, console=False, purge_step=2) as logger:
+        for step in (2, 3):
+            logger.log(step, {"critic/score/mean": 10.0 * step})
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("critic/score/mean")] == [(1, 1.0), (2, 20.0), (3, 30.0)]
+
+
 def test_console_rows(tmp_path, capsys):
     with MetricsLogger(tmp_path, tensorboard=False) as logger:
         for step in range(25):
