@@ -50,7 +50,9 @@ def test_resumed_logger_replaces_rerun_steps_in_tensorboard(tmp_path):
     with MetricsLogger(tmp_path, console=False) as logger:
         for step in (1, 2, 3):
             logger.log(step, {"critic/score/mean": float(step)})
-    # killed after step 3, resumed from the step-1 checkpoint: steps 2 and 3 run again
+    # killed after step 3, resumed from the step-1 checkpoint: steps 2 and 3 run again. Event files are
+    # read in name order, and names carry the writer's start second: the resumed writer starts later.
+    time.sleep(1.1)
     with MetricsLogger(tmp_path, console=False, purge_step=2) as logger:
         for step in (2, 3):
             logger.log(step, {"critic/score/mean": 10.0 * step})
