@@ -6,7 +6,7 @@ from (after temperature, top-k and top-p), so the trainer can recompute the same
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,7 +37,6 @@ class EngineStats:
     seconds: float = 0.0
     preemptions: int = 0
     cached_tokens: int = 0  # tokens whose K/V came from the prefix cache instead of a forward pass
-    extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:

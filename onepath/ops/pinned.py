@@ -73,8 +73,3 @@ def tiled_sum(x: torch.Tensor, tile: int, dim: int = -1) -> torch.Tensor:
     for i in range(1, partial.shape[-1]):
         acc = acc + partial[..., i]
     return acc
-
-
-def amax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    # max is exact and order-free, so the library reduction is safe as it is.
-    return x.amax(dim=dim)
