@@ -11,7 +11,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from onepath.engine.block_manager import BlockManager
+from onepath.engine import memory
 from onepath.engine.model_runner import ModelRunner
+from onepath.engine.model_runner import graph_batch_sizes as graph_batch_sizes_for
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import Scheduler, SchedulerConfig
 from onepath.engine.sequence import Sequence
@@ -37,24 +39,37 @@ class EngineStats:
     seconds: float = 0.0
     preemptions: int = 0
     cached_tokens: int = 0  # tokens whose K/V came from the prefix cache instead of a forward pass
+    graph_steps: int = 0    # decode steps replayed from a captured CUDA graph
+    eager_steps: int = 0
 
 
 class LLMEngine:
-    def __init__(self, model: DenseDecoder, *, num_blocks: int = 1024, block_size: int = 16,
+    def __init__(self, model: DenseDecoder, *, num_blocks: int | None = None, block_size: int = 16,
                  scheduler: SchedulerConfig | None = None, eos_token_ids: tuple[int, ...] | None = None,
-                 tokenizer=None, enable_prefix_caching: bool = True):
+                 tokenizer=None, enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
+                 cuda_graphs: bool | None = None, graph_batch_sizes: list[int] | None = None):
+        """num_blocks: KV-cache blocks; None sizes the cache from gpu_memory_utilization on CUDA (1024 on
+        CPU). cuda_graphs: decode steps replay captured graphs (None: on when the model is on CUDA) at
+        graph_batch_sizes (default 1, 2, 4, 8 and multiples of 16 up to max_num_seqs)."""
         self.model, self.tokenizer = model, tokenizer
         self.scheduler_config = replace(scheduler or SchedulerConfig(),
                                         chunk_align=model.ops.spec.op("attention").kv_tile)
-        if self.scheduler_config.max_model_len > model.rope_cos.shape[0]:
-            raise ValueError(f"max_model_len {self.scheduler_config.max_model_len} > the model's "
+        config = self.scheduler_config
+        if config.max_model_len > model.rope_cos.shape[0]:
+            raise ValueError(f"max_model_len {config.max_model_len} > the model's "
                              f"{model.rope_cos.shape[0]} RoPE positions: lower max_model_len")
+        on_cuda = model.device.type == "cuda"
+        cuda_graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        if num_blocks is None:
+            num_blocks = memory.kv_blocks_for(model, config, block_size, gpu_memory_utilization) if on_cuda else 1024
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        sizes = (graph_batch_sizes or graph_batch_sizes_for(config.max_num_seqs)) if cuda_graphs else None
+        self.runner = ModelRunner(model, num_blocks, block_size, max_model_len=config.max_model_len,
+                                  graph_batch_sizes=sizes)
+        self.memory = memory.report(model, self.runner.cache, gpu_memory_utilization if on_cuda else None)
         self.eos_token_ids = model.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
         self.next_request_id = 0
-        self.rejected: list[Sequence] = []
         self.stats = EngineStats()
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: int | None = None) -> int:
@@ -84,6 +99,10 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         sampled = self.runner.run(scheduled)
         self.stats.steps += 1
+        if self.runner.replayed_graph:
+            self.stats.graph_steps += 1
+        else:
+            self.stats.eager_steps += 1
         self.stats.generated_tokens += len(sampled)
         self.stats.prefill_tokens += sum(s.num_tokens for s in scheduled) - len(sampled)
         return self.scheduler.postprocess(scheduled, sampled)
@@ -109,6 +128,8 @@ class LLMEngine:
         self.stats.seconds += time.perf_counter() - start
         self.stats.preemptions += self.scheduler.num_preemptions - preemptions
         self.stats.cached_tokens += self.block_manager.num_cached_tokens_hit - cached
+        if self.model.device.type == "cuda":
+            self.memory["peak_gib"] = torch.cuda.max_memory_allocated(self.model.device) / memory.GIB
         return [outputs[rid] for rid in request_ids]
 
     def output(self, seq: Sequence) -> RequestOutput:

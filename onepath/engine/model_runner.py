@@ -1,5 +1,20 @@
-"""ModelRunner: turns a scheduled step into one forward pass over the paged KV cache, then samples."""
+"""ModelRunner: turns a scheduled step into one forward pass over the paged KV cache, then samples.
+
+CUDA graphs (decode): a step whose sequences all decode one token runs a graph captured at the
+smallest captured batch size >= its size; other steps (prefill, chunks, mixed) run eagerly. The
+graph holds the model and the LM head; sampling runs eagerly on its logits. A request moves
+between the two paths with its batch, so they must give the same bits, and they do because every
+consistent kernel's row result is independent of the row count (tests/gpu/test_cuda_graphs_gpu.py):
+a graph is the eager forward at a padded batch. Padding rows decode token 0 at position 0 into a
+scratch block that the block manager never hands out, so they touch no sequence's K/V.
+
+Inside a graph nothing depends on the live batch: inputs sit in static buffers (ids, positions,
+slots, block tables as wide as max_model_len), the attention's key bound is max_model_len, and the
+ops skip their host-side input checks while capturing (the engine checked ids and lengths on entry).
+"""
 from __future__ import annotations
+
+from array import array
 
 import torch
 
@@ -8,19 +23,125 @@ from onepath.engine.sequence import Sequence
 from onepath.models.batch import ForwardBatch, SeqChunk
 from onepath.models.dense import DenseDecoder
 from onepath.models.kv_cache import KVCache
+from onepath.ops.attention import AttentionMetadata
 from onepath.ops.sampling import sample_key
 
 
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (and max_num_seqs itself)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphs:
+    """Captured decode forwards (model + LM head) for a ladder of batch sizes, sharing one memory pool."""
+
+    def __init__(self, model: DenseDecoder, cache: KVCache, scratch_block: int, max_model_len: int,
+                 batch_sizes: list[int], capture: bool = True):
+        """capture=False runs the padded static-buffer forward eagerly instead of replaying (tests on CPU)."""
+        self.model, self.cache = model, cache
+        self.block_size = cache.block_size
+        self.max_model_len = max_model_len
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_batch = self.batch_sizes[-1]
+        self.width = -(-max_model_len // self.block_size)
+        self.scratch_slot = scratch_block * self.block_size
+        self.scratch_block = scratch_block
+        device = model.device
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.query_seq = torch.arange(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=device)
+        self.block_tables = torch.full((n, self.width), scratch_block, dtype=torch.long, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if capture:
+            self.capture()
+
+    def batch(self, size: int) -> ForwardBatch:
+        # context_lens only bounds the attention's split buffer: every context is <= max_model_len
+        attn = AttentionMetadata(positions=self.positions[:size], query_seq=self.query_seq[:size],
+                                 cu_seqlens=list(range(size + 1)), context_lens=[self.max_model_len] * size,
+                                 block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
+                                 block_size=self.block_size)
+        return ForwardBatch(self.input_ids[:size], attn)
+
+    def forward(self, size: int) -> torch.Tensor:
+        return self.model.compute_logits(self.model(self.batch(size), self.cache))
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.batch_sizes):  # largest first: the smaller graphs reuse its pool
+            # one eager run first, on a side stream: kernels compile (tile configs follow M) outside the capture
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.forward(size)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.forward(size)
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize()
+
+    def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Logits [len(chunks), vocab] of one decode token per chunk."""
+        n = len(chunks)
+        size = next(b for b in self.batch_sizes if b >= n)
+        bs, pad = self.block_size, size - n
+        # Table columns past a row's own blocks are never read (the kernel loads the entries of its
+        # keys only), so only the live width is copied; padding rows point at the scratch block.
+        width = max(len(c.block_table) for c in chunks)
+        host = array("q", [c.token_ids[0] for c in chunks])
+        host.extend(array("q", [0]) * pad)
+        host.fromlist([c.start for c in chunks])
+        host.extend(array("q", [0]) * pad)
+        host.fromlist([c.block_table[c.start // bs] * bs + c.start % bs for c in chunks])
+        host.extend(array("q", [self.scratch_slot]) * pad)
+        scratch_row = array("q", [self.scratch_block]) * width
+        for c in chunks:
+            host.fromlist(c.block_table)
+            host.extend(scratch_row[:width - len(c.block_table)])
+        host.extend(scratch_row * pad)
+        staged = torch.frombuffer(host, dtype=torch.long)
+        if staged.device != self.input_ids.device:
+            staged = staged.pin_memory().to(self.input_ids.device, non_blocking=True)
+        self.input_ids[:size].copy_(staged[:size])
+        self.positions[:size].copy_(staged[size:2 * size])
+        self.slot_mapping[:size].copy_(staged[2 * size:3 * size])
+        self.block_tables[:size, :width].copy_(staged[3 * size:].view(size, width))
+        if size not in self.graphs:
+            return self.forward(size)[:n]
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:n]
+
+
 class ModelRunner:
-    def __init__(self, model: DenseDecoder, num_blocks: int, block_size: int):
+    def __init__(self, model: DenseDecoder, num_blocks: int, block_size: int, *, max_model_len: int | None = None,
+                 graph_batch_sizes: list[int] | None = None):
         self.model, self.ops = model, model.ops
         self.block_size = block_size
-        self.cache = KVCache(model.config, num_blocks, block_size, model.ops.spec.dtype, model.device)
+        # one block past the block manager's: the padding rows of captured graphs write there
+        self.cache = KVCache(model.config, num_blocks + 1, block_size, model.ops.spec.dtype, model.device)
+        self.graphs = None
+        if graph_batch_sizes:
+            if model.device.type != "cuda":
+                raise ValueError(f"CUDA graphs need the model on a CUDA device, it is on {model.device}: "
+                                 "turn cuda_graphs off")
+            self.graphs = DecodeGraphs(model, self.cache, num_blocks, max_model_len, graph_batch_sizes)
+        self.replayed_graph = False  # how the last step ran
 
     @torch.no_grad()
     def run(self, scheduled: list[ScheduledSeq]) -> dict[int, tuple[int, float]]:
         chunks = [SeqChunk(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start, s.seq.block_table)
                   for s in scheduled]
+        if self.graphs is not None and 0 < len(scheduled) <= self.graphs.max_batch \
+                and all(s.num_tokens == 1 and s.samples for s in scheduled):
+            self.replayed_graph = True
+            return self.sample([s.seq for s in scheduled], self.graphs.run(chunks))
+        self.replayed_graph = False
         batch = ForwardBatch.build(chunks, self.block_size, self.model.device)
         hidden = self.model(batch, self.cache)
         last = batch.last_token_rows()
@@ -37,7 +158,8 @@ class ModelRunner:
         temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=device)
         top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long, device=device)
         top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=device)
-        keep = self.ops.sampling_mask(logits, temperature, top_k, top_p)
+        filtered = any(s.params.top_k or s.params.top_p < 1.0 for s in seqs)  # else no mask (and no sync)
+        keep = self.ops.sampling_mask(logits, temperature, top_k, top_p) if filtered else None
         probs = self.ops.probs(logits, temperature, keep)
         keys = [sample_key(s.params.seed, s.request_id, s.num_tokens) for s in seqs]
         tokens = self.ops.sample(probs, keys)

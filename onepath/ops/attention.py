@@ -8,7 +8,8 @@ summed in KV tiles of absolute positions [i*kv_tile, (i+1)*kv_tile), ascending, 
 tile; keys past p contribute exact zeros. A query's bits therefore depend neither on how many
 queries share its launch nor on the phase nor on the batch. The softmax max is exact and global.
 baseline: the stock fast path: SDPA on the fresh K/V for a pure prefill, SDPA with a mask for a
-chunk over a cached prefix, a batched matmul decode path for single-token queries.
+chunk over a cached prefix, a batched matmul decode path for single-token queries (on CUDA the
+paged kernel with a batch-dependent KV split, as flash-decoding runs: torch has no paged decode).
 """
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ class AttentionMetadata:
 
     def query_len(self, b: int) -> int:
         return self.cu_seqlens[b + 1] - self.cu_seqlens[b]
+
+
+# the baseline's decode tile: its own choice, not the spec's (the spec's tile is the consistent contract)
+BASELINE_KV_TILE = 32
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -89,7 +94,34 @@ def _gather_context(cache, meta, b):
     return cache.view(-1, *cache.shape[2:])[slots]
 
 
+def whole_sequences(meta: AttentionMetadata) -> bool:
+    """Every sequence of the batch is here from position 0 (a prefill of fresh prompts, a training batch)."""
+    return all(meta.query_len(b) == meta.context_lens[b] for b in range(meta.num_seqs))
+
+
+def padded_sdpa(q, k, v, meta: AttentionMetadata, scale):
+    """Causal SDPA over whole sequences in one call: each sequence right-padded with zeros to the
+    longest. A query at position p sees keys 0..p, all its own, so the padding changes no valid row
+    and no mask is needed (the flash kernels stay eligible); the padded rows are dropped. index_copy
+    and index_select move the rows both ways (their backward is the other one: no sort, no loop)."""
+    num_seqs, tokens = meta.num_seqs, q.shape[0]
+    longest = max(meta.query_len(b) for b in range(num_seqs))
+    lengths = torch.tensor([meta.query_len(b) for b in range(num_seqs)], device=q.device)
+    shift = torch.arange(num_seqs, device=q.device) * longest - torch.tensor(meta.cu_seqlens[:-1], device=q.device)
+    rows = torch.arange(tokens, device=q.device) + torch.repeat_interleave(shift, lengths, output_size=tokens)
+
+    def padded(t):
+        out = t.new_zeros(num_seqs * longest, *t.shape[1:]).index_copy(0, rows, t)
+        return out.view(num_seqs, longest, *t.shape[1:]).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(padded(q), padded(k).to(q.dtype), padded(v).to(q.dtype), is_causal=True,
+                                         scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(num_seqs * longest, *q.shape[1:]).index_select(0, rows)
+
+
 def baseline(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window):
+    if not window and meta.num_seqs > 1 and whole_sequences(meta):
+        return padded_sdpa(q, k, v, meta, scale)
     out = torch.empty_like(q)
     decode = []
     for b in range(meta.num_seqs):
@@ -112,7 +144,12 @@ def baseline(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window):
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
     if decode:
-        out[[meta.cu_seqlens[b] for b in decode]] = _decode(q, k_cache, v_cache, meta, decode, scale, window)
+        rows = [meta.cu_seqlens[b] for b in decode]
+        if q.is_cuda:
+            out[rows] = _paged_decode(q[rows], k_cache, v_cache, meta.positions[rows], meta.query_seq[rows],
+                                      meta.block_tables, max(meta.context_lens[b] for b in decode), scale, window)
+        else:
+            out[rows] = _decode(q, k_cache, v_cache, meta, decode, scale, window)
     return out
 
 
@@ -136,15 +173,39 @@ def _decode(q, k_cache, v_cache, meta, seqs, scale, window):
     return (torch.softmax(scores, dim=-1).to(q.dtype) @ values).squeeze(2)
 
 
+def baseline_decode(q, k_cache, v_cache, meta: AttentionMetadata, scale, window):
+    """One query per sequence on CUDA (a decode step, captured or eager)."""
+    return _paged_decode(q, k_cache, v_cache, meta.positions, meta.query_seq, meta.block_tables,
+                         max(meta.context_lens), scale, window)
+
+
+def _paged_decode(q, k_cache, v_cache, positions, query_seq, block_tables, max_context, scale, window,
+                  kv_tile=BASELINE_KV_TILE):
+    """Single-token queries on CUDA: the paged kernel as flash-decoding runs it, with the number of KV
+    splits chosen from the batch (enough programs for two per SM), a shape-dependent choice."""
+    from onepath.ops.cuda.attention import paged_attention
+    programs = q.shape[0] * k_cache.shape[2]
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = max(1, min(-(-max_context // kv_tile), -(-2 * sms // programs)))
+    # a power of two times the tile: the split size is a compile-time constant of the kernel
+    kv_split = kv_tile << (-(-max_context // (splits * kv_tile)) - 1).bit_length()
+    return paged_attention(q, k_cache, v_cache, positions, query_seq, block_tables, scale, window,
+                           kv_tile, kv_split, split_kv=splits > 1, max_context=max_context)
+
+
 def reference(q, k, v, meta: AttentionMetadata, scale, window):
-    """Plain differentiable attention of each sequence over its own fresh K/V (training: no cached prefix)."""
+    """Plain differentiable attention of each sequence over its own fresh K/V (training: no cached prefix):
+    FP32 math on the CPU, SDPA (flash) in the model's dtype on the GPU."""
+    if not whole_sequences(meta):
+        raise RuntimeError("attention backward needs whole sequences in the batch (no cached prefix)")
+    if q.is_cuda and not window:
+        # the backward on the GPU: SDPA's flash kernels in the model's dtype (correct, not deterministic)
+        return padded_sdpa(q, k, v, meta, scale)
     heads = q.shape[1]
     group = heads // k.shape[1]
     outs = []
     for b in range(meta.num_seqs):
         s, e = meta.cu_seqlens[b], meta.cu_seqlens[b + 1]
-        if e - s != meta.context_lens[b]:
-            raise RuntimeError("attention backward needs whole sequences in the batch (no cached prefix)")
         qb = q[s:e].float().transpose(0, 1)
         kb = k[s:e].float().repeat_interleave(group, dim=1).transpose(0, 1)
         vb = v[s:e].float().repeat_interleave(group, dim=1).transpose(0, 1)
@@ -167,6 +228,8 @@ def attention(spec: ExecutionSpec, q, k, v, k_cache, v_cache, meta: AttentionMet
                                                  max_context=max(meta.context_lens))
     elif spec.mode == "consistent":
         kernel = lambda q, k, v: consistent(q, k_cache, v_cache, meta, scale, sliding_window, o.kv_tile, o.row_chunk)
+    elif spec.device == "cuda" and meta.num_seqs == q.shape[0]:
+        kernel = lambda q, k, v: baseline_decode(q, k_cache, v_cache, meta, scale, sliding_window)
     else:
         kernel = lambda q, k, v: baseline(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
     return apply_kernel(kernel, lambda q, k, v: reference(q, k, v, meta, scale, sliding_window), q, k, v)

@@ -5,11 +5,12 @@ import torch
 import torch.nn.functional as F
 
 from onepath.numerics.spec import ExecutionSpec
+from onepath.ops.autograd import capturing
 
 
 def embedding(spec: ExecutionSpec, token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     vocab = weight.shape[0]
-    if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab):
+    if token_ids.numel() and not capturing(token_ids) and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab):
         bad = token_ids[(token_ids < 0) | (token_ids >= vocab)][0].item()
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab}): check the tokenizer matches the model")
     return F.embedding(token_ids, weight)

@@ -2,7 +2,8 @@
 
 token = argmax_i p_i / E_i with E_i ~ Exp(1). E_i is a pure function of (seed, request id,
 position, i): splitmix64 of a 64-bit key and the token index, so the draw is exact sampling from p
-and a request's tokens never depend on its batch. Ties go to the larger position.
+and a request's tokens never depend on its batch. Ties go to the larger position. On CUDA the race
+runs fused in one Triton pass (ops/cuda/sampling.py), on the same noise.
 """
 from __future__ import annotations
 
@@ -51,5 +52,8 @@ def sample(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
     """probs [N, V] (zeros outside the allowed set), one key per row -> token ids [N] on probs' device."""
     vocab = probs.shape[-1]
     key_tensor = torch.tensor(keys, dtype=torch.int64, device=probs.device)
+    if probs.is_cuda:
+        from onepath.ops.cuda.sampling import sample as fused_race
+        return fused_race(probs, key_tensor)
     race = probs.double() / exponential_noise(key_tensor, vocab)
     return vocab - 1 - torch.argmax(race.flip(-1), dim=-1)

@@ -146,3 +146,20 @@ def test_backward_refuses_a_cached_prefix(consistent, gen):
     out = _one_step_batch(consistent, [(q, k, v, 4)], gen)[0]
     with pytest.raises(RuntimeError, match="whole sequences"):
         out.sum().backward()
+
+
+def test_padded_sdpa_equals_plain_math_and_its_gradient(gen):
+    """The stock path for whole sequences (baseline prefill, the GPU backward): one right-padded causal
+    SDPA call; padding must change no valid row, forward or backward."""
+    lengths = [5, 1, 33, 18]
+    batch, _ = ForwardBatch.for_sequences([[0] * n for n in lengths], BLOCK)
+    q, k, v = (t.double().requires_grad_() for t in _qkv(sum(lengths), gen))
+    out = A.padded_sdpa(q, k, v, batch.attn, SCALE)
+    bounds = batch.attn.cu_seqlens
+    expected = torch.cat([_plain(q[s:e], k[s:e], v[s:e], None) for s, e in zip(bounds, bounds[1:])])
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    want = torch.autograd.grad(expected, (q, k, v), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -17,7 +17,8 @@ from tests.interpret import interpreted_results
 CHECKS = ["rmsnorm_values", "rmsnorm_rows_alone_equal_rows_in_batch", "rmsnorm_residual", "rmsnorm_misaligned_input",
           "silu_mul_values", "silu_mul_rows_alone_equal_rows_in_batch", "rope_equals_reference",
           "rope_rows_alone_equal_rows_in_batch", "logprobs_values", "logprobs_rows_alone_equal_rows_in_batch",
-          "logprobs_keep_none_equals_all_kept", "probs_values", "probs_rows_alone_equal_rows_in_batch"]
+          "logprobs_keep_none_equals_all_kept", "probs_values", "probs_rows_alone_equal_rows_in_batch",
+          "sample_equals_torch_race", "sample_rows_alone_equal_rows_in_batch", "sample_sparse_row_equals_torch_race"]
 
 
 def _patch_bf16_rounding():
@@ -38,8 +39,25 @@ def _patch_bf16_rounding():
     interpreter._convert_float = convert_rtne
 
 
+def _patch_libdevice_log1p():
+    """The interpreter has no libdevice: give the sampler's log1p numpy's (the GPU's is libdevice's)."""
+    import types
+
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+
+    from onepath.ops.cuda import sampling
+
+    def log1p(x):
+        return tl.tensor(TensorHandle(np.log1p(x.handle.data), x.handle.dtype.scalar), x.type)
+
+    sampling.libdevice = types.SimpleNamespace(log1p=log1p)
+
+
 def _run_checks() -> dict:
     _patch_bf16_rounding()
+    _patch_libdevice_log1p()
     import math
 
     import torch
@@ -48,7 +66,9 @@ def _run_checks() -> dict:
     from onepath.ops import rmsnorm as RN
     from onepath.ops import rope as RP
     from onepath.ops import silu_mul as SM
+    from onepath.ops import sampling as SA
     from onepath.ops.cuda import elementwise, logprobs, rmsnorm
+    from onepath.ops.cuda import sampling
 
     gen = torch.Generator().manual_seed(0)
     results = {}
@@ -199,6 +219,32 @@ def _run_checks() -> dict:
         same = torch.equal(lp[at], none_lp[0]) and torch.equal(ent[at], none_ent[0])
         same = same and torch.equal(logprobs.probs(lg, temp, keep)[at], none_p[0])
         record("logprobs_keep_none_equals_all_kept", same, f"M={m}")
+
+    # sampling: V = 40000 spans three programs (SPAN 16384) and a masked tail; zeros outside a top-k set.
+    vocab = 40000
+    keys = [SA.sample_key(3, r, 17) for r in range(6)]
+    probs = torch.softmax(torch.randn(6, vocab, generator=gen) * 3, -1)
+    probs[2, 100:] = 0.0
+    probs[2] /= probs[2].sum()
+    key_tensor = torch.tensor(keys)
+    fused = sampling.sample(probs, key_tensor)
+    record("sample_equals_torch_race", torch.equal(fused, SA.sample(probs, keys)), f"{fused} vs {SA.sample(probs, keys)}")
+    record("sample_equals_torch_race", int(fused[2]) < 100, "a token with probability 0 was drawn")
+    for m in (1, 4):
+        at = m - 1
+        batch = torch.softmax(torch.randn(m, vocab, generator=gen), -1)
+        batch[at] = probs[4]
+        batch_keys = torch.tensor([SA.sample_key(5, r, 1) for r in range(m)])
+        batch_keys[at] = keys[4]
+        record("sample_rows_alone_equal_rows_in_batch", int(sampling.sample(batch, batch_keys)[at]) == int(fused[4]),
+               f"M={m}")
+    # four equal probabilities in three spans: the winner is the torch race's (the noise breaks the tie)
+    flat = torch.zeros(1, vocab)
+    flat[0, [5, 20000, 33000, 39999]] = 0.25
+    race = flat.double() / SA.exponential_noise(torch.tensor(keys[:1]), vocab)
+    want = int(torch.nonzero(race[0] == race[0].max()).max())
+    record("sample_sparse_row_equals_torch_race", int(sampling.sample(flat, torch.tensor(keys[:1]))[0]) == want,
+           "fused race winner differs from the torch race on a sparse row")
     return results
 
 

@@ -40,9 +40,9 @@ import triton.language as tl
 BLOCK_M = 64
 # Fixes the MMA layout, hence the order of a row's max and sum inside a tile: one value for both launches.
 NUM_WARPS = 4
-NUM_STAGES = 2
-# split-KV launch when the step has at most this many query tokens (decode and small chunks).
-SPLIT_MAX_TOKENS = 256
+NUM_STAGES = 3
+# split-KV launch when the in-register grid would give fewer than this many programs per SM.
+SPLIT_BELOW_PROGRAMS_PER_SM = 4
 # "No window": a lower key bound below every position.
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
@@ -225,7 +225,8 @@ def _query_blocks(positions: torch.Tensor, query_seq: torch.Tensor, tokens_per_b
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                     query_seq: torch.Tensor, block_tables: torch.Tensor, scale: float,
                     sliding_window: int | None = None, kv_tile: int = 32, kv_split: int = 256,
-                    split_kv: bool | None = None, max_context: int | None = None) -> torch.Tensor:
+                    split_kv: bool | None = None, max_context: int | None = None,
+                    num_stages: int = NUM_STAGES) -> torch.Tensor:
     """Causal attention of each query over its own sequence's keys in a paged KV cache.
 
     q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (this step's K/V already written);
@@ -234,8 +235,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     in T at consecutive positions (an engine chunk, a training sequence); queries that are not are
     left unwritten. Key at position j lives at slot block_tables[seq, j // block_size] * block_size + j % block_size.
     kv_tile and kv_split (keys per tile, keys per split) fix the reduction tree: both sides must agree.
-    split_kv picks the launch (None: split-KV for at most SPLIT_MAX_TOKENS queries); max_context (keys,
-    default the block tables' capacity) bounds the split-KV partial buffer. Returns [T, H, D] in q's dtype.
+    split_kv picks the launch (None: split-KV when the in-register grid leaves the SMs short of programs);
+    max_context (keys, default the block tables' capacity) bounds the split-KV partial buffer;
+    num_stages is the loads' software pipelining depth. Launch and pipelining move no bit.
+    Returns [T, H, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
@@ -269,7 +272,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     starts = _query_blocks(positions, query_seq, block_q, block_tables.shape[0])
     max_context = max_context or block_tables.shape[1] * block_size
     num_splits = triton.cdiv(max_context, kv_split)
-    split = num_tokens <= SPLIT_MAX_TOKENS if split_kv is None else split_kv
+    if split_kv is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        split_kv = num_splits > 1 and starts.shape[0] * num_kv_heads < SPLIT_BELOW_PROGRAMS_PER_SM * sms
+    split = split_kv
     if split:
         part_m = torch.empty((num_tokens, num_heads, num_splits), device=q.device, dtype=torch.float32)
         part_l = torch.empty_like(part_m)
@@ -286,7 +292,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, KV_TILE=kv_tile, SPLIT_TILES=kv_split // kv_tile, BLOCK_M=block_m,
-        BLOCK_Q=block_q, SPLIT=split, num_stages=NUM_STAGES, **common,
+        BLOCK_Q=block_q, SPLIT=split, num_stages=num_stages, **common,
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_kv_heads)](
