@@ -8,7 +8,9 @@ Planted defects (Ops subclasses given through the gates' ops_factory hook, or a 
      a split-K reduction above 8 rows is planted too, as bisect's test does);
   C4 decode with another reduction order: launches of single-token queries take the baseline attention;
   C7 a wrong backward: linear's reference gradient scaled by 1.01 (forward values untouched);
-  C8, C9 a stale weight: the engine's weight sync skips one parameter.
+  C8, C9 a stale weight: the engine's weight sync skips one parameter;
+  C4's graph-vs-eager part: an engine asked for CUDA graphs that replays none (a CPU engine posing as CUDA).
+The same gates on the GPU, with their controls there: tests/gpu/test_gates_gpu.py.
 """
 import json
 
@@ -16,7 +18,8 @@ import pytest
 import torch
 
 from onepath.consistency import gates
-from onepath.consistency.gates import GATES, GRAD_BOUNDS, main, param_group, parse_gates, run_gates
+from onepath.consistency.gates import (GATES, GRAD_BOUNDS, GateContext, engine_has_graphs, main, param_group,
+                                       parse_gates, run_gate, run_gates)
 from onepath.engine.llm_engine import LLMEngine
 from onepath.models.checkpoint import save_checkpoint
 from onepath.models.config import ModelConfig
@@ -112,6 +115,35 @@ def test_decode_with_another_reduction_order_fails_c4_at_attention():
     assert all(r["first"]["op"] == "attention" and r["first"]["layer"] == 0 for r in bad)
     # chunked prefill launches are multi-token queries: they keep the consistent path
     assert not any(r["first"] for r in result.evidence["replays"] if "chunks" in r["layout"])
+
+
+class CudaLabelledContext(GateContext):
+    """A CPU context that says it runs on CUDA, so C4 runs its graph-vs-eager part. A CPU model cannot
+    capture: its engines drop the request for graphs, and the 'graph' side runs eager."""
+
+    @property
+    def device(self) -> str:
+        return "cuda"
+
+    def engine(self, model, prompts, max_tokens, prefix_caching=True, graphs=None, **scheduler):
+        return super().engine(model, prompts, max_tokens, prefix_caching, None, **scheduler)
+
+
+@pytest.mark.skipif(not engine_has_graphs(), reason="the engine has no cuda_graphs switch")
+def test_graph_engine_that_replays_no_graph_fails_c4():
+    result = run_gate(CudaLabelledContext.load("tiny"), "C4")
+    assert not result.passed and "replayed no CUDA graph" in result.detail
+    graph = result.evidence["graph_vs_eager"]
+    assert graph["cuda_graphs"]["graph_steps"] == 0 < graph["cuda_graphs"]["eager_steps"]
+    # the comparison itself ran: every token of requests of 2..20 tokens, equal (both sides eager)
+    assert graph["differing_requests"] == 0 and graph["tokens"] == sum(graph["max_tokens"]) == 110
+
+
+def test_c4_graph_part_is_na_for_an_engine_without_cuda_graphs(monkeypatch):
+    monkeypatch.setattr(gates.kernels, "engine_has_graphs", lambda: False)
+    result = run_gate(CudaLabelledContext.load("tiny"), "C4")
+    assert result.passed and result.evidence["graph_vs_eager"].startswith("N/A: engine has no CUDA graphs")
+    assert result.detail.endswith("graph vs eager N/A")
 
 
 def test_wrong_backward_fails_c7_per_group():
