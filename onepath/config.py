@@ -51,6 +51,7 @@ class ModelSection(_Section):
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
+    head_dim: int | None = None   # null = hidden_size / num_attention_heads (Qwen3-0.6B: 128 with hidden 1024)
     model_type: str = "qwen3"
     max_position_embeddings: int = 64
     rope_theta: float = 10000.0
@@ -67,9 +68,13 @@ class ModelSection(_Section):
         self._require("num_key_value_heads", self.num_attention_heads % self.num_key_value_heads == 0,
                       f"does not divide model.num_attention_heads = {self.num_attention_heads}",
                       "grouped-query attention needs whole groups")
-        self._require("hidden_size", self.hidden_size % self.num_attention_heads == 0,
-                      f"is not a multiple of model.num_attention_heads = {self.num_attention_heads}",
-                      "each head gets hidden_size / num_attention_heads dimensions")
+        if self.head_dim is None:
+            self._require("hidden_size", self.hidden_size % self.num_attention_heads == 0,
+                          f"is not a multiple of model.num_attention_heads = {self.num_attention_heads}",
+                          "each head gets hidden_size / num_attention_heads dimensions; or set model.head_dim")
+        else:
+            self._require("head_dim", self.head_dim >= 2 and self.head_dim % 2 == 0, "must be an even number >= 2",
+                          "rotary embedding rotates pairs of dimensions")
         self._require("path", self.path is None or self.path != "", "is empty",
                       "give a checkpoint directory, or null for the embedded tiny model")
 
@@ -124,7 +129,9 @@ class RolloutSection(_Section):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     block_size: int = 16
-    num_blocks: int = 1024
+    num_blocks: int | None = 1024  # null: sized from gpu_memory_utilization on CUDA (1024 on CPU)
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may fill when num_blocks is null
+    cuda_graphs: bool | None = None      # decode steps replay CUDA graphs; null = on when device is cuda
     max_model_len: int = 64
     prefill_chunk_size: int | None = None
     seed: int = 0
@@ -140,12 +147,13 @@ class RolloutSection(_Section):
         self._finite_positive("temperature")
         self._require("top_k", self.top_k >= 0, "must be >= 0", "0 turns top-k off")
         self._require("top_p", 0 < self.top_p <= 1, "must be in (0, 1]", "1.0 turns top-p off")
-        self._positive("max_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks",
-                       "max_model_len")
+        self._positive("max_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len")
+        self._require("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]",
+                      "the share of the GPU's memory the engine may fill, e.g. 0.9")
         self._require("max_tokens", self.max_tokens < self.max_model_len,
                       f"must be < rollout.max_model_len = {self.max_model_len}",
                       "a sequence holds its prompt (at least one token) and its response")
-        self._require("num_blocks", self.num_blocks * self.block_size >= self.max_model_len,
+        self._require("num_blocks", self.num_blocks is None or self.num_blocks * self.block_size >= self.max_model_len,
                       f"* rollout.block_size = {self.block_size} is below rollout.max_model_len = "
                       f"{self.max_model_len}", "the KV cache must hold one whole sequence; raise num_blocks")
         if self.prefill_chunk_size is None:
@@ -184,6 +192,8 @@ class TrainSection(_Section):
     log_every: int = 1
     save_every: int = 0           # checkpoint run_dir/step_N (weights + trainer state) every N steps; 0 = last only
     keep_last: int = 2            # step_N checkpoints kept; older ones are deleted
+    recompute: bool = False       # activation recomputation: each decoder layer's forward runs again in backward
+    micro_batch_tokens: int | None = None  # forward + backward per micro-batch of whole sequences; null/0 = one
 
     def __post_init__(self):
         self._coerce()
@@ -214,13 +224,30 @@ class TrainSection(_Section):
             self._require(threshold, math.isfinite(getattr(self, threshold)) and getattr(self, threshold) >= 1,
                           "must be a finite number >= 1", "the on-policy ratio 1 must pass untouched")
         self._require("val_every", self.val_every >= 0, "must be >= 0", "0 turns evaluation off")
+        self._require("micro_batch_tokens", self.micro_batch_tokens is None or self.micro_batch_tokens >= 0,
+                      "must be >= 0", "a token budget per backward; 0 or null runs the whole step in one")
+        if self.micro_batch_tokens == 0:
+            self.micro_batch_tokens = None  # one spelling of "off", so a resumed run's config hash agrees
         if self.val_temperature is not None:
             self._finite_positive("val_temperature")
 
 
+@dataclass(slots=True)
+class LoggerSection(_Section):
+    NAME: ClassVar[str] = "logger"
+    wandb: bool = False           # log every step's metrics to Weights & Biases too (pip install wandb)
+    project: str = "onepath"
+    name: str | None = None       # null = the --out directory's name; the mode is appended
+
+    def __post_init__(self):
+        self._coerce()
+        self._require("project", self.project != "", "is empty", "give a W&B project name")
+        self._require("name", self.name != "", "is empty", "give a run name, or null for the --out directory's name")
+
+
 SECTIONS: dict[str, type[_Section]] = {
     "model": ModelSection, "data": DataSection, "warm_start": WarmStartSection,
-    "rollout": RolloutSection, "train": TrainSection,
+    "rollout": RolloutSection, "train": TrainSection, "logger": LoggerSection,
 }
 
 
@@ -232,6 +259,7 @@ class RunConfig(_Section):
     warm_start: WarmStartSection = field(default_factory=WarmStartSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     train: TrainSection = field(default_factory=TrainSection)
+    logger: LoggerSection = field(default_factory=LoggerSection)
     mode: str = "consistent"
     device: str = "cpu"
     out: str = "runs/demo"

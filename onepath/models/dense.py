@@ -125,11 +125,14 @@ class DenseDecoder(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """Hidden states after the final norm, one row per token of the batch: [T, hidden]."""
+    def forward(self, batch: ForwardBatch, cache: KVCache, layer_fn=None) -> torch.Tensor:
+        """Hidden states after the final norm, one row per token of the batch: [T, hidden].
+        layer_fn(layer, *args), when given, runs each decoder layer in place of layer(*args): the
+        trainer's activation recomputation wraps it so; the values must be layer(*args)'s."""
         x = self.ops.embedding(batch.input_ids, self.model.embed_tokens.weight)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, batch, cache.k[i], cache.v[i], self.rope_cos, self.rope_sin)
+            args = (x, batch, cache.k[i], cache.v[i], self.rope_cos, self.rope_sin)
+            x = layer(*args) if layer_fn is None else layer_fn(layer, *args)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

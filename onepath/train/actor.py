@@ -1,10 +1,19 @@
 """Actor: the trainer's side of the policy. Its forward is the engine's model code and `ops`
-(autograd wrappers give the backward), over whole sequences written to a private paged cache."""
+(autograd wrappers give the backward), over whole sequences written to a private paged cache.
+
+An update may run forward + backward per micro-batch of whole sequences (a token budget), summing
+gradients, and may recompute each decoder layer's activations in backward (`recompute`). Neither
+moves a forward bit: a sequence's log-probs do not depend on its batch (batch invariance), and a
+recomputed layer runs the same kernels on the same inputs.
+"""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from onepath.engine.sampling_params import SamplingParams
 from onepath.models.batch import ForwardBatch
@@ -31,11 +40,17 @@ class Responses:
             mask[i, :len(values)] = True
         return cls(prompt_ids, completion_ids, params, lp, mask)
 
+    def select(self, rows: list[int]) -> "Responses":
+        """Responses rows[0], rows[1], ... of this batch; the width T stays."""
+        return Responses([self.prompt_ids[i] for i in rows], [self.completion_ids[i] for i in rows],
+                         [self.params[i] for i in rows], self.rollout_logprobs[rows], self.mask[rows])
+
 
 class Actor:
     def __init__(self, model: DenseDecoder, block_size: int, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0,
-                 max_grad_norm: float = 1.0, warmup_steps: int = 0):
+                 max_grad_norm: float = 1.0, warmup_steps: int = 0, recompute: bool = False):
         self.model, self.ops, self.block_size = model, model.ops, block_size
+        self.recompute = recompute
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         # Adam's first steps move every weight by about lr whatever the gradient's size: ramp lr up
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -73,10 +88,17 @@ class Actor:
         device = self.model.device
         batch, num_blocks, rows = ForwardBatch.for_completions(prompts, completions, self.block_size, device)
         cache = KVCache(self.model.config, num_blocks, self.block_size, self.ops.spec.dtype, device)
-        hidden = self.model(batch, cache)
+        hidden = self.hidden(batch, cache)
         tokens = [t for c in completions for t in c]
         row_params = [params[i] for i, c in enumerate(completions) for _ in c]
         return self.head(hidden, rows, tokens, row_params, head_rows)
+
+    def hidden(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """The model's forward; with `recompute` and grad on, each decoder layer under activation
+        checkpointing: its activations are freed after the forward and rebuilt in backward."""
+        if self.recompute and torch.is_grad_enabled():
+            return self.model(batch, cache, layer_fn=recomputed)
+        return self.model(batch, cache)
 
     def head(self, hidden, rows: list[int], tokens: list[int], row_params: list[SamplingParams],
              head_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,10 +127,66 @@ class Actor:
         out = values.new_zeros(mask.shape)
         return out.masked_scatter(mask, values) if values.numel() else out
 
-    def update(self, loss: torch.Tensor) -> float:
+    def backward(self, r: Responses, loss_fn: Callable, micro_batch_tokens: int | None = None,
+                 forward: Callable | None = None, timer: Callable | None = None,
+                 forward_phase: str = "update") -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Fresh gradients of the step's loss over r, by forward + backward per micro-batch of whole
+        sequences of at most micro_batch_tokens tokens (None or 0: one micro-batch), summed.
+
+        loss_fn(rows, logprobs) -> (loss, stats) is the share of the step's loss of r.select(rows),
+        whose log-probs [len(rows), T] carry grad; it must normalise as the whole batch does (a
+        token-mean over the whole step's tokens), so that the shares add up to the step's loss.
+        forward(responses) -> (logprobs, entropies) defaults to self.logprobs. timer(name) times the
+        forwards as forward_phase and the losses and backwards as "update".
+        Returns the log-probs and entropies [B, T] (detached) and each stat summed over micro-batches."""
+        forward = forward or self.logprobs
+        timer = timer or (lambda name: nullcontext())
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        lps, entropies, totals = [], [], {}
+        for rows in self.micro_batches(r, micro_batch_tokens):  # consecutive rows, in order
+            with timer(forward_phase):
+                lp, entropy = forward(r.select(rows))
+            with timer("update"):
+                loss, stats = loss_fn(rows, lp)
+                loss.backward()
+            lps.append(lp.detach())
+            entropies.append(entropy.detach())
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value
+        return torch.cat(lps), torch.cat(entropies), totals
+
+    def step(self, grad_scale: float = 1.0) -> float:
+        """Scale the gradients by grad_scale (when not 1), clip them, take one AdamW step; the norm before clipping."""
+        if grad_scale != 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.schedule.step()
         return float(grad_norm)
+
+    def update(self, loss: torch.Tensor) -> float:
+        """One AdamW step on a loss whose graph is already built (the whole batch in one backward)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        return self.step()
+
+
+def recomputed(layer, x, *rest):
+    """layer(x, *rest) under activation checkpointing. The hidden state is the checkpoint's only
+    input: the forward writes this step's K/V into the cache in place, and a saved input must not
+    change before backward; recomputing writes the same bits again (same kernels, same inputs).
+    A recompute would silently use weights changed since the forward, so it checks their versions
+    as the autograd wrappers' saved tensors do without recompute."""
+    params = list(layer.parameters())
+    versions = [p._version for p in params]
+
+    def run(h):
+        if [p._version for p in params] != versions:
+            raise RuntimeError("a decoder layer's weights were modified in place between its forward and its "
+                               "backward (train.recompute rebuilds the layer from the weights as they are now): "
+                               "run the optimizer step after backward")
+        return layer(h, *rest)
+
+    return checkpoint(run, x, use_reentrant=False)

@@ -27,12 +27,16 @@ STATE_JSON = "trainer_state.json"
 STATE_PT = "trainer_state.pt"
 STEP_DIR = re.compile(r"step_(\d+)")
 LEFTOVER = re.compile(r"\.+(step_\d+|metrics\.jsonl)\..*(tmp|old)-")
-# Settings a resumed run may change: how far to go, what to keep, where the run lives, and the
-# engine's capacity knobs, which move no bit in consistent mode (batch invariance is the contract).
+# Settings a resumed run may change: how far to go, what to keep, where the run lives and where it
+# logs, the engine's capacity knobs, which move no bit in consistent mode (batch invariance and phase
+# consistency are the contract), and activation recomputation, which moves no bit of the forward or
+# the gradients. train.micro_batch_tokens is not among them: it changes the gradients' summation order.
 MAY_CHANGE = frozenset({
     "out", "mode", "train.steps", "train.save_every", "train.keep_last", "train.log_every",
-    "train.val_every", "train.val_temperature", "data.val_path",
-    "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.num_blocks", "rollout.prefill_chunk_size"})
+    "train.val_every", "train.val_temperature", "data.val_path", "train.recompute",
+    "logger.wandb", "logger.project", "logger.name",
+    "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.num_blocks", "rollout.prefill_chunk_size",
+    "rollout.gpu_memory_utilization", "rollout.cuda_graphs"})
 
 
 def complete_steps(run_dir: Path) -> list[int]:

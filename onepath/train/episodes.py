@@ -169,7 +169,7 @@ def masked_forward(actor: Actor, prompts, completions, masks, params, head_rows)
                 row_params.append(p)
         k += len(c)
     cache = KVCache(actor.model.config, num_blocks, actor.block_size, actor.ops.spec.dtype, actor.model.device)
-    hidden = actor.model(batch, cache)
+    hidden = actor.hidden(batch, cache)
     return actor.head(hidden, rows, tokens, row_params, head_rows)
 
 

@@ -26,9 +26,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool =
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                clip_ratio: float, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                clip_ratio: float, weights: torch.Tensor | None = None,
+                count: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped-ratio loss, token-mean over valid tokens. logprobs/old/mask [B, T], advantages [B].
-    `weights` [B, T] (detached) multiply each token's loss (TIS); tokens off `mask` leave the mean."""
+    `weights` [B, T] (detached) multiply each token's loss (TIS); tokens off `mask` leave the mean.
+    `count` is the mean's denominator when these rows are one micro-batch of a step: the step's
+    valid tokens, so that the micro-batches' losses and stats add up to the step's (default: mask's)."""
     ratio = torch.exp(logprobs - old_logprobs)
     adv = advantages[:, None]
     unclipped = -adv * ratio
@@ -37,7 +40,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if weights is not None:
         per_token = per_token * weights.detach()
     valid = mask.float()
-    count = valid.sum().clamp(min=1.0)
+    count = valid.sum().clamp(min=1.0) if count is None else max(count, 1.0)
     loss = (per_token * valid).sum() / count
     clipfrac = ((clipped > unclipped).float() * valid).sum() / count
     ppo_kl = ((old_logprobs - logprobs) * valid).sum() / count

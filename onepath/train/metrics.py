@@ -1,4 +1,4 @@
-"""MetricsLogger: one step's metrics to metrics.jsonl, TensorBoard and a console row; Timer."""
+"""MetricsLogger: one step's metrics to metrics.jsonl, TensorBoard, a console row and (optionally) W&B; Timer."""
 from __future__ import annotations
 
 import json
@@ -25,7 +25,10 @@ HEADER_EVERY = 20
 
 
 class MetricsLogger:
-    def __init__(self, run_dir, tensorboard: bool = True, console: bool = True, purge_step: int | None = None):
+    """`wandb`: wandb.init's arguments to log every record there too, or None."""
+
+    def __init__(self, run_dir, tensorboard: bool = True, console: bool = True, purge_step: int | None = None,
+                 wandb: dict | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -34,6 +37,7 @@ class MetricsLogger:
         self._writer = _summary_writer(self.run_dir / "tb", purge_step) if tensorboard else None
         self.console = console
         self._rows = 0
+        self._wandb = require_wandb().init(**wandb) if wandb is not None else None
 
     def log(self, step: int, metrics: dict[str, float]):
         record = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}}
@@ -44,6 +48,8 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, (int, float)):
                     self._writer.add_scalar(key, value, int(step))
             self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=int(step))
         if self.console:
             if self._rows % HEADER_EVERY == 0:
                 tqdm.write(format_header())
@@ -56,6 +62,9 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -108,23 +117,39 @@ def read_metrics(path) -> list[dict]:
 
 class Timer:
     """`with timer("gen"): ...` adds the wall time to `timing_s/gen`; `metrics()` returns and resets.
-    Time GPU work only up to a point that synchronises (a .tolist(), .item()), or it measures the launch."""
+    `sync` (torch.cuda.synchronize on the GPU) runs at both ends of a timed block, so a block's time
+    is its kernels', not their launch's; without it, end GPU work at a point that synchronises."""
 
-    def __init__(self):
+    def __init__(self, sync=None):
         self._seconds: dict[str, float] = {}
+        self._sync = sync
 
     @contextmanager
     def __call__(self, name: str):
+        if self._sync is not None:
+            self._sync()
         start = time.perf_counter()
         try:
             yield
         finally:
+            if self._sync is not None:
+                self._sync()
             key = f"timing_s/{name}"
             self._seconds[key] = self._seconds.get(key, 0.0) + time.perf_counter() - start
 
     def metrics(self) -> dict[str, float]:
         seconds, self._seconds = self._seconds, {}
         return seconds
+
+
+def require_wandb():
+    """The wandb module, or an error that says how to get it (logger.wandb is on)."""
+    try:
+        import wandb
+    except ImportError as e:
+        raise RuntimeError(f"logger.wandb is true but wandb cannot be imported ({e}): pip install wandb, "
+                           "or set --logger.wandb false") from None
+    return wandb
 
 
 def _summary_writer(log_dir: Path, purge_step: int | None = None):

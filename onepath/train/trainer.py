@@ -8,6 +8,11 @@ verified step its detached values are the old log-probs and are diffed against t
 second forward), on other steps the rollout's log-probs are the old ones. In consistent mode the two
 are the same bits, so every policy trains the same weights.
 
+Micro-batches (train.micro_batch_tokens): forward and backward run per micro-batch of whole
+sequences, gradients summed. Each micro-batch's loss is a share of the step's token-mean (divided by
+all the step's valid tokens); when MIS takes tokens out of the mean, the summed gradients are scaled
+by valid / kept before clipping. train.recompute rebuilds each layer's activations in backward.
+
 Evaluation (train.val_every) samples the held-out rows on the same engine after the weight sync,
 with request ids below 0 (training's are >= 1_000_000), so no sampling key (seed, request id,
 position) is shared; it reads no training row and leaves the engine as it found it.
@@ -22,8 +27,11 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import resource
 import time
+import uuid
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,7 +54,7 @@ from onepath.train.actor import Actor, Responses
 from onepath.train.data import PromptSampler, load_rows, prompt_text, reward_kwargs
 from onepath.train.episodes import episode_metrics, episode_responses, masked_logprobs, run_episodes
 from onepath.train.grpo import group_advantages, policy_loss, rollout_correction
-from onepath.train.metrics import MetricsLogger, Timer
+from onepath.train.metrics import MetricsLogger, Timer, require_wandb
 from onepath.train.rewards import get_reward, overlong_penalty
 from onepath.train.warm_start import warm_start
 
@@ -74,6 +82,8 @@ def build_model(model_config: ModelConfig, spec: ExecutionSpec, max_positions: i
 
 
 def prepare(cfg: RunConfig, out: Path, progress: bool = True) -> Setup:
+    if cfg.logger.wandb:
+        require_wandb()  # before the warm start, not after it
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
     if cfg.data.train_path:
@@ -95,7 +105,7 @@ def prepare(cfg: RunConfig, out: Path, progress: bool = True) -> Setup:
         model_config = ModelConfig(
             vocab_size=tokenizer.get_vocab_size(), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
             num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.num_key_value_heads, model_type=m.model_type,
+            num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, model_type=m.model_type,
             max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
             tie_word_embeddings=m.tie_word_embeddings, bos_token_id=arithmetic.BOS_ID,
             eos_token_id=arithmetic.EOS_ID, pad_token_id=arithmetic.PAD_ID)
@@ -160,12 +170,15 @@ class GRPOTrainer:
         self.engine = LLMEngine(engine_model, num_blocks=r.num_blocks, block_size=r.block_size,
                                 scheduler=SchedulerConfig(r.max_num_seqs, r.max_num_batched_tokens, max_len,
                                                           r.prefill_chunk_size),
-                                eos_token_ids=setup.eos_token_ids, tokenizer=setup.tokenizer)
+                                eos_token_ids=setup.eos_token_ids, tokenizer=setup.tokenizer,
+                                gpu_memory_utilization=r.gpu_memory_utilization, cuda_graphs=r.cuda_graphs)
         t = cfg.train
-        self.actor = Actor(self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm, t.lr_warmup_steps)
+        self.actor = Actor(self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm, t.lr_warmup_steps,
+                           recompute=t.recompute)
         self.sampler = PromptSampler(setup.train_rows, seed=t.seed)
         self.env = CalculatorEnv(setup.tokenizer, setup.eos_token_ids) if r.env == "calculator" else None
-        self.timer = Timer()
+        # on CUDA a phase ends when its kernels do, not when they are queued
+        self.timer = Timer(sync=torch.cuda.synchronize if cfg.device == "cuda" else None)
         if saved is not None:
             self.restore(*saved)
             tqdm.write(f"[{mode}] resumed from {found} (step {self.start} of {t.steps})")
@@ -246,36 +259,52 @@ class GRPOTrainer:
         return t.old_logprob == "verify" or (t.old_logprob == "every_n" and (step - 1) % t.old_logprob_every == 0)
 
     def step(self, step: int) -> dict:
+        with self.timer("step"):
+            if self.cfg.device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            metrics = self.train_step(step)
+        metrics.update(self.timer.metrics())
+        metrics["perf/rollout_tokens_per_s"] = metrics.pop("generated_tokens") / max(metrics["timing_s/gen"], 1e-9)
+        metrics.update(memory_metrics(self.cfg.device))
+        return metrics
+
+    def train_step(self, step: int) -> dict:
+        """Rollout, reward, forward and backward, update, weight sync; timings are the caller's."""
         t = self.cfg.train
         rows = self.sampler.next_batch(t.prompts_per_step)
         responses, texts, rollout_metrics = self.rollout(rows, step)
-        generated = rollout_metrics.pop("generated_tokens")
         lengths = responses.mask.sum(1)  # policy tokens only: env tokens are outside the mask
         with self.timer("reward"):
             rewards = self.score(rows, texts, lengths.tolist(), self.cfg.rollout.n)
         advantages = group_advantages(rewards, self.cfg.rollout.n, t.norm_adv_by_std)
         verify = self.verifies(step)
+        device = self.policy.device
+        mask, rollout_logprobs = responses.mask.to(device), responses.rollout_logprobs.to(device)
+        advantages_on = advantages.to(device)
+        valid_tokens = float(responses.mask.sum())
+
+        def loss_fn(rows, logprobs):
+            # a verified step's old log-probs are this forward's own values (detached): no second forward
+            old = logprobs.detach() if verify else rollout_logprobs[rows]
+            weights, keep, _ = rollout_correction(old, rollout_logprobs[rows], mask[rows], t.rollout_is,
+                                                  t.rollout_is_threshold, t.rollout_rs, t.rollout_rs_threshold)
+            return policy_loss(logprobs, old, advantages_on[rows], keep, t.clip_ratio, weights, count=valid_tokens)
+
+        forward = self.actor.logprobs if self.env is None else partial(masked_logprobs, self.actor)
+        logprobs, entropy, pg = self.actor.backward(responses, loss_fn, t.micro_batch_tokens, forward, self.timer,
+                                                    "old_logprob" if verify else "update")
         with self.timer("old_logprob" if verify else "update"):
-            if self.env is None:
-                logprobs, entropy = self.actor.logprobs(responses)
-            else:
-                logprobs, entropy = masked_logprobs(self.actor, responses)
-            device = logprobs.device
-            mask, rollout_logprobs = responses.mask.to(device), responses.rollout_logprobs.to(device)
-            if verify:
-                old = logprobs.detach()
-                metrics = rollout_diff(rollout_logprobs, old, mask)
-            else:
-                old, metrics = rollout_logprobs, {}
+            old = logprobs if verify else rollout_logprobs
+            metrics = rollout_diff(rollout_logprobs, old, mask) if verify else {}
         with self.timer("update"):
-            weights, keep, corrections = rollout_correction(old, rollout_logprobs, mask, t.rollout_is,
-                                                            t.rollout_is_threshold, t.rollout_rs,
-                                                            t.rollout_rs_threshold)
-            loss, pg = policy_loss(logprobs, old, advantages.to(device), keep, t.clip_ratio, weights)
-            grad_norm = self.actor.update(loss)
+            _, keep, corrections = rollout_correction(old, rollout_logprobs, mask, t.rollout_is,
+                                                      t.rollout_is_threshold, t.rollout_rs, t.rollout_rs_threshold)
+            # the losses were token-means over every valid token; MIS leaves fewer in the mean
+            scale = valid_tokens / max(float(keep.sum()), 1.0)
+            grad_norm = self.actor.step(grad_scale=scale)
+            pg = {key: value * scale for key, value in pg.items()}
         with self.timer("sync"):
             self.engine.update_weights(self.policy.named_parameters())
-        timings = self.timer.metrics()
         metrics.update(corrections)
         metrics.update(pg)
         metrics.update(rollout_metrics)
@@ -285,8 +314,6 @@ class GRPOTrainer:
             "response_length/mean": lengths.float().mean().item(),
             "actor/entropy": (entropy.detach()[mask].mean().item() if responses.mask.any() else 0.0),
             "actor/grad_norm": grad_norm,
-            "perf/rollout_tokens_per_s": generated / max(timings.get("timing_s/gen", 0.0), 1e-9),
-            **timings,
         })
         return metrics
 
@@ -309,6 +336,20 @@ class GRPOTrainer:
         every = self.cfg.train.val_every
         return bool(every and self.setup.test_rows) and (step % every == 0 or step == self.cfg.train.steps)
 
+    def wandb_settings(self) -> dict | None:
+        """wandb.init arguments, or None when logger.wandb is off. A resumed run continues its W&B run
+        (the id lives in run_dir/wandb_id.txt); W&B drops the steps it already has, with a warning."""
+        lg = self.cfg.logger
+        if not lg.wandb:
+            return None
+        id_file = self.run_dir / "wandb_id.txt"
+        if not (self.start and id_file.is_file()):
+            id_file.write_text(uuid.uuid4().hex[:16])
+        group = lg.name or Path(self.cfg.out).resolve().name
+        return {"project": lg.project, "name": f"{group}-{self.spec.mode}", "group": group,
+                "id": id_file.read_text(), "resume": "allow", "dir": str(self.run_dir),
+                "config": {**self.cfg.to_dict(), "spec_hash": self.spec.hash()}}
+
     def run(self, progress: bool = True) -> list[dict]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_yaml(self.cfg, self.run_dir / "config.yaml")
@@ -318,7 +359,8 @@ class GRPOTrainer:
         kept = checkpoint.rewind_metrics(self.run_dir, self.start)
         history = [{k: v for k, v in r.items() if k != "step"} for r in kept]
         t = self.cfg.train
-        with MetricsLogger(self.run_dir, console=progress, purge_step=self.start + 1 if self.start else None) as logger:
+        with MetricsLogger(self.run_dir, console=progress, purge_step=self.start + 1 if self.start else None,
+                           wandb=self.wandb_settings()) as logger:
             for step in tqdm(range(self.start + 1, t.steps + 1), desc=self.spec.mode, disable=not progress, leave=False,
                              initial=self.start, total=t.steps):
                 metrics = self.step(step)
@@ -329,3 +371,11 @@ class GRPOTrainer:
                 if step == t.steps or (t.save_every and step % t.save_every == 0):
                     self.save(step)
         return history
+
+
+def memory_metrics(device: str) -> dict[str, float]:
+    """perf/peak_memory_gib: CUDA memory allocated at the step's peak (the step resets the counter);
+    on the CPU perf/max_rss_gib: the process's peak resident set so far (Linux reports KiB), never reset."""
+    if device == "cuda":
+        return {"perf/peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30}
+    return {"perf/max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}

@@ -103,3 +103,11 @@ def test_timer():
     assert set(metrics) == {"timing_s/gen", "timing_s/update"}
     assert metrics["timing_s/gen"] >= 0.02
     assert timer.metrics() == {}
+
+
+def test_timer_syncs_at_both_ends_of_a_block():
+    events = []
+    timer = Timer(sync=lambda: events.append("sync"))
+    with timer("update"):
+        events.append("work")
+    assert events == ["sync", "work", "sync"] and set(timer.metrics()) == {"timing_s/update"}
