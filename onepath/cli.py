@@ -1,7 +1,8 @@
-"""onepath command line: `onepath train | generate | report | check | bisect | diagnose | slice`."""
+"""onepath command line: `onepath train | generate | report | check | bisect | diagnose | slice | bench`."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -109,8 +110,18 @@ def slice_model(argv: list[str]) -> int:
     return slice_main(argv)
 
 
+def bench(argv: list[str]) -> int:
+    from onepath.bench import rollout
+    parser = argparse.ArgumentParser(prog="onepath bench", description="benchmarks; JSON results with their command")
+    benchmarks = parser.add_subparsers(dest="benchmark", required=True)
+    rollout.add_arguments(benchmarks.add_parser("rollout", help=rollout.__doc__.splitlines()[0],
+                                                description=rollout.__doc__.splitlines()[0]))
+    args = parser.parse_args(argv)
+    return rollout.run(args, f"onepath bench {shlex.join(argv)}")
+
+
 COMMANDS = {"train": train, "generate": generate, "report": report, "check": check, "bisect": bisect,
-            "diagnose": diagnose, "slice": slice_model}
+            "diagnose": diagnose, "slice": slice_model, "bench": bench}
 
 
 def main(argv: list[str] | None = None) -> int:

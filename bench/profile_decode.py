@@ -1,0 +1,112 @@
+"""Where a decode step's time goes: host phases and the GPU kernels of all-decode engine steps.
+
+    python bench/profile_decode.py --model qwen3-0.6b --batch 256 --out bench/results/profile-decode.json
+
+Per mode: an engine (CUDA graphs on) is filled with `batch` requests of `prompt` tokens, stepped
+until every sequence decodes, then `steps` steps are timed by phase (schedule, forward + sampling,
+postprocess; CUDA-synchronised), and `steps` more run under torch.profiler, whose kernel table
+(GPU time per kernel name, summed) is printed and saved.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from onepath.bench.results import environment
+from onepath.bench.workloads import model_config
+from onepath.engine.llm_engine import LLMEngine
+from onepath.engine.sampling_params import SamplingParams
+from onepath.engine.scheduler import SchedulerConfig
+from onepath.models.dense import DenseDecoder
+from onepath.numerics.spec import ExecutionSpec
+from onepath.ops import Ops
+
+
+def fill(engine: LLMEngine, batch: int, prompt: int, vocab: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for i in range(batch):
+        engine.add_request(torch.randint(0, vocab, (prompt,), generator=g).tolist(),
+                           SamplingParams(max_tokens=100_000, ignore_eos=True, seed=seed), request_id=i)
+    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+        engine.step()
+
+
+def timed_phases(engine: LLMEngine, steps: int) -> dict:
+    phases = {"schedule": [], "forward_and_sample": [], "postprocess": []}
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        scheduled = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        sampled = engine.runner.run(scheduled)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        engine.scheduler.postprocess(scheduled, sampled)
+        t3 = time.perf_counter()
+        for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
+            phases[name].append(seconds * 1e3)
+    assert engine.runner.replayed_graph, "the profiled steps did not replay a CUDA graph"
+    return {name: statistics.median(v) for name, v in phases.items()}
+
+
+def kernel_table(engine: LLMEngine, steps: int, top: int) -> tuple[list[dict], float]:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        gpu_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if event.device_type == torch.autograd.DeviceType.CUDA and gpu_us > 0:
+            rows.append(dict(name=event.key[:90], calls=event.count // steps, gpu_ms_per_step=gpu_us / 1e3 / steps))
+    rows.sort(key=lambda r: -r["gpu_ms_per_step"])
+    return rows[:top], sum(r["gpu_ms_per_step"] for r in rows)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--modes", default="consistent,baseline")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--prompt", type=int, default=150)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--max-model-len", type=int, default=1200)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    config = model_config(args.model)
+    result = dict(environment("cuda"), command="python bench/profile_decode.py " + " ".join(argv or sys.argv[1:]),
+                  options=vars(args), modes={})
+    for mode in args.modes.split(","):
+        model = DenseDecoder(config, Ops(ExecutionSpec.default(mode, "cuda")), max_positions=args.max_model_len)
+        model.init_weights(0)
+        engine = LLMEngine(model, scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=8192,
+                                                            max_model_len=args.max_model_len))
+        fill(engine, args.batch, args.prompt, config.vocab_size, seed=1)
+        for _ in range(5):
+            engine.step()
+        phases = timed_phases(engine, args.steps)
+        kernels, gpu_ms = kernel_table(engine, args.steps, args.top)
+        context = statistics.mean(s.num_tokens for s in engine.scheduler.running)
+        result["modes"][mode] = dict(batch=len(engine.scheduler.running), mean_context=context, host_ms=phases,
+                                     gpu_kernel_ms_per_step=gpu_ms, kernels=kernels)
+        print(f"\n{mode}: batch {len(engine.scheduler.running)}, context {context:.0f}; host phases (ms, median) "
+              + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + f"; GPU kernels {gpu_ms:.2f} ms/step")
+        for r in kernels:
+            print(f"  {r['gpu_ms_per_step']:8.3f} ms  {r['calls']:5d}x  {r['name']}")
+        del engine, model
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+"""Rollout tokens/s (consistent, baseline, transformers' generate) and the decode roofline; JSON in bench/results/.
+
+    python bench/rollout.py --model qwen3-0.6b --device cuda --out bench/results/rollout-qwen3-0.6b.json
+    python bench/rollout.py --model tiny --device cpu --requests 8 --scale 0.02
+
+The same as `onepath bench rollout` (onepath/bench/rollout.py holds the logic and the options).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
+
+from onepath.bench.rollout import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""Rollout tokens/s of the engine (consistent, baseline) and of transformers' generate, vs the decode roofline.
+
+One run covers every model, workload and mode (`onepath bench rollout`, or bench/rollout.py):
+
+    onepath bench rollout --model qwen3-0.6b --device cuda --out bench/results/rollout-qwen3-0.6b.json
+    python bench/rollout.py --model tiny --device cpu --requests 8 --scale 0.02
+
+Each (workload, mode) runs on a fresh engine (max_model_len fitted to the workload) over the same
+weights and prompts; the engine is warmed up (Triton compilation, CUDA-graph capture, prefill and
+decode at every row count that changes a GEMM's tiles) before anything is timed, and freed before
+the next is built. After the first fixed workload, a window of steps in which every sequence
+decodes is timed against the decode roofline of its batch and context. A measurement that fails is
+recorded with its error and the run goes on; the JSON is rewritten after every measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import inspect
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from onepath.bench.hf_generate import hf_generate, hf_model
+from onepath.bench.results import environment, save_json
+from onepath.bench.roofline import COPY_CEILING_B_S, COPY_CEILING_SOURCE, HBM_PEAK_B_S, HBM_PEAK_SOURCE
+from onepath.bench.summary import TARGETS, WORKLOAD_ROOFLINE, checks, derive, errors, print_summary
+from onepath.bench.workloads import MODELS, WORKLOADS, Workload, model_config, workload
+from onepath.engine.llm_engine import LLMEngine
+from onepath.engine.sampling_params import SamplingParams
+from onepath.engine.scheduler import SchedulerConfig
+from onepath.models.config import ModelConfig
+from onepath.models.dense import DenseDecoder
+from onepath.models.kv_cache import KVCache
+from onepath.numerics.spec import MODES, ExecutionSpec
+from onepath.ops import Ops
+
+BLOCK_SIZE = 16
+DECODE_SKIP = 2            # decode steps run before the timed window
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", action="append", help=f"{', '.join(MODELS)}; repeat or comma-separate "
+                   "(default qwen3-0.6b)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list (default: all)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list (default: consistent,baseline)")
+    p.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time transformers' generate on the same weights and prompts")
+    p.add_argument("--hf-workload", default="fixed-1000", help="the fixed workload HF generate runs")
+    p.add_argument("--hf-requests", type=int, default=None,
+                   help="HF on the first N requests only (one batch of N; compare tokens/s, not seconds)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/rollout-MODELS-DEVICE.json)")
+    p.add_argument("--requests", type=int, default=None, help="requests per workload (default 256)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length (CPU runs)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--decode-steps", type=int, default=64, help="steps in the timed all-decode window")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's; 1 for tiny CPU runs)")
+
+
+def main(argv: list[str] | None = None, prog: str = "python bench/rollout.py") -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv), f"{prog} {shlex.join(argv)}")
+
+
+def run(args: argparse.Namespace, command: str) -> int:
+    """Run every model, print the tables, write the JSON; 0 when every measurement ran (targets aside)."""
+    models = _names(args.model or ["qwen3-0.6b"], MODELS, "model")
+    workloads = [workload(n).scaled(args.requests, args.scale) for n in _names([args.workloads], WORKLOADS, "workload")]
+    modes = _names([args.modes], MODES, "mode")
+    _check(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out or f"bench/results/rollout-{'+'.join(models)}-{args.device}.json")
+    result = dict(environment(args.device), command=command, options=vars(args), targets=TARGETS,
+                  hbm=dict(peak_B_s=HBM_PEAK_B_S, peak_source=HBM_PEAK_SOURCE, copy_ceiling_B_s=COPY_CEILING_B_S,
+                           copy_ceiling_source=COPY_CEILING_SOURCE, workload_roofline=WORKLOAD_ROOFLINE),
+                  models={}, checks=[])
+    for name in models:
+        result["models"][name] = entry = {}
+        bench_model(name, workloads, modes, args, entry, lambda: save_json(result, out))
+        result["checks"] += checks(name, entry)
+        save_json(result, out)
+    print_summary(result)
+    print(f"\nwrote {out}")
+    return 1 if any(errors(m) for m in result["models"].values()) else 0
+
+
+def _names(values: list[str], known, what: str) -> list[str]:
+    names = [n.strip() for v in values for n in v.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"{what} {unknown or names!r} is unknown: use one or more of {', '.join(known)}")
+    return list(dict.fromkeys(names))
+
+
+def _check(args) -> None:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no CUDA device: run on the GPU machine or pass --device cpu")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization {args.gpu_memory_utilization} must be in (0, 1]")
+    for name in ("requests", "hf_requests", "decode_steps", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.scale <= 0:
+        raise ValueError(f"--scale {args.scale} must be > 0")
+    if args.hf and args.hf_workload not in WORKLOADS:
+        raise ValueError(f"--hf-workload {args.hf_workload!r} is unknown: use one of {', '.join(WORKLOADS)}")
+
+
+def bench_model(name: str, workloads: list[Workload], modes: list[str], args, entry: dict, save) -> None:
+    """Each workload on a fresh engine per mode (max_model_len fitted to it), then HF generate."""
+    config = model_config(name)
+    decode_on = next((w for w in workloads if w.fixed), None)
+    entry.update(config=config.to_dict(), dtype=str(_dtype(args)), workloads={},
+                 decode_step=dict(workload=decode_on and decode_on.name, modes={}))
+    try:
+        state = random_weights(config, args)
+    except Exception as e:  # noqa: BLE001
+        entry["error"] = f"random weights: {type(e).__name__}: {e}"[:2000]
+        return
+    entry["weight_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+    for w in workloads:
+        prompts, outputs = w.sample(config.vocab_size, seed=args.seed * 1000 + list(WORKLOADS).index(w.name))
+        max_model_len = 16 + max(max(map(len, prompts)) + max(outputs),
+                                 w.prompt_len[0] + _window_tokens(w, args) if w is decode_on else 0)
+        row = entry["workloads"][w.name] = dict(
+            requests=w.requests, prompt_len=list(w.prompt_len), output_len=list(w.output_len),
+            prompt_tokens=sum(map(len, prompts)), output_tokens=sum(outputs), max_model_len=max_model_len, modes={})
+        for mode in modes:
+            bench_engine(name, config, mode, state, w, prompts, outputs, max_model_len, w is decode_on, args, entry)
+            save()
+        if args.hf and w.name == args.hf_workload:
+            bench_hf(name, config, state, w, prompts, args, row)
+            save()
+    derive(entry, state, config, args.max_num_seqs, _kv_bytes_per_token(config, args))
+
+
+def random_weights(config: ModelConfig, args) -> dict[str, torch.Tensor]:
+    """The weights every engine and HF get: model.init_weights(seed) in the device's dtype, on the CPU."""
+    model = DenseDecoder(config, Ops(ExecutionSpec.default("baseline", args.device)), max_positions=2)
+    model.init_weights(args.seed)
+    state = model.hf_state_dict()
+    del model
+    _free(args.device)
+    return state
+
+
+def bench_engine(name, config, mode, state, w: Workload, prompts, outputs, max_model_len, decode: bool, args,
+                 entry) -> None:
+    """Build, warm up, time one workload (and the decode window), free; a failure is recorded, not raised."""
+    engine, stage, rows = None, "building or warming up the engine", entry["workloads"][w.name]["modes"]
+    try:
+        batch = min(args.max_num_seqs, w.requests)
+        engine, used = build_engine(config, mode, state, max_model_len, batch, args)
+        warm_up(engine, max_model_len, batch, args)
+        stage = "the timed generate"
+        rows[mode] = dict(timed_generate(engine, prompts, outputs, args), engine=used, memory=memory(engine))
+        print(f"{name} {w.name} {mode}: {rows[mode]['tokens_per_s']:.1f} output tokens/s", flush=True)
+        if decode:
+            stage = "the decode window"
+            entry["decode_step"]["modes"][mode] = decode_window(engine, w, args)
+    except Exception as e:  # noqa: BLE001 -- a failed mode is a result; the run goes on
+        error = f"{stage}: {type(e).__name__}: {e}"[:2000]
+        (entry["decode_step"]["modes"] if stage == "the decode window" else rows)[mode] = dict(error=error)
+        print(f"{name} {w.name} {mode}: {error}", file=sys.stderr, flush=True)
+    del engine
+    _free(args.device)
+
+
+def build_engine(config: ModelConfig, mode: str, state: dict, max_model_len: int, batch: int,
+                 args) -> tuple[LLMEngine, dict]:
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    model = DenseDecoder(config, Ops(ExecutionSpec.default(mode, args.device)), max_positions=max_model_len)
+    model.load_hf_state_dict(state)
+    accepted = inspect.signature(LLMEngine).parameters
+    kwargs = dict(block_size=BLOCK_SIZE, scheduler=SchedulerConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len))
+    if args.device == "cuda" and "gpu_memory_utilization" in accepted:
+        kwargs.update(num_blocks=None, gpu_memory_utilization=args.gpu_memory_utilization)
+    else:
+        # the CPU, or an engine that cannot size its cache: room for `batch` sequences of max_model_len
+        kwargs["num_blocks"] = batch * math.ceil(max_model_len / BLOCK_SIZE)
+    if "cuda_graphs" in accepted:
+        kwargs["cuda_graphs"] = False if args.no_cuda_graphs else None
+    used = dict(kwargs, scheduler=dataclasses.asdict(kwargs["scheduler"]),
+                cuda_graphs=kwargs.get("cuda_graphs", "not an engine option"))
+    return LLMEngine(model, **kwargs), used
+
+
+def memory(engine: LLMEngine) -> dict:
+    reported = getattr(engine, "memory", None)
+    if reported:
+        return dict(reported)
+    model = engine.model
+    kv_bytes_per_token = KVCache.bytes_per_token(model.config, model.ops.spec.dtype)
+    num_blocks, block_size = engine.block_manager.num_blocks, engine.block_manager.block_size
+    return dict(weights_gib=sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
+                kv_cache_gib=num_blocks * block_size * kv_bytes_per_token / 2**30, num_blocks=num_blocks,
+                block_size=block_size, kv_bytes_per_token=kv_bytes_per_token,
+                source="computed by the benchmark: the engine reports no .memory")
+
+
+def warm_up(engine: LLMEngine, max_model_len: int, batch: int, args) -> None:
+    """Prefill steps of budget, budget/2, ... rows, then decode steps at batch sizes `batch`, the
+    multiples of 16 below it, 8, 4, 2, 1: the GEMMs pick their tiles by row count in steps of 64
+    and 128 rows, so every tile config compiles here, not in the timed region."""
+    g = torch.Generator().manual_seed(args.seed + 7919)
+    length = max(1, min(64, max_model_len // 4))
+
+    def prompts(n):
+        return torch.randint(0, engine.model.config.vocab_size, (n, length), generator=g).tolist()
+
+    rows = args.max_num_batched_tokens
+    while rows >= length:
+        engine.generate(prompts(min(args.max_num_seqs, rows // length)),
+                        SamplingParams(max_tokens=1, ignore_eos=True, seed=args.seed))
+        rows //= 2
+    sizes = {b for b in (1, 2, 4, 8) if b < batch} | set(range(16, batch, 16)) | {batch}
+    # request i stops once the batch has shrunk below i + 1: decode runs at each size once
+    max_tokens = [min(1 + sum(s > i for s in sizes), max_model_len - length) for i in range(batch)]
+    engine.generate(prompts(batch), [SamplingParams(max_tokens=n, ignore_eos=True, seed=args.seed) for n in max_tokens])
+    _sync(args.device)
+
+
+def timed_generate(engine: LLMEngine, prompts: list[list[int]], outputs: list[int], args) -> dict:
+    params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=args.seed) for n in outputs]
+    before = _counters(engine.stats)
+    _sync(args.device)
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    _sync(args.device)
+    seconds = time.perf_counter() - start
+    stats = _delta(before, _counters(engine.stats))
+    short = [(o, n) for o, n in zip(outs, outputs) if o.error or len(o.token_ids) != n]
+    if short:
+        o, n = short[0]
+        raise RuntimeError(f"{len(short)} requests did not generate their tokens; request {o.request_id}: "
+                           f"{o.error or f'{len(o.token_ids)} tokens of {n}'}")
+    generated, prompt_tokens = sum(len(o.token_ids) for o in outs), sum(map(len, prompts))
+    return dict(seconds=seconds, steps=stats.get("steps"), generated_tokens=generated, prompt_tokens=prompt_tokens,
+                tokens_per_s=generated / seconds, total_tokens_per_s=(generated + prompt_tokens) / seconds, stats=stats)
+
+
+def _window_tokens(w: Workload, args) -> int:
+    """max_tokens of a decode-window request: room for what it samples during the batch's prefill
+    (twice the steps a full budget needs: chunks end on KV-tile boundaries), the skipped steps, the
+    window, and one more, so that no sequence finishes inside the window."""
+    batch = min(w.requests, args.max_num_seqs)
+    prefill_steps = math.ceil(batch * w.prompt_len[0] / args.max_num_batched_tokens)
+    return 2 * prefill_steps + 2 + DECODE_SKIP + args.decode_steps
+
+
+def decode_window(engine: LLMEngine, w: Workload, args) -> dict:
+    """Time --decode-steps engine steps in which every sequence decodes (fresh prompts: no prefix-cache hits)."""
+    batch, max_tokens = min(w.requests, args.max_num_seqs), _window_tokens(w, args)
+    g = torch.Generator().manual_seed(args.seed + 104729)
+    for p in torch.randint(0, engine.model.config.vocab_size, (batch, w.prompt_len[0]), generator=g).tolist():
+        engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=args.seed))
+    scheduler = engine.scheduler
+    for _ in range(max_tokens):
+        if not scheduler.waiting and all(s.num_uncomputed_tokens == 1 for s in scheduler.running):
+            break
+        engine.step()
+    for _ in range(DECODE_SKIP):
+        engine.step()
+    running, preemptions = list(scheduler.running), scheduler.num_preemptions
+    if not running:
+        raise RuntimeError("no sequence is running after prefill: the decode window has nothing to time")
+    context = sum(s.num_tokens for s in running) / len(running)  # keys the window's first step reads per sequence
+    before = _counters(engine.stats)
+    _sync(args.device)
+    start = time.perf_counter()
+    for _ in range(args.decode_steps):
+        engine.step()
+    _sync(args.device)
+    seconds = time.perf_counter() - start
+    stats = _delta(before, _counters(engine.stats))
+    while not scheduler.is_finished():
+        engine.step()
+    pure = (len(running) == batch and stats.get("generated_tokens") == batch * args.decode_steps
+            and stats.get("prefill_tokens") == 0 and scheduler.num_preemptions == preemptions)
+    return dict(batch=len(running), context=context + (args.decode_steps - 1) / 2, steps=args.decode_steps,
+                seconds=seconds, seconds_per_step=seconds / args.decode_steps,
+                tokens_per_s=len(running) * args.decode_steps / seconds, pure_decode=pure, stats=stats)
+
+
+def bench_hf(name: str, config: ModelConfig, state: dict, w: Workload, prompts, args, row: dict) -> None:
+    model = None
+    try:
+        if not w.fixed:
+            raise ValueError(f"--hf-workload {w.name} has ragged lengths; HF generate takes one max_new_tokens "
+                             "per batch: choose a fixed workload")
+        prompts = prompts[:args.hf_requests or w.requests]
+        model = hf_model(config, state, _dtype(args), args.device)
+        pad = config.pad_token_id or 0
+        hf_generate(model, prompts, 2, pad, args.seed)  # warm-up: first-call allocations, cuBLAS handles
+        row["hf"] = hf_generate(model, prompts, w.output_len[0], pad, args.seed)
+        print(f"{name} {w.name} HF generate: {row['hf']['tokens_per_s']:.1f} output tokens/s", flush=True)
+    except Exception as e:  # noqa: BLE001
+        row["hf"] = dict(error=f"{type(e).__name__}: {e}"[:2000])
+        print(f"{name} {w.name} HF generate: {row['hf']['error']}", file=sys.stderr, flush=True)
+    del model
+    _free(args.device)
+
+
+def _counters(stats) -> dict:
+    return {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)}
+
+
+def _delta(before: dict, after: dict) -> dict:
+    return {k: v - before[k] for k, v in after.items() if isinstance(v, (int, float)) and k in before}
+
+
+def _kv_bytes_per_token(config: ModelConfig, args) -> int:
+    return KVCache.bytes_per_token(config, _dtype(args))
+
+
+def _dtype(args) -> torch.dtype:
+    return ExecutionSpec.default("baseline", args.device).dtype
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()

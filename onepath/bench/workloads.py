@@ -1,0 +1,65 @@
+"""The rollout benchmark's models (random weights) and workloads (random token ids, seeded)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from onepath.models.config import ModelConfig
+
+QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+             rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=True,
+             eos_token_id=151645)
+MODELS = {
+    "qwen3-0.6b": dict(QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28),
+    "qwen3-1.7b": dict(QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28),
+    "tiny": dict(QWEN3, vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=2),
+}
+
+
+def model_config(name: str) -> ModelConfig:
+    if name not in MODELS:
+        raise ValueError(f"model {name!r} is unknown: use one of {sorted(MODELS)}")
+    return ModelConfig(**MODELS[name])
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    requests: int
+    prompt_len: tuple[int, int]  # inclusive range, uniform
+    output_len: tuple[int, int]
+
+    @property
+    def fixed(self) -> bool:
+        return self.prompt_len[0] == self.prompt_len[1] and self.output_len[0] == self.output_len[1]
+
+    def scaled(self, requests: int | None, scale: float) -> "Workload":
+        """Fewer requests and lengths times `scale` (at least 1 token): the same shape, small enough for a CPU."""
+        def length(n: int) -> int:
+            return max(1, round(n * scale))
+        return Workload(self.name, requests or self.requests, (length(self.prompt_len[0]), length(self.prompt_len[1])),
+                        (length(self.output_len[0]), length(self.output_len[1])))
+
+    def sample(self, vocab_size: int, seed: int) -> tuple[list[list[int]], list[int]]:
+        """Prompts (random token ids) and output lengths, one per request."""
+        g = torch.Generator().manual_seed(seed)
+        prompt_lens = torch.randint(self.prompt_len[0], self.prompt_len[1] + 1, (self.requests,), generator=g)
+        output_lens = torch.randint(self.output_len[0], self.output_len[1] + 1, (self.requests,), generator=g)
+        tokens = torch.randint(0, vocab_size, (int(prompt_lens.sum()),), generator=g)
+        return [t.tolist() for t in tokens.split(prompt_lens.tolist())], output_lens.tolist()
+
+
+# the longest last: a run cut short by a time limit still has the other two
+WORKLOADS = {
+    "fixed-1000": Workload("fixed-1000", 256, (150, 150), (1000, 1000)),
+    "ragged": Workload("ragged", 256, (100, 1024), (100, 1024)),
+    "fixed-3000": Workload("fixed-3000", 256, (150, 150), (3000, 3000)),
+}
+
+
+def workload(name: str) -> Workload:
+    if name not in WORKLOADS:
+        raise ValueError(f"workload {name!r} is unknown: use one of {sorted(WORKLOADS)}")
+    return WORKLOADS[name]

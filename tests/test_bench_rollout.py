@@ -1,0 +1,115 @@
+"""`onepath bench rollout` on the tiny preset (CPU): every measurement a real positive number, both modes
+generating every requested token, the HF reference the same model, a failed mode recorded not fatal."""
+import json
+import math
+
+import torch
+
+from onepath.bench import rollout
+from onepath.bench.hf_generate import hf_model
+from onepath.bench.roofline import HBM_PEAK_B_S, decode_roofline, weight_bytes
+from onepath.bench.workloads import MODELS, model_config
+from onepath.cli import main
+from onepath.models.batch import ForwardBatch
+from onepath.models.config import ModelConfig
+from onepath.models.dense import DenseDecoder
+from onepath.models.kv_cache import KVCache
+from onepath.numerics.spec import ExecutionSpec
+from onepath.ops import Ops
+
+REQUESTS = 3
+SMALL = ["--model", "tiny", "--device", "cpu", "--requests", str(REQUESTS), "--scale", "0.01", "--decode-steps", "3",
+         "--max-num-batched-tokens", "64", "--max-num-seqs", "8"]
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def test_rollout_bench_tiny_cpu(tmp_path, capsys):
+    out = tmp_path / "rollout.json"
+    assert main(["bench", "rollout", *SMALL, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "targets" in printed and "HF generate" in printed and f"wrote {out}" in printed
+    r = json.loads(out.read_text())
+    assert r["command"].startswith("onepath bench rollout --model tiny")
+    assert all(r[k] for k in ("date", "gpu", "torch", "transformers"))
+    tiny = r["models"]["tiny"]
+    assert list(tiny["workloads"]) == ["fixed-1000", "ragged", "fixed-3000"]
+    for name, row in tiny["workloads"].items():
+        assert row["requests"] == REQUESTS and row["output_tokens"] >= REQUESTS
+        for mode in ("consistent", "baseline"):
+            m = row["modes"][mode]
+            assert "error" not in m, m
+            assert m["generated_tokens"] == row["output_tokens"], (name, mode)
+            assert m["prompt_tokens"] == row["prompt_tokens"]
+            assert all(positive(m[k]) for k in ("tokens_per_s", "total_tokens_per_s", "seconds", "steps")), m
+            assert positive(m["memory"]["kv_bytes_per_token"]) and positive(m["memory"]["num_blocks"])
+            assert positive(row["roofline"]["fraction"][mode]["of_peak"])
+        assert positive(row["consistent_over_baseline"])
+        assert positive(row["roofline"]["tokens_per_s_peak"]) and positive(row["roofline"]["kv_bytes"])
+    fixed = tiny["workloads"]["fixed-1000"]
+    assert fixed["hf"]["generated_tokens"] == fixed["output_tokens"] and positive(fixed["hf"]["tokens_per_s"])
+    assert positive(fixed["over_hf"]["consistent"]) and positive(fixed["over_hf"]["baseline"])
+    assert "hf" not in tiny["workloads"]["ragged"]
+    for mode, step in tiny["decode_step"]["modes"].items():
+        assert step["pure_decode"] and step["batch"] == REQUESTS and step["stats"]["prefill_tokens"] == 0, (mode, step)
+        assert positive(step["seconds_per_step"]) and positive(step["fraction"]["of_peak"])
+    names = [c["name"] for c in r["checks"]]
+    assert names.count("consistent/baseline tokens/s") == 3 and "consistent/HF generate tokens/s" in names
+    assert any(n.startswith(f"consistent decode step at batch {REQUESTS}") for n in names)
+    assert all(isinstance(c["passed"], bool) for c in r["checks"])
+
+
+def test_a_failing_mode_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    build = rollout.build_engine
+
+    def out_of_memory(config, mode, *args):
+        if mode == "consistent":
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return build(config, mode, *args)
+
+    monkeypatch.setattr(rollout, "build_engine", out_of_memory)
+    out = tmp_path / "rollout.json"
+    assert main(["bench", "rollout", *SMALL, "--workloads", "fixed-1000,ragged", "--no-hf", "--out", str(out)]) == 1
+    tiny = json.loads(out.read_text())["models"]["tiny"]
+    for row in tiny["workloads"].values():
+        assert "simulated" in row["modes"]["consistent"]["error"]
+        assert positive(row["modes"]["baseline"]["tokens_per_s"]) and "consistent_over_baseline" not in row
+    assert "error: building or warming up the engine" in capsys.readouterr().out
+
+
+def test_hf_reference_is_the_same_model():
+    """transformers' model built from the bench's weights gives onepath's logits (FP32, a few ulps)."""
+    config = model_config("tiny")
+    ours = DenseDecoder(config, Ops(ExecutionSpec.default("baseline", "cpu")), max_positions=64)
+    ours.init_weights(seed=1, std=0.2)  # far from uniform: a swapped or mis-mapped tensor shows
+    ref = hf_model(config, ours.hf_state_dict(), torch.float32, "cpu")
+    tokens = torch.randint(0, config.vocab_size, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+    batch, num_blocks = ForwardBatch.for_sequences([tokens], 16)
+    with torch.no_grad():
+        got = ours.compute_logits(ours(batch, KVCache(config, num_blocks, 16, torch.float32)))
+        want = ref(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        ref.model.layers[1].self_attn.k_norm.weight[0] += 1e-2  # negative control: a small slip shows
+        slipped = ref(torch.tensor([tokens])).logits[0]
+    assert not torch.allclose(got, slipped, rtol=1e-4, atol=1e-4)
+
+
+def test_roofline_reads_each_weight_once_and_the_batch_rows_of_the_embedding():
+    untied = ModelConfig(**{**MODELS["tiny"], "tie_word_embeddings": False})
+    model = DenseDecoder(untied, Ops(ExecutionSpec.default("baseline", "cpu")), max_positions=2)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    assert weight_bytes(model.hf_state_dict(), untied, 0) == params - embed.numel() * 4  # only gathered rows
+    config = model_config("tiny")
+    model = DenseDecoder(config, Ops(ExecutionSpec.default("baseline", "cpu")), max_positions=2)
+    state = model.hf_state_dict()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: the embedding is the LM head
+    row = config.hidden_size * 4
+    assert weight_bytes(state, config, 0) == params and weight_bytes(state, config, 5) == params + 5 * row
+    kv = KVCache.bytes_per_token(config, torch.float32)
+    roof = decode_roofline(state, config, 8, 100.5, kv)
+    assert roof["bytes"] == params + 8 * row + round(8 * 100.5 * kv)
+    assert roof["tokens_per_s_peak"] == 8 * HBM_PEAK_B_S / roof["bytes"]
