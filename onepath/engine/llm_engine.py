@@ -142,9 +142,14 @@ class LLMEngine:
         """Copy new weights into the engine's own parameter storage (in place: nothing that holds a
         reference to the old tensors, a captured graph included, goes stale). The prefix cache is
         dropped first: its K/V were computed with the old weights."""
-        self.block_manager.reset_prefix_cache()
+        self.weights_changed()
         params = dict(self.model.named_parameters())
         for name, tensor in dict(named_tensors).items():
             if name not in params:
                 raise KeyError(f"weight {name} is not a parameter of the engine's model")
             params[name].copy_(tensor)
+
+    def weights_changed(self) -> None:
+        """Weights were written into the engine's storage by someone else (a broadcast): drop what was
+        computed from the old ones. The prefix cache is all there is (RoPE tables are not weight-derived)."""
+        self.block_manager.reset_prefix_cache()

@@ -167,7 +167,7 @@ def sync(engine: LLMEngine | None, actor: Actor | None, rollout: str, trainer: s
     if trainer == "single" and rollout == "dp":
         for _, p in engine.model.named_parameters():
             dist.broadcast(p.data, src=0)
-        engine.block_manager.reset_prefix_cache()
+        engine.weights_changed()
 
 
 def worker(rank: int, world: int, device: str, mode: str, steps: int, prompts_per_step: int, port: int, queue):

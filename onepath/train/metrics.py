@@ -28,14 +28,16 @@ class MetricsLogger:
     """`wandb`: wandb.init's arguments to log every record there too, or None."""
 
     def __init__(self, run_dir, tensorboard: bool = True, console: bool = True, purge_step: int | None = None,
-                 wandb: dict | None = None):
+                 wandb: dict | None = None, console_every: int = 1):
+        """console_every: the console row every N steps (and at step 1); every step still goes to
+        metrics.jsonl, TensorBoard and W&B."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self._file = self.path.open("a")  # append: a resumed run continues its own file
         # purge_step: a resumed run drops TensorBoard events from the steps it runs again
         self._writer = _summary_writer(self.run_dir / "tb", purge_step) if tensorboard else None
-        self.console = console
+        self.console, self.console_every = console, console_every
         self._rows = 0
         self._wandb = require_wandb().init(**wandb) if wandb is not None else None
 
@@ -50,7 +52,7 @@ class MetricsLogger:
             self._writer.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=int(step))
-        if self.console:
+        if self.console and (step == 1 or step % self.console_every == 0):
             if self._rows % HEADER_EVERY == 0:
                 tqdm.write(format_header())
             tqdm.write(format_row(record))

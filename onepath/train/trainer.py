@@ -360,7 +360,7 @@ class GRPOTrainer:
         history = [{k: v for k, v in r.items() if k != "step"} for r in kept]
         t = self.cfg.train
         with MetricsLogger(self.run_dir, console=progress, purge_step=self.start + 1 if self.start else None,
-                           wandb=self.wandb_settings()) as logger:
+                           wandb=self.wandb_settings(), console_every=t.log_every) as logger:
             for step in tqdm(range(self.start + 1, t.steps + 1), desc=self.spec.mode, disable=not progress, leave=False,
                              initial=self.start, total=t.steps):
                 metrics = self.step(step)

@@ -78,6 +78,15 @@ def test_console_rows(tmp_path, capsys):
     assert "not_shown" not in lines[0]
 
 
+def test_console_every_n_steps_while_files_get_every_step(tmp_path, capsys):
+    with MetricsLogger(tmp_path, tensorboard=False, console_every=5) as logger:
+        for step in range(1, 13):
+            logger.log(step, {"critic/score/mean": step / 10})
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert rows == ["1", "5", "10"]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 13))
+
+
 @pytest.mark.parametrize("value, text", [
     (0.0, "0"), (-0.0, "0"), (0, "0"), (3.1e-08, "3.10e-08"), (-2.5e-12, "-2.50e-12"), (0.1234567, "0.1235"),
     (7, "7"), (12.0, "12"), (4.2e9, "4.20e+09"), (float("nan"), "nan"), (None, "-"),
