@@ -35,7 +35,7 @@ from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.config import ModelConfig
-from onepath.models.dense import DenseDecoder
+from onepath.models import build_decoder
 from onepath.models.kv_cache import KVCache
 from onepath.numerics.spec import MODES, ExecutionSpec
 from onepath.ops import Ops
@@ -149,7 +149,7 @@ def bench_model(name: str, workloads: list[Workload], modes: list[str], args, en
 
 def random_weights(config: ModelConfig, args) -> dict[str, torch.Tensor]:
     """The weights every engine and HF get: model.init_weights(seed) in the device's dtype, on the CPU."""
-    model = DenseDecoder(config, Ops(ExecutionSpec.default("baseline", args.device)), max_positions=2)
+    model = build_decoder(config, Ops(ExecutionSpec.default("baseline", args.device)), max_positions=2)
     model.init_weights(args.seed)
     state = model.hf_state_dict()
     del model
@@ -183,7 +183,7 @@ def build_engine(config: ModelConfig, mode: str, state: dict, max_model_len: int
                  args) -> tuple[LLMEngine, dict]:
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    model = DenseDecoder(config, Ops(ExecutionSpec.default(mode, args.device)), max_positions=max_model_len)
+    model = build_decoder(config, Ops(ExecutionSpec.default(mode, args.device)), max_positions=max_model_len)
     model.load_hf_state_dict(state)
     accepted = inspect.signature(LLMEngine).parameters
     kwargs = dict(block_size=BLOCK_SIZE, scheduler=SchedulerConfig(

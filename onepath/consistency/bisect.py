@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from onepath.consistency.recorder import Layout, SiteRows, check_same_sites, snapshot, trace
+from onepath.models import build_decoder
 from onepath.models.dense import DenseDecoder
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import Ops
@@ -388,7 +389,7 @@ def load_models(args, max_positions: int) -> tuple[DenseDecoder, DenseDecoder]:
     config, state = load_config(args.model), load_state_dict(args.model)
     models = []
     for spec, ops in ((args.spec_a, args.ops_a), (args.spec_b, args.ops_b)):
-        model = DenseDecoder(config, load_class(ops)(load_spec(spec, args.device)), max_positions=max_positions)
+        model = build_decoder(config, load_class(ops)(load_spec(spec, args.device)), max_positions=max_positions)
         model.load_hf_state_dict(state)
         models.append(model)
     return models[0], models[1]

@@ -1,0 +1,12 @@
+"""Model definitions, written once against `ops` and run by both the engine and the trainer."""
+from __future__ import annotations
+
+from onepath.models.config import ModelConfig
+from onepath.models.dense import DenseDecoder
+from onepath.models.moe import MoeDecoder
+from onepath.ops import Ops
+
+
+def build_decoder(config: ModelConfig, ops: Ops, max_positions: int | None = None) -> DenseDecoder:
+    """The decoder config.json describes: MoeDecoder for a mixture-of-experts model_type, else DenseDecoder."""
+    return (MoeDecoder if config.is_moe else DenseDecoder)(config, ops, max_positions=max_positions)

@@ -47,9 +47,7 @@ class Attention(nn.Module):
         self.q_proj = Linear(ops, config.hidden_size, self.heads * self.head_dim, bias, dtype)
         self.k_proj = Linear(ops, config.hidden_size, self.kv_heads * self.head_dim, bias, dtype)
         self.v_proj = Linear(ops, config.hidden_size, self.kv_heads * self.head_dim, bias, dtype)
-        # Llama's and Qwen3's o_proj follow attention_bias like q/k/v; Qwen2's never has one.
-        self.o_proj = Linear(ops, self.heads * self.head_dim, config.hidden_size,
-                             bias and config.model_type != "qwen2", dtype)
+        self.o_proj = Linear(ops, self.heads * self.head_dim, config.hidden_size, config.o_proj_bias, dtype)
         if config.qk_norm:
             self.q_norm = RMSNorm(ops, self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(ops, self.head_dim, config.rms_norm_eps, dtype)
@@ -83,10 +81,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, ops: Ops, config: ModelConfig, dtype):
+    def __init__(self, ops: Ops, config: ModelConfig, dtype, mlp: nn.Module):
         super().__init__()
         self.self_attn = Attention(ops, config, dtype)
-        self.mlp = MLP(ops, config, dtype)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -96,10 +94,11 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, ops: Ops, config: ModelConfig, dtype):
+    def __init__(self, ops: Ops, config: ModelConfig, dtype, make_mlp):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(ops, config, dtype) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(ops, config, dtype, make_mlp(i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps, dtype)
 
 
@@ -108,7 +107,7 @@ class DenseDecoder(nn.Module):
         super().__init__()
         dtype = ops.spec.dtype
         self.config, self.ops = config, ops
-        self.model = Backbone(ops, config, dtype)
+        self.model = Backbone(ops, config, dtype, self.make_mlp)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Module()
             self.lm_head.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype))
@@ -116,6 +115,10 @@ class DenseDecoder(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.to(ops.spec.device)
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        """Layer `layer`'s MLP (a subclass gives sparse layers their experts)."""
+        return MLP(self.ops, self.config, self.ops.spec.dtype)
 
     @property
     def device(self) -> torch.device:

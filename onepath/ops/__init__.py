@@ -4,6 +4,8 @@ Models call `Ops` methods only, so the spec is the single switch between the two
 """
 from __future__ import annotations
 
+import torch
+
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import attention as _attention
 from onepath.ops import embedding as _embedding
@@ -15,6 +17,8 @@ from onepath.ops import sampling as _sampling
 from onepath.ops import silu_mul as _silu_mul
 from onepath.ops import topk as _topk
 from onepath.ops.attention import AttentionMetadata
+from onepath.ops.autograd import apply_kernel
+from onepath.ops.pinned import pinned_unary
 
 
 class Ops:
@@ -29,6 +33,31 @@ class Ops:
 
     def lm_head(self, x, weight):
         return _linear.linear(self.spec, x, weight, op="lm_head")
+
+    def router(self, x, weight):
+        """MoE router scores x W^T, FP32 at every batch size: the LM head's GEMM (FP32 output)."""
+        return _linear.linear(self.spec, x, weight, op="lm_head")
+
+    def expert_down(self, x, weight):
+        """An MoE expert's down projection with FP32 output: the experts are combined in FP32 and
+        rounded once. The LM head's GEMM path, until linear takes an output dtype."""
+        return _linear.linear(self.spec, x, weight, op="lm_head")
+
+    def softmax(self, x):
+        """FP32 softmax over the last dim (the router's expert probabilities). consistent: the
+        log-probs' fixed-order recipe (exp on fixed-shape pieces, the sum as a fixed tree)."""
+        def consistent(x):
+            _, total, e = _logprobs.consistent_softmax_parts(x.float())
+            return e / total.unsqueeze(-1)
+
+        reference = lambda x: torch.softmax(x.float(), dim=-1)
+        return apply_kernel(consistent if self.spec.mode == "consistent" else reference, reference, x)
+
+    def sigmoid(self, x):
+        """FP32 sigmoid (Qwen2-MoE's shared-expert gate). consistent: on fixed-shape pieces."""
+        reference = lambda x: torch.sigmoid(x.float())
+        kernel = (lambda x: pinned_unary(torch.sigmoid, x.float())) if self.spec.mode == "consistent" else reference
+        return apply_kernel(kernel, reference, x)
 
     def rmsnorm(self, x, weight, eps):
         return _rmsnorm.rmsnorm(self.spec, x, weight, eps)

@@ -28,6 +28,7 @@ from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.config import ModelConfig
+from onepath.models import build_decoder
 from onepath.models.dense import DenseDecoder
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import Ops
@@ -92,7 +93,7 @@ def model_config(device: str) -> ModelConfig:
 
 
 def build(config: ModelConfig, mode: str, device: str) -> DenseDecoder:
-    model = DenseDecoder(config, Ops(ExecutionSpec.default(mode, "cuda" if device == "cuda" else "cpu")),
+    model = build_decoder(config, Ops(ExecutionSpec.default(mode, "cuda" if device == "cuda" else "cpu")),
                          max_positions=1024)
     model.init_weights(seed=0, std=0.15 if device == "cpu" else 0.02)
     return model

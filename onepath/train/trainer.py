@@ -42,6 +42,7 @@ from onepath.consistency.diff import rollout_diff
 from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
+from onepath.models import build_decoder
 from onepath.models.checkpoint import load_config, load_state_dict, load_tokenizer, load_tokenizer_config, save_checkpoint
 from onepath.models.config import ModelConfig
 from onepath.models.dense import DenseDecoder
@@ -73,7 +74,7 @@ class Setup:
 
 
 def build_model(model_config: ModelConfig, spec: ExecutionSpec, max_positions: int, state: dict | None) -> DenseDecoder:
-    model = DenseDecoder(model_config, Ops(spec), max_positions=max_positions)
+    model = build_decoder(model_config, Ops(spec), max_positions=max_positions)
     if state is None:
         model.init_weights(seed=0)
     else:

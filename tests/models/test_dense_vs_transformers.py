@@ -9,6 +9,7 @@ Our own checkpoint, read back by transformers, gives its logits bitwise: same we
 """
 import pytest
 import torch
+
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
@@ -17,6 +18,7 @@ from onepath.models.checkpoint import INDEX, load_config, load_state_dict, save_
 from onepath.models.dense import DenseDecoder
 from onepath.models.kv_cache import KVCache
 from onepath.ops import ExecutionSpec, Ops
+from tests.tiny import randomize
 
 BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
@@ -48,19 +50,8 @@ def hf_model(name):
     config = config_cls(**{**BASE, **fields}, attn_implementation="eager")
     torch.manual_seed(0)
     model = model_cls(config).eval()
-    # transformers inits norms to 1 and biases to 0, and std 0.02 leaves attention near uniform;
-    # random values everywhere make a swapped, skipped or mis-broadcast tensor show in the logits.
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if pname.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * noise)
-            elif pname.endswith("bias"):
-                p.copy_(0.2 * noise)
-            else:
-                p.copy_(noise / p.shape[-1] ** 0.5)
-    return model
+    # transformers inits norms to 1 and biases to 0: random values everywhere instead
+    return randomize(model)
 
 
 def sequences(vocab_size):

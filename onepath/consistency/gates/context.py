@@ -17,6 +17,7 @@ from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.checkpoint import load_config, load_state_dict, load_tokenizer
 from onepath.models.config import ModelConfig
+from onepath.models import build_decoder
 from onepath.models.dense import DenseDecoder
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import Ops
@@ -86,7 +87,7 @@ class GateContext:
         tokenizer, seed = None, options.get("seed", 0)
         if isinstance(model, ModelConfig) or model == "tiny":
             config, label = (ModelConfig(**TINY), "tiny") if model == "tiny" else (model, model.model_type)
-            built = DenseDecoder(config, Ops(ExecutionSpec("baseline", "cpu")), max_positions=2)
+            built = build_decoder(config, Ops(ExecutionSpec("baseline", "cpu")), max_positions=2)
             built.init_weights(seed, std=0.15)  # large enough that distributions are far from uniform
             state = built.state_dict()
         else:
@@ -94,7 +95,7 @@ class GateContext:
             config, state, label = load_config(path), load_state_dict(path), str(path)
             if (path / "tokenizer.json").is_file():
                 tokenizer = load_tokenizer(path)
-        built = DenseDecoder(config, Ops(ExecutionSpec("baseline", "cpu", spec.ops)), max_positions=2)
+        built = build_decoder(config, Ops(ExecutionSpec("baseline", "cpu", spec.ops)), max_positions=2)
         built.load_hf_state_dict(state)
         return cls(config, built.hf_state_dict(), spec, tokenizer=tokenizer, label=label, **options)
 
@@ -105,7 +106,7 @@ class GateContext:
     def model(self, state: dict | None = None, spec: ExecutionSpec | None = None,
               ops_factory: Callable | None = None) -> DenseDecoder:
         spec = spec or self.spec
-        model = DenseDecoder(self.config, (ops_factory or self.ops_factory)(spec), max_positions=self.max_model_len)
+        model = build_decoder(self.config, (ops_factory or self.ops_factory)(spec), max_positions=self.max_model_len)
         model.load_hf_state_dict(self.state if state is None else state)
         return model
 

@@ -1,0 +1,259 @@
+"""Mixture-of-experts decoder of the Qwen3-MoE / Qwen2-MoE family, written once against `ops`.
+
+Attention, norms, embeddings and the residual structure are dense.py's; a sparse layer's MLP is a
+SparseMoeBlock, with transformers' parameter names (mlp.gate.weight, mlp.experts.gate_up_proj
+[E, 2I, H], mlp.experts.down_proj [E, H, I]; Qwen2-MoE adds mlp.shared_expert.* and
+mlp.shared_expert_gate.weight). Checkpoints load from the hub layout (mlp.experts.{i}.gate_proj...)
+or the fused one and are written in the hub layout.
+
+router   scores by the LM head's GEMM (FP32 output at every batch size), softmax in FP32 with a
+         fixed-order sum, top-k by ops.topk (ties: the larger expert index wins; slots in descending
+         order), renormalised over the k slots in slot order when norm_topk_prob.
+experts  SwiGLU MLPs through ops.linear and ops.silu_mul, the down projection with FP32 output
+         (ops.expert_down), in one of two layouts:
+           contiguous (the trainer, prefill): the (token, slot) pairs packed by expert, one GEMM each;
+           masked (the engine's decode steps): each expert's pairs in chunks of a fixed capacity,
+           zero-padded, one GEMM per chunk.
+         A pair's output has the same bits in both and computed alone: the consistent GEMM's row
+         result depends on the row only (tests/models/test_moe_layouts.py).
+combine  on the token, in FP32, over the slots in slot order, plus the gated shared expert (its down
+         projection FP32 too); rounded once to the model dtype.
+
+No routing replay: the trainer recomputes the routing, and it is the rollout's, because every step
+above gives both sides the same bits.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Callable
+
+import torch
+from torch import nn
+
+from onepath.models.batch import ForwardBatch
+from onepath.models.config import ModelConfig
+from onepath.models.dense import MLP, DenseDecoder, Linear
+from onepath.models.kv_cache import KVCache
+from onepath.ops import Ops
+
+CAPACITY = 16           # rows per expert chunk of the masked layout
+MASKED_MAX_TOKENS = 64  # forwards of at most this many tokens (decode steps) run the masked layout
+LAYOUTS = ("contiguous", "masked")
+
+
+def slot_sum(x: torch.Tensor) -> torch.Tensor:
+    """x[:, 0] + x[:, 1] + ... in slot order: elementwise adds, no reduction kernel to pick an order."""
+    acc = x[:, 0]
+    for j in range(1, x.shape[1]):
+        acc = acc + x[:, j]
+    return acc
+
+
+def dispatch(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The (token, slot) pairs of experts [T, k], flattened, in the order that packs them by expert
+    (token order inside an expert), and each expert's number of pairs."""
+    flat = experts.reshape(-1)
+    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts).tolist()
+
+
+def unpermute(packed: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return packed.index_select(0, inverse)
+
+
+def experts_contiguous(mlp: Callable, x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Expert outputs [T, k, H] of each token's k experts, the pairs packed by expert, mlp(e, rows)
+    once per expert over its rows."""
+    t, k = experts.shape
+    order, counts = dispatch(experts, num_experts)
+    rows = x.index_select(0, order // k)
+    packed = [mlp(e, part) for e, part in enumerate(rows.split(counts)) if part.shape[0]]
+    return unpermute(torch.cat(packed), order).view(t, k, -1)
+
+
+def experts_masked(mlp: Callable, x: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                   capacity: int = CAPACITY) -> torch.Tensor:
+    """Expert outputs [T, k, H] as experts_contiguous's, from a buffer of fixed-capacity chunks: an
+    expert with n pairs owns ceil(n / capacity) chunks, zero rows fill the last, and mlp(e, chunk)
+    runs over all `capacity` rows of each chunk."""
+    t, k = experts.shape
+    order, counts = dispatch(experts, num_experts)
+    chunks = [-(-n // capacity) for n in counts]
+    exclusive = lambda values: torch.cumsum(values, 0) - values
+    first_pair = exclusive(torch.tensor(counts, device=x.device))
+    first_row = exclusive(torch.tensor(chunks, device=x.device)) * capacity
+    owner = experts.reshape(-1)[order]
+    # the buffer row of each packed pair: its expert's first row plus its rank among the expert's pairs
+    row = first_row[owner] + torch.arange(order.numel(), device=x.device) - first_pair[owner]
+    buffer = x.new_zeros(sum(chunks) * capacity, x.shape[-1]).index_copy(0, row, x.index_select(0, order // k))
+    owners = [e for e, n in enumerate(chunks) for _ in range(n)]
+    out = torch.cat([mlp(e, chunk) for e, chunk in zip(owners, buffer.split(capacity))])
+    return unpermute(out.index_select(0, row), order).view(t, k, -1)
+
+
+class Router(nn.Module):
+    """mlp.gate: x -> (weights [T, k] FP32, experts [T, k]), slots in descending probability."""
+
+    def __init__(self, ops: Ops, config: ModelConfig, dtype):
+        super().__init__()
+        self.ops = ops
+        self.k, self.normalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype))
+
+    def forward(self, x):
+        probs = self.ops.softmax(self.ops.router(x, self.weight))
+        # top-k selection is not differentiable; the gradient flows through the selected probabilities
+        weights, experts = self.ops.topk(probs, self.k)
+        if self.normalize:
+            weights = weights / slot_sum(weights).unsqueeze(-1)
+        return weights, experts
+
+
+class Experts(nn.Module):
+    """mlp.experts: every expert's SwiGLU MLP, stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(self, ops: Ops, config: ModelConfig, dtype):
+        super().__init__()
+        self.ops, self.num_experts = ops, config.num_experts
+        e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
+
+    def mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert `expert` on rows [n, H] -> [n, H] FP32."""
+        gate, up = self.ops.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
+        return self.ops.expert_down(self.ops.silu_mul(gate, up), self.down_proj[expert])
+
+    def forward(self, x, experts, layout: str = "contiguous", capacity: int = CAPACITY):
+        """FP32 outputs [T, k, H] of each token's experts."""
+        if x.shape[0] == 0:
+            return x.new_zeros(0, experts.shape[-1], x.shape[-1], dtype=torch.float32)
+        if layout == "masked":
+            return experts_masked(self.mlp, x, experts, self.num_experts, capacity)
+        if layout == "contiguous":
+            return experts_contiguous(self.mlp, x, experts, self.num_experts)
+        raise ValueError(f"expert layout {layout!r} is unknown: use one of {LAYOUTS}")
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, ops: Ops, config: ModelConfig, dtype):
+        super().__init__()
+        self.ops = ops
+        self.gate = Router(ops, config, dtype)
+        self.experts = Experts(ops, config, dtype)
+        if config.shared_expert_intermediate_size:
+            shared = replace(config, intermediate_size=config.shared_expert_intermediate_size)
+            self.shared_expert = MLP(ops, shared, dtype)
+            self.shared_expert_gate = Linear(ops, config.hidden_size, 1, False, dtype)
+        self.capacity, self.masked_max_tokens = CAPACITY, MASKED_MAX_TOKENS
+        self.layout: str | None = None  # None: masked up to masked_max_tokens tokens, else contiguous
+
+    def forward(self, x):
+        weights, experts = self.gate(x)
+        layout = self.layout or ("masked" if x.shape[0] <= self.masked_max_tokens else "contiguous")
+        out = slot_sum(weights.unsqueeze(-1) * self.experts(x, experts, layout, self.capacity))
+        if hasattr(self, "shared_expert"):
+            se = self.shared_expert
+            # the shared MLP's own forward would round its output; it joins the FP32 sum unrounded
+            shared = self.ops.expert_down(self.ops.silu_mul(se.gate_proj(x), se.up_proj(x)), se.down_proj.weight)
+            out = out + self.ops.sigmoid(self.shared_expert_gate(x)) * shared
+        return out.to(x.dtype)
+
+
+class MoeDecoder(DenseDecoder):
+    """DenseDecoder whose sparse layers (config.is_sparse_layer) carry a SparseMoeBlock as their MLP."""
+
+    def __init__(self, config: ModelConfig, ops: Ops, max_positions: int | None = None):
+        if not config.is_moe:
+            raise ValueError(f"model_type {config.model_type!r} is dense: build it with DenseDecoder")
+        super().__init__(config, ops, max_positions)
+
+    def make_mlp(self, layer: int) -> nn.Module:
+        if self.config.is_sparse_layer(layer):
+            return SparseMoeBlock(self.ops, self.config, self.ops.spec.dtype)
+        return MLP(self.ops, self.config, self.ops.spec.dtype)
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """From the hub layout (mlp.experts.{i}.gate_proj.weight, ...) or the fused one
+        (mlp.experts.gate_up_proj, as transformers 5 holds it in memory and our state_dict names it)."""
+        super().load_hf_state_dict(fuse_experts(state))
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The hub layout: a gate/up/down projection per expert, as the published Qwen3-MoE checkpoints
+        and transformers' save_pretrained write it (from_pretrained fuses it on load)."""
+        return split_experts(super().hf_state_dict())
+
+
+EXPERT_KEY = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, groups = {}, {}
+    for name, tensor in state.items():
+        m = EXPERT_KEY.fullmatch(name)
+        if m:
+            groups.setdefault(m[1], {})[int(m[2]), m[3]] = tensor
+        else:
+            out[name] = tensor
+    for prefix, parts in groups.items():
+        n = 1 + max(i for i, _ in parts)
+        missing = [f"{prefix}.{i}.{p}.weight" for i in range(n) for p in PROJECTIONS if (i, p) not in parts]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} expert tensors, first {missing[:3]}: "
+                             "every expert needs gate_proj, up_proj and down_proj")
+        stacked = {p: torch.stack([parts[i, p] for i in range(n)]) for p in PROJECTIONS}
+        out[f"{prefix}.gate_up_proj"] = torch.cat([stacked["gate_proj"], stacked["up_proj"]], dim=1)
+        out[f"{prefix}.down_proj"] = stacked["down_proj"]
+    return out
+
+
+def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix(".gate_up_proj")
+            gate, up = tensor.chunk(2, dim=1)
+            for i in range(tensor.shape[0]):
+                out[f"{prefix}.{i}.gate_proj.weight"] = gate[i].clone()
+                out[f"{prefix}.{i}.up_proj.weight"] = up[i].clone()
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            for i in range(tensor.shape[0]):
+                out[f"{prefix}.{i}.down_proj.weight"] = tensor[i].clone()
+        else:
+            out[name] = tensor
+    return out
+
+
+def expert_choices(model: MoeDecoder, sequences: list[list[int]], block_size: int = 16) -> list[torch.Tensor]:
+    """Each sparse layer's experts [T, k] for the tokens of `sequences`, run whole in one forward."""
+    picked = []
+    hooks = [m.register_forward_hook(lambda _m, _x, out: picked.append(out[1]))
+             for m in model.modules() if isinstance(m, Router)]
+    try:
+        batch, num_blocks = ForwardBatch.for_sequences(sequences, block_size, model.device)
+        cache = KVCache(model.config, num_blocks, block_size, model.ops.spec.dtype, model.device)
+        with torch.no_grad():
+            model(batch, cache)
+    finally:
+        for h in hooks:
+            h.remove()
+    return picked
+
+
+def routing_changes(before: MoeDecoder, after: MoeDecoder, sequences: list[list[int]],
+                    block_size: int = 16) -> dict[str, float]:
+    """How many tokens choose another expert set (slot order ignored) under `after`'s weights than
+    under `before`'s: the diagnostic of how far an update moves routing (a step of several updates
+    samples with the first weights and trains the later ones on other experts)."""
+    pairs = zip(expert_choices(before, sequences, block_size), expert_choices(after, sequences, block_size))
+    per_layer = [(a.sort(-1).values != b.sort(-1).values).any(-1) for a, b in pairs]
+    tokens = sum(map(len, sequences))
+    moved = torch.stack(per_layer) if per_layer else torch.zeros(0, tokens, dtype=torch.bool)  # [layers, T]
+    changed = int(moved.any(0).sum())
+    return {"moe/tokens": tokens, "moe/routing_changed_tokens": changed,
+            "moe/routing_changed_frac": changed / max(tokens, 1),
+            "moe/routing_changed_token_layers_frac": float(moved.float().mean()) if moved.numel() else 0.0}

@@ -1,0 +1,88 @@
+"""Expert outputs do not depend on the layout: the engine's masked layout (fixed-capacity chunks per
+expert), the trainer's contiguous layout (pairs packed by expert) and each (token, slot) pair
+computed alone give bitwise the same rows. The baseline backend (one F.linear over the rows, its
+kernel chosen by M) must show a difference (negative control). Routing follows the fixed tie rule."""
+import pytest
+import torch
+
+from onepath.models.moe import SparseMoeBlock, experts_contiguous, experts_masked
+from tests.tiny import tiny_moe_model
+
+TOKENS = (1, 7, 33, 100)  # one token, under a chunk, two chunks, several chunks per expert
+
+
+def block_of(model) -> SparseMoeBlock:
+    return model.model.layers[0].mlp
+
+
+def cases(block: SparseMoeBlock, dtype):
+    """(x, experts) pairs: the router's choice for random rows, and a skewed one (expert 3 in every token)."""
+    g = torch.Generator().manual_seed(0)
+    for t in TOKENS:
+        x = torch.randn(t, block.gate.weight.shape[1], generator=g).to(dtype)
+        with torch.no_grad():
+            _, experts = block.gate(x)
+        yield x, experts
+        other = (3 + torch.randint(1, block.experts.num_experts, (t,), generator=g)) % block.experts.num_experts
+        yield x, torch.stack([torch.full_like(other, 3), other], dim=1)
+
+
+def alone(block: SparseMoeBlock, x, experts):
+    return torch.stack([torch.cat([block.experts.mlp(int(e), x[i:i + 1]) for e in experts[i]])
+                        for i in range(x.shape[0])])
+
+
+def layouts_agree(mode: str, dtype: str = "float32") -> list[bool]:
+    block = block_of(tiny_moe_model(mode, dtype=dtype))
+    mlp, n = block.experts.mlp, block.experts.num_experts
+    results = []
+    with torch.no_grad():
+        for x, experts in cases(block, block.gate.weight.dtype):
+            contiguous = experts_contiguous(mlp, x, experts, n)
+            ys = [experts_masked(mlp, x, experts, n, capacity) for capacity in (16, 4)] + [alone(block, x, experts)]
+            assert contiguous.shape == (x.shape[0], experts.shape[1], x.shape[1])
+            results += [torch.equal(contiguous, y) for y in ys]
+    return results
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_masked_contiguous_and_alone_give_the_same_bits(dtype):
+    assert all(layouts_agree("consistent", dtype))
+
+
+def test_negative_control_baseline_depends_on_the_layout():
+    results = layouts_agree("baseline")
+    assert not all(results)
+
+
+def test_block_output_does_not_depend_on_the_layout_or_the_batch():
+    block = block_of(tiny_moe_model("consistent"))
+    x = torch.randn(70, 48, generator=torch.Generator().manual_seed(1))
+    outs = {}
+    with torch.no_grad():
+        for layout in ("masked", "contiguous"):
+            block.layout = layout
+            outs[layout] = block(x)
+        block.layout = None
+        rows = torch.cat([block(x[i:i + 1]) for i in range(0, 70, 9)] + [block(x[i:i + 9]) for i in range(1, 70, 9)])
+    assert torch.equal(outs["masked"], outs["contiguous"])
+    order = list(range(0, 70, 9)) + [j for i in range(1, 70, 9) for j in range(i, min(i + 9, 70))]
+    assert torch.equal(rows, outs["masked"][order])
+
+
+def test_router_ties_go_to_the_larger_expert_in_descending_slot_order():
+    block = block_of(tiny_moe_model("consistent"))
+    with torch.no_grad():
+        w = block.gate.weight
+        w.mul_(0.01)
+        w[2] = w[5] = w[7] = torch.ones(w.shape[1])  # three experts tie at the top for positive rows
+        weights, experts = block.gate(torch.rand(5, w.shape[1]) + 0.5)
+    assert experts.tolist() == [[7, 5]] * 5
+    assert torch.equal(weights, torch.full((5, 2), 0.5))  # normalised over the two equal slots
+
+
+def test_unknown_layout_is_refused():
+    block = block_of(tiny_moe_model("consistent"))
+    block.layout = "padded"
+    with pytest.raises(ValueError, match="padded"):
+        block(torch.randn(3, 48))
