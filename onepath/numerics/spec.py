@@ -11,19 +11,118 @@ MODES = ("consistent", "baseline")
 DEVICES = ("cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPS = ("embedding", "linear", "rmsnorm", "rope", "silu_mul", "attention", "lm_head", "logprobs", "topk", "sampling")
+# The tensors an operator may store quantised: a GEMM's weight and input activation, attention's K/V cache.
+QUANT_ROLES = {"linear": ("weight", "act"), "lm_head": ("weight", "act"), "attention": ("kv",)}
+# How a MoE expert's router coefficient enters (unused until MoE lands): on the expert's FP32
+# down-proj output before the experts are summed, or folded into the down-proj input before it is
+# quantised (then it moves the activation scales).
+ROUTER_PLACEMENTS = ("down_proj_output", "down_proj_input")
+
+# What each low-precision format allows, field by field (the first value is the usual one).
+QUANT_CHOICES = {
+    "fp8_e4m3": dict(scale_domain=("per_block", "per_token", "per_tensor"), scale_dtype=("fp32", "ue8m0"),
+                     scale_rule=("amax/448",), scale_apply=("multiply_by_reciprocal", "divide"),
+                     outer_scale=("none",), scales_applied=("accumulator", "load")),
+    "nvfp4": dict(scale_domain=("per_block",), block=((1, 16),), scale_dtype=("e4m3",),
+                  scale_rule=("amax*s_enc/6",), scale_apply=("multiply_by_reciprocal",),
+                  outer_scale=("per_tensor", "per_token"), scales_applied=("operand",), amax_floor=(0.0,)),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class QuantSpec:
+    """How one tensor (a weight, an activation, the K/V cache) is stored in low precision. The rules
+    themselves, op by op, are onepath/numerics/quant.py's docstring; the presets below name the usual ones.
+
+    format:         "fp8_e4m3" (max 448) or "nvfp4" (E2M1 codes, max 6, E4M3 block scales, FP32 outer scale)
+    scale_domain:   "per_block" (one scale per `block`), "per_token" (one per row, all leading dims
+                    flattened: for the KV cache [tokens, heads, head_dim], per token and head), "per_tensor"
+    block:          (rows, cols) sharing one scale, cols along the last (K) dim; ragged edges form smaller blocks
+    scale_dtype:    "fp32", "ue8m0" (a power of two, rounded up) or "e4m3" (NVFP4's block scales)
+    scale_rule:     "amax/448" (FP8) or "amax*s_enc/6" (NVFP4, s_enc = 2688/outer amax)
+    amax_floor:     a block's amax is raised to this before the scale is formed (FP8: zero blocks)
+    scale_apply:    the element is multiplied by the scale's FP32 reciprocal, or divided by the scale
+    rounding:       "rne", round to nearest, ties to even
+    saturation:     "clamp": clamp to +-max before the cast (torch's cast may make NaN above 464, Triton saturates)
+    outer_scale:    NVFP4's FP32 second-level scale: "per_tensor" (weights) or "per_token" (W4A4 activations)
+    scales_applied: where the scales come back: "accumulator" (FP8 GEMM: a fresh FP32 partial per K
+                    block times scale_a * scale_b), "operand" (NVFP4: code * block scale, exact in BF16,
+                    feeds a BF16 GEMM; the outer scales in the FP32 epilogue), "load" (KV cache:
+                    dequantised to the op's dtype when read, before attention)
+    """
+    format: str = "fp8_e4m3"
+    scale_domain: str = "per_block"
+    block: tuple | None = (1, 128)
+    scale_dtype: str = "fp32"
+    scale_rule: str = "amax/448"
+    amax_floor: float = 1e-4
+    scale_apply: str = "multiply_by_reciprocal"
+    rounding: str = "rne"
+    saturation: str = "clamp"
+    outer_scale: str = "none"
+    scales_applied: str = "accumulator"
+
+    def __post_init__(self):
+        if self.block is not None:
+            object.__setattr__(self, "block", tuple(self.block))  # JSON gives a list
+        if self.format not in QUANT_CHOICES:
+            raise ValueError(f"quant format {self.format!r} is unknown: use one of {tuple(QUANT_CHOICES)} "
+                             "(leave the tensor's QuantSpec None to keep it unquantised)")
+        choices = dict(rounding=("rne",), saturation=("clamp",), **QUANT_CHOICES[self.format])
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} {getattr(self, name)!r} does not go with format {self.format!r}: "
+                                 f"use one of {allowed}")
+        per_block = self.scale_domain == "per_block"
+        if per_block != (self.block is not None):
+            raise ValueError(f"block {self.block} with scale_domain {self.scale_domain!r}: a per_block scale needs "
+                             "a block such as (1, 128); per_token and per_tensor take block None")
+        if per_block and (len(self.block) != 2 or not all(isinstance(b, int) and b >= 1 for b in self.block)):
+            raise ValueError(f"block {self.block} must be (rows, cols) of positive ints, e.g. (1, 128) or (128, 128)")
+        if not self.amax_floor >= 0.0:
+            raise ValueError(f"amax_floor {self.amax_floor} must be >= 0 (DeepGEMM's 1e-4 for FP8)")
+
+
+FP8_ACT = QuantSpec()                                            # 1x128 groups along K, per token
+FP8_WEIGHT = QuantSpec(block=(128, 128))                         # 128x128 blocks of [N, K]
+FP8_KV = QuantSpec(scale_domain="per_token", block=None, scales_applied="load")  # per token and head
+NVFP4_WEIGHT = QuantSpec(format="nvfp4", block=(1, 16), scale_dtype="e4m3", scale_rule="amax*s_enc/6",
+                         amax_floor=0.0, outer_scale="per_tensor", scales_applied="operand")
+NVFP4_ACT = replace(NVFP4_WEIGHT, outer_scale="per_token")
+# Named quantisation settings for ExecutionSpec.default(..., quant=) and with_quant: op -> fields.
+# Only the linear layers are quantised; the LM head, norms and router stay in the op's dtype.
+QUANT_PRESETS = {
+    "fp8": {"linear": dict(weight=FP8_WEIGHT, act=FP8_ACT)},
+    "fp8_kv": {"attention": dict(kv=FP8_KV)},
+    "nvfp4_w4a16": {"linear": dict(weight=NVFP4_WEIGHT)},
+    "nvfp4_w4a4": {"linear": dict(weight=NVFP4_WEIGHT, act=NVFP4_ACT)},
+}
 
 
 @dataclass(frozen=True, slots=True)
 class OpSpec:
-    """How one operator computes: storage dtype, accumulation dtype, and the fixed tiles its reductions use."""
+    """How one operator computes: storage dtype, accumulation dtype, the fixed tiles its reductions use,
+    and which of its tensors are quantised (None: kept in `dtype`, today's behaviour)."""
     dtype: str = "float32"
     accum_dtype: str = "float32"
     row_chunk: int = 16        # rows per fixed-shape launch (CPU): a row's kernel never depends on M
     reduce_tile: int = 16      # width of one tile of an ordered reduction
     kv_tile: int = 16          # keys per attention tile, absolute positions [i*kv_tile, (i+1)*kv_tile)
     kv_split: int = 256        # keys per split-KV partial (GPU), absolute positions, merged in ascending order
+    weight: QuantSpec | None = None
+    act: QuantSpec | None = None
+    kv: QuantSpec | None = None
+    router_placement: str | None = None  # MoE only: one of ROUTER_PLACEMENTS
 
     def __post_init__(self):
+        for name in ("weight", "act", "kv"):
+            value = getattr(self, name)
+            if isinstance(value, dict):  # from JSON
+                object.__setattr__(self, name, QuantSpec(**value))
+            elif value is not None and not isinstance(value, QuantSpec):
+                raise ValueError(f"{name} {value!r} must be a QuantSpec or None, e.g. FP8_ACT")
+        if self.router_placement not in (None, *ROUTER_PLACEMENTS):
+            raise ValueError(f"router_placement {self.router_placement!r} is unknown: use one of {ROUTER_PLACEMENTS}")
         for name in ("dtype", "accum_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} {getattr(self, name)!r} is unknown: use one of {sorted(DTYPES)}")
@@ -50,17 +149,41 @@ class ExecutionSpec:
         missing = set(OPS) - set(self.ops)
         if missing:
             object.__setattr__(self, "ops", {**self.ops, **{name: OpSpec() for name in missing}})
+        for name, op in self.ops.items():
+            for role in ("weight", "act", "kv"):
+                if getattr(op, role) is not None and role not in QUANT_ROLES.get(name, ()):
+                    raise ValueError(f"ops[{name!r}].{role} is set, but {name} has no quantisable {role}: "
+                                     f"quantised tensors are {QUANT_ROLES}")
 
     @classmethod
-    def default(cls, mode: str = "consistent", device: str = "cpu") -> "ExecutionSpec":
+    def default(cls, mode: str = "consistent", device: str = "cpu", quant: str | None = None) -> "ExecutionSpec":
         """FP32 on the CPU; on the GPU BF16 storage and GEMMs with FP32 accumulation, KV tiles of 32,
-        FP32 log-probs."""
+        FP32 log-probs. `quant` names QUANT_PRESETS joined by '+', e.g. "fp8+fp8_kv"."""
         if device == "cpu":
-            return cls(mode=mode, device=device)
-        bf16 = OpSpec(dtype="bfloat16", kv_tile=32)
-        ops = {name: bf16 for name in OPS}
-        ops.update(logprobs=OpSpec(dtype="float32"), sampling=OpSpec(dtype="float32"), topk=OpSpec(dtype="float32"))
-        return cls(mode=mode, device=device, ops=ops)
+            spec = cls(mode=mode, device=device)
+        else:
+            bf16 = OpSpec(dtype="bfloat16", kv_tile=32)
+            ops = {name: bf16 for name in OPS}
+            ops.update(logprobs=OpSpec(dtype="float32"), sampling=OpSpec(dtype="float32"),
+                       topk=OpSpec(dtype="float32"))
+            spec = cls(mode=mode, device=device, ops=ops)
+        for preset in quant.split("+") if quant else ():
+            spec = spec.with_quant(preset)
+        return spec
+
+    def with_quant(self, preset: str) -> "ExecutionSpec":
+        """This spec with QUANT_PRESETS[preset]'s tensors quantised; a tensor quantised already is an error."""
+        if preset not in QUANT_PRESETS:
+            raise ValueError(f"quant preset {preset!r} is unknown: use one of {tuple(QUANT_PRESETS)}, "
+                             "several joined by '+' (e.g. 'fp8+fp8_kv')")
+        ops = dict(self.ops)
+        for name, fields in QUANT_PRESETS[preset].items():
+            taken = [role for role in fields if getattr(ops[name], role) is not None]
+            if taken:
+                raise ValueError(f"quant preset {preset!r} sets {name}.{taken[0]}, which an earlier preset "
+                                 "quantised already: combine presets that quantise different tensors")
+            ops[name] = replace(ops[name], **fields)
+        return replace(self, ops=ops)
 
     def op(self, name: str) -> OpSpec:
         return self.ops[name]
@@ -70,8 +193,10 @@ class ExecutionSpec:
         return DTYPES[self.ops["linear"].dtype]
 
     def to_dict(self) -> dict:
+        # Fields left None (an unquantised tensor, no router) are left out: a spec that quantises
+        # nothing keeps the JSON and hash it had before quantisation existed, so checkpoints resume.
         return {"mode": self.mode, "device": self.device,
-                "ops": {name: asdict(self.ops[name]) for name in OPS}}
+                "ops": {name: {k: v for k, v in asdict(self.ops[name]).items() if v is not None} for name in OPS}}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)

@@ -1,6 +1,9 @@
 import pytest
 
-from onepath.numerics.spec import ExecutionSpec, OpSpec, check_same_spec
+from dataclasses import replace
+
+from onepath.numerics.spec import (FP8_ACT, FP8_KV, FP8_WEIGHT, NVFP4_ACT, NVFP4_WEIGHT, QUANT_PRESETS, ExecutionSpec,
+                                   OpSpec, QuantSpec, check_same_spec)
 
 
 def test_json_round_trip_and_stable_hash():
@@ -8,8 +11,10 @@ def test_json_round_trip_and_stable_hash():
     again = ExecutionSpec.from_json(spec.to_json())
     assert again == spec and again.hash() == spec.hash()
     assert again.op("attention").kv_tile == 32 and again.op("linear") == OpSpec()
-    # sha256 of canonical JSON: the same in every process (no PYTHONHASHSEED), pinned here
+    # sha256 of canonical JSON: the same in every process (no PYTHONHASHSEED), pinned here. The
+    # quantisation fields did not move it: fields left None are left out of the JSON.
     assert ExecutionSpec().hash() == "d30793c88272e8bf"
+    assert "weight" not in ExecutionSpec().to_dict()["ops"]["linear"]
     assert len(spec.hash()) == 16
 
 
@@ -41,3 +46,61 @@ def test_bad_op_spec_names_the_value():
         OpSpec(kv_tile=12)
     with pytest.raises(ValueError, match="dtype 'fp8'"):
         OpSpec(dtype="fp8")
+
+
+def test_quant_presets_round_trip_and_pin_their_hash():
+    spec = ExecutionSpec.default("consistent", "cuda", quant="fp8+fp8_kv")
+    linear, attention = spec.op("linear"), spec.op("attention")
+    assert (linear.weight, linear.act, attention.kv) == (FP8_WEIGHT, FP8_ACT, FP8_KV)
+    assert linear.weight.block == (128, 128) and linear.act.block == (1, 128) and attention.kv.block is None
+    assert spec.op("lm_head").weight is None and linear.dtype == "bfloat16"
+    again = ExecutionSpec.from_json(spec.to_json())
+    assert again == spec and again.hash() == spec.hash() and isinstance(again.op("linear").act.block, tuple)
+    # a preset's contract is pinned too: the engine and the trainer of two builds must agree on it
+    assert spec.hash() == "f4adb044b07702de"
+    w4a4 = ExecutionSpec.default("consistent", "cuda", quant="nvfp4_w4a4")
+    assert (w4a4.op("linear").weight, w4a4.op("linear").act) == (NVFP4_WEIGHT, NVFP4_ACT)
+    assert ExecutionSpec.default(quant="fp8") == ExecutionSpec().with_quant("fp8")
+
+
+def test_every_preset_and_quant_field_changes_the_hash():
+    presets = [ExecutionSpec.default("consistent", "cuda", quant=p) for p in QUANT_PRESETS]
+    variants = [ExecutionSpec(ops={"linear": OpSpec(act=q)}) for q in (
+        FP8_ACT, replace(FP8_ACT, scale_apply="divide"), replace(FP8_ACT, scale_dtype="ue8m0"),
+        replace(FP8_ACT, block=(1, 64)), replace(FP8_ACT, amax_floor=0.0))]
+    variants.append(ExecutionSpec(ops={"linear": OpSpec(router_placement="down_proj_input")}))
+    hashes = {s.hash() for s in [ExecutionSpec.default("consistent", "cuda"), ExecutionSpec(), *presets, *variants]}
+    assert len(hashes) == 2 + len(presets) + len(variants)
+
+
+@pytest.mark.parametrize("quant, message", [
+    ("fp4", "quant preset 'fp4' is unknown"),
+    ("fp8+nvfp4_w4a16", "sets linear.weight, which an earlier preset"),
+])
+def test_bad_quant_preset_names_the_value(quant, message):
+    with pytest.raises(ValueError, match=message):
+        ExecutionSpec.default("consistent", "cuda", quant=quant)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(format="int8"), "quant format 'int8' is unknown"),
+    (dict(scale_dtype="e4m3"), "scale_dtype 'e4m3' does not go with format 'fp8_e4m3'"),
+    (dict(rounding="stochastic"), "rounding 'stochastic'"),
+    (dict(saturation="none"), "saturation 'none'"),
+    (dict(scale_domain="per_token"), "per_token and per_tensor take block None"),
+    (dict(block=(1, 0)), r"block \(1, 0\) must be \(rows, cols\) of positive ints"),
+    (dict(amax_floor=-1.0), "amax_floor -1.0"),
+    (dict(format="nvfp4", block=(1, 32), scale_dtype="e4m3"), r"block \(1, 32\) does not go with format 'nvfp4'"),
+])
+def test_bad_quant_spec_names_the_value(fields, message):
+    with pytest.raises(ValueError, match=message):
+        QuantSpec(**fields)
+
+
+def test_quantised_tensors_only_where_an_op_has_them():
+    with pytest.raises(ValueError, match=r"ops\['rmsnorm'\].weight is set"):
+        ExecutionSpec(ops={"rmsnorm": OpSpec(weight=FP8_WEIGHT)})
+    with pytest.raises(ValueError, match=r"ops\['linear'\].kv is set"):
+        ExecutionSpec(ops={"linear": OpSpec(kv=FP8_KV)})
+    with pytest.raises(ValueError, match="router_placement 'before_combine' is unknown"):
+        OpSpec(router_placement="before_combine")

@@ -1,0 +1,74 @@
+"""Block-FP8 activation quantiser on Hopper: the rule of onepath/numerics/quant.py, the same codes and scales.
+
+Per row, per group of G consecutive elements along K (G = 128: QuantSpec.block (1, G)), in FP32:
+    amax = max(max|x|, amax_floor); scale = div_rn(amax, 448) (ue8m0: rounded up to a power of two
+    from its bits); y = x * div_rn(1, scale) or div_rn(x, scale); q = e4m3(clamp(y, -448, 448)).
+- IEEE division (`div_rn`), not Triton's default approximate `/`: one more ulp would move codes;
+- the clamp before `.to(float8e4nv)`: Triton's cast saturates where torch's has made NaN; the spec
+  clamps, so both sides cast values in range and agree bit for bit;
+- a group holding +-inf or NaN gets scale NaN and codes 0 (torch's rule): tl.max is not relied on
+  to propagate NaN, the finiteness is tested explicitly;
+- max is exact in any order, so a group's bits depend on that group alone: any M, any grid.
+The engine and the trainer call this one kernel on the GPU; numerics/quant.py is the same rule in torch.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from onepath.numerics.quant import FP8Tensor
+from onepath.numerics.spec import FP8_ACT, QuantSpec
+
+GROUPS_PER_PROGRAM = 4
+NUM_WARPS = 4
+
+
+@triton.jit
+def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, x_stride, q_stride, s_stride, K, n_groups, amax_floor,
+                      UE8M0: tl.constexpr, DIVIDE: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = (groups[:, None] < n_groups) & (cols < K)
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+
+    finite = (x == x) & (tl.abs(x) < float("inf"))
+    bad = tl.max(tl.where(finite, 0, 1), axis=1)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), amax_floor)
+    scale = tl.math.div_rn(amax, 448.0)
+    if UE8M0:
+        bits = scale.to(tl.int32, bitcast=True)
+        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = (tl.minimum(tl.maximum(exp, 1), 254) << 23).to(tl.float32, bitcast=True)
+    scale = tl.where(bad == 0, scale, float("nan"))
+    if DIVIDE:
+        y = tl.math.div_rn(x, scale[:, None])
+    else:
+        y = x * tl.math.div_rn(1.0, scale)[:, None]
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    y = tl.where(bad[:, None] == 0, y, 0.0)
+    tl.store(q_ptr + row * q_stride + cols, y.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + row * s_stride + groups, scale, mask=groups < n_groups)
+
+
+def quantize_fp8(x: torch.Tensor, q: QuantSpec = FP8_ACT) -> FP8Tensor:
+    """x [..., K] (BF16/FP16/FP32) -> FP8Tensor(codes [..., K] float8_e4m3fn, scales [..., ceil(K/G)] FP32),
+    bit-equal to onepath.numerics.quant.quantize_fp8(x, q) for a 1 x G block rule."""
+    if q.format != "fp8_e4m3" or q.scale_domain != "per_block" or q.block[0] != 1 or q.block[1] & (q.block[1] - 1):
+        raise ValueError(f"the Triton FP8 quantiser takes per_block fp8_e4m3 groups (1, G), G a power of two "
+                         f"(activations, e.g. FP8_ACT); got {q.format} {q.scale_domain} {q.block}: "
+                         "use onepath.numerics.quant.quantize for the others")
+    k, group = x.shape[-1], q.block[1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n_groups = x2.shape[0], triton.cdiv(k, group)
+    codes = torch.empty((m, k), device=x.device, dtype=torch.float8_e4m3fn)
+    scales = torch.empty((m, n_groups), device=x.device, dtype=torch.float32)
+    if m and k:
+        grid = (m, triton.cdiv(n_groups, GROUPS_PER_PROGRAM))
+        _quant_fp8_kernel[grid](x2, codes, scales, x2.stride(0), codes.stride(0), scales.stride(0), k, n_groups,
+                                q.amax_floor, UE8M0=q.scale_dtype == "ue8m0", DIVIDE=q.scale_apply == "divide",
+                                GROUP=group, GROUPS=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS)
+    return FP8Tensor(codes.reshape(x.shape), scales.reshape(*x.shape[:-1], n_groups), q.block)
