@@ -67,6 +67,7 @@ def generate(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--quant", default=None, help="low precision preset(s), e.g. fp8+fp8_kv (default: none)")
     args = parser.parse_args(argv)
     from onepath.engine.llm_engine import LLMEngine
     from onepath.engine.sampling_params import SamplingParams
@@ -76,7 +77,8 @@ def generate(argv: list[str]) -> int:
     from onepath.train.trainer import build_model
 
     config = load_config(args.model)
-    model = build_model(config, ExecutionSpec.default(args.mode, args.device), args.max_model_len, load_state_dict(args.model))
+    spec = ExecutionSpec.default(args.mode, args.device, quant=args.quant)
+    model = build_model(config, spec, args.max_model_len, load_state_dict(args.model))
     engine = LLMEngine(model, tokenizer=load_tokenizer(args.model),
                        scheduler=SchedulerConfig(max_model_len=args.max_model_len))
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -11,6 +11,7 @@ from typing import ClassVar
 import yaml
 
 from onepath.models.config import SUPPORTED_MODEL_TYPES
+from onepath.numerics.spec import ExecutionSpec
 
 MODES = ("consistent", "baseline", "both")
 EMBEDDED_TASKS = ("arithmetic",)
@@ -262,6 +263,7 @@ class RunConfig(_Section):
     logger: LoggerSection = field(default_factory=LoggerSection)
     mode: str = "consistent"
     device: str = "cpu"
+    quant: str | None = None
     out: str = "runs/demo"
 
     def __post_init__(self):
@@ -273,6 +275,9 @@ class RunConfig(_Section):
         self._require("device", self.device in ("cpu", "cuda"), "is not a device", "use cpu or cuda")
         self._require("mode", self.mode in MODES, "is not a mode", f"use one of {', '.join(MODES)}")
         self._require("out", self.out != "", "is empty", "give the run directory, e.g. runs/demo")
+        if self.quant is not None:
+            self.quant = _convert("quant", self.quant, str)
+            ExecutionSpec.default("consistent", self.device, quant=self.quant)  # names the bad preset
         if self.train.overlong_buffer > self.rollout.max_tokens:
             raise ValueError(f"train.overlong_buffer = {self.train.overlong_buffer} > rollout.max_tokens = "
                              f"{self.rollout.max_tokens}: the penalty window must fit in the response length")
@@ -285,7 +290,7 @@ class RunConfig(_Section):
     def to_dict(self) -> dict:
         out = {name: {f.name: _plain(getattr(getattr(self, name), f.name)) for f in fields(cls)}
                for name, cls in SECTIONS.items()}
-        return {**out, "mode": self.mode, "device": self.device, "out": self.out}
+        return {**out, "mode": self.mode, "device": self.device, "quant": self.quant, "out": self.out}
 
     @classmethod
     def from_dict(cls, raw: dict) -> RunConfig:

@@ -63,6 +63,8 @@ def test_type_conversion(tmp_path):
     (["--rollout.n", "0"], r"rollout.n = 0 must be >= 1: the group size is the number of samples per prompt"),
     (["--mode", "fast"], r"mode = 'fast' is not a mode: use one of consistent, baseline, both"),
     (["--rollout.max_model_len", "128"], r"rollout.max_model_len = 128 > model.max_position_embeddings = 64"),
+    (["--quant", "fp9"], r"quant preset 'fp9' is unknown: use one of \('fp8', 'fp8_kv'"),
+    (["--quant", "fp8+fp8"], r"quant preset 'fp8' sets linear.weight, which an earlier preset quantised already"),
 ])
 def test_override_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
@@ -127,3 +129,4 @@ def test_round_trip(tmp_path):
     assert RunConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.to_dict()["train"]["betas"] == [0.8, 0.95]
     assert "betas: [0.8, 0.95]" in path.read_text()
+

@@ -151,7 +151,7 @@ class GRPOTrainer:
 
     def __init__(self, cfg: RunConfig, mode: str, setup: Setup, run_dir: Path, resume: bool = False):
         self.cfg, self.setup, self.run_dir = cfg, setup, run_dir
-        self.spec = ExecutionSpec.default(mode, cfg.device)
+        self.spec = ExecutionSpec.default(mode, cfg.device, quant=cfg.quant)
         found = checkpoint.latest(run_dir)
         if found is not None and not resume:
             raise ValueError(f"{run_dir} holds checkpoints of an earlier run ({found.name} the latest): pass --resume "
