@@ -7,6 +7,8 @@ consistent (CUDA): the Triton persistent GEMM of ops/cuda/matmul.py (fixed BLOCK
 baseline: one F.linear over all rows (the library's M-dependent choice; cuBLAS on the GPU).
 The LM head returns FP32 logits: the consistent GEMM rounds its FP32 accumulator to FP32 once;
 the baseline rounds to the weights' dtype first, as the stock engines do.
+Quantised (the op's weight/act QuantSpecs set): ops/quant_linear.py's forward, on both sides; the
+backward stays this file's reference on the unquantised operands (straight-through).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops.autograd import apply_kernel
 from onepath.ops.pinned import row_chunks
+from onepath.ops.quant_linear import quant_linear
 
 
 def reference(x, weight, bias=None):
@@ -31,7 +34,10 @@ def consistent(x, weight, bias=None, rows: int = 16):
 def linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            op: str = "linear") -> torch.Tensor:
     out_dtype = torch.float32 if op == "lm_head" else x.dtype
-    if spec.mode == "consistent" and spec.device == "cuda":
+    if spec.op(op).weight is not None or spec.op(op).act is not None:
+        def kernel(x, w, b=None):
+            return quant_linear(spec, x, w, b, out_dtype, op)
+    elif spec.mode == "consistent" and spec.device == "cuda":
         from onepath.ops.cuda.matmul import matmul
 
         def kernel(x, w, b=None):

@@ -187,7 +187,7 @@ def test_mismatched_checkpoint_is_a_clear_error(tmp_path, reward, monkeypatch):
         GRPOTrainer(tiny_cfg(tmp_path, 3, reward, "--model.intermediate_size", "96"), "consistent", other, run_dir,
                     resume=True)
     monkeypatch.setattr(ExecutionSpec, "default",  # what a change to the numeric contract in code looks like
-                        lambda mode, device: ExecutionSpec(mode, device, {"linear": OpSpec(row_chunk=8)}))
+                        lambda mode, device, quant=None: ExecutionSpec(mode, device, {"linear": OpSpec(row_chunk=8)}))
     with pytest.raises(ValueError, match=r"step_2 was written under ExecutionSpec \w+ \(consistent, cpu\), this run's "
                                          r"is \w+ .*the numeric contract changed"):
         GRPOTrainer(tiny_cfg(tmp_path, 3, reward), "consistent", setup, run_dir, resume=True)

@@ -1,0 +1,115 @@
+"""matmul_fp8: block-FP8 W8A8 y = (a W^T) (+ b) on Hopper, batch-invariant and deterministic.
+
+Operands are ops/quant_linear.py's: activation codes [M, K] float8_e4m3fn with FP32 scales per row
+and 128-wide K group [M, ceil(K/128)]; weight codes [N, K] with FP32 scales per 128x128 block
+[ceil(N/128), ceil(K/128)]. Per output element, K blocks kb in ascending order:
+    partial = tl.dot(a_kb, w_kb^T)                    a fresh FP32 tensor-core partial of one block
+    acc     = fma(partial, sa[m, kb] * sw[n // 128, kb], acc)
+    y       = round(acc + bias)                       bias in FP32, one rounding to out_dtype
+What keeps a row's bits its own (matmul.py's rules): BLOCK_K = 128 = the scale group, for every
+tile config, so a row's chain of MMAs and FMAs is a function of K alone; no split-K, no atomics;
+rows past M masked; persistent grid of min(#SMs, #tiles) walking tiles with stride #SMs.
+The promotion is done by hand (one dot per K block, then the FMA): Triton on SM90 would otherwise
+keep the whole K loop in the FP8 MMA's imprecise accumulator (max_num_imprecise_acc = 2^30).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from onepath.numerics.quant import FP8Tensor
+from onepath.ops.cuda.matmul import TileConfig, _num_sms, _tile_coords
+
+# One K step = one scale group: the partial a scale multiplies is exactly one tl.dot.
+BLOCK_K = 128
+# fp8 tiles, largest first (BLOCK_M >= 64: Hopper's wgmma); the pick follows M like matmul.py's,
+# which cannot move a row's bits (each element's MMA chain over K is the same in every tile).
+TILES_FP8 = (
+    TileConfig(128, 128, num_warps=8, num_stages=4),
+    TileConfig(64, 128, num_warps=4, num_stages=4),
+    TileConfig(64, 64, num_warps=4, num_stages=4),
+)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_fp8_kernel(
+    a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_am, stride_sam, stride_wn, stride_swn, stride_om,
+    W_BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+):
+    start_pid = tl.program_id(axis=0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.where(offs_m < M, offs_m, 0)
+        row_ok = offs_m < M
+        cols = tl.where(offs_n < N, offs_n, 0)
+        w_blocks = cols // W_BLOCK_N
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            k_left = K - ki * BLOCK_K
+            a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + (ki * BLOCK_K + offs_k)[None, :],
+                        mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_wn + (ki * BLOCK_K + offs_k)[:, None],
+                        mask=offs_k[:, None] < k_left, other=0.0)
+            # fresh accumulator per K block: the partial the scales multiply, then promoted in FP32
+            partial = tl.dot(a, b, out_dtype=tl.float32)
+            sa = tl.load(sa_ptr + rows * stride_sam + ki, mask=row_ok, other=1.0)
+            sw = tl.load(sw_ptr + w_blocks * stride_swn + ki)
+            acc = tl.fma(partial, sa[:, None] * sw[None, :], acc)
+
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def pick_config(m: int, n: int, num_sms: int) -> TileConfig:
+    for config in TILES_FP8:
+        if config.block_m <= max(64, m) and config.tiles(m, n) >= num_sms:
+            return config
+    return TILES_FP8[-1]
+
+
+def matmul_fp8(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.bfloat16, config: TileConfig | None = None) -> torch.Tensor:
+    """qa: codes [M, K] with (1, 128) groups; qw: codes [N, K] with (r, 128) blocks -> [M, N] in out_dtype."""
+    a, w = qa.codes, qw.codes
+    if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
+        raise ValueError(f"matmul_fp8: codes {tuple(a.shape)} and {tuple(w.shape)} do not match (expected [M, K], [N, K])")
+    if qa.block != (1, BLOCK_K) or qw.block[1] != BLOCK_K:
+        raise ValueError(f"matmul_fp8: scale blocks {qa.block} x {qw.block} must be (1, {BLOCK_K}) x (r, {BLOCK_K}): "
+                         "one scale per operand per K step")
+    (m, k), n = a.shape, w.shape[0]
+    out = torch.empty((m, n), device=a.device, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    a, w = a.contiguous(), w.contiguous()
+    sa, sw = qa.scales.reshape(m, -1).contiguous(), qw.scales.contiguous()
+    num_sms = _num_sms(a.device)
+    config = config or pick_config(m, n, num_sms)
+    grid = (min(num_sms, config.tiles(m, n)),)
+    _matmul_fp8_kernel[grid](
+        a, sa, w, sw, bias.contiguous() if bias is not None else None, out,
+        m, n, k,
+        a.stride(0), sa.stride(0), w.stride(0), sw.stride(0), out.stride(0),
+        W_BLOCK_N=qw.block[0], HAS_BIAS=bias is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK_K,
+        GROUP_M=config.group_m, NUM_SMS=num_sms,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out

@@ -1,0 +1,145 @@
+"""Quantised linear layers: y = x W^T + b with W (and x) stored by the spec's QuantSpecs, one numeric
+path for the engine and the trainer. The quantisers are onepath/numerics/quant.py's (on CUDA the FP8
+activations go through the Triton quantiser of ops/cuda/quant.py, the same rule, the same codes).
+
+Block FP8 W8A8 (ops[op].weight = FP8_WEIGHT 128x128, .act = FP8_ACT 1x128), per 128-wide K block kb:
+    partial = sum_k code_a[m, k] * code_w[n, k]           fresh FP32 partial of the block
+    acc     = fma(partial, sa[m, kb] * sw[n // 128, kb], acc)   scale product first, one FMA
+    y       = round(acc + b)                              bias in FP32, one rounding to the output dtype
+  CPU: the partial is summed in float64, where it is exact (e4m3 products are multiples of 2^-18 below
+  2^18, 128 of them stay under 2^25: 43 bits < 53), then rounded once to FP32; a row's bits cannot
+  depend on M, on the summation order or on its neighbours. The FMA is exact: FP64 with round-to-odd,
+  then one rounding to FP32. CUDA: ops/cuda/matmul_fp8.py, a fresh tl.dot per K block on the fp8
+  codes (Hopper's FP8 MMA rounds its own way: CPU and GPU do not bit-match, each agrees with itself).
+NVFP4 W4A16 (weight = NVFP4_WEIGHT) and W4A4 (act = NVFP4_ACT), emulated:
+    w_op  = E2M1[code_w] * s_blk_w,  a_op = E2M1[code_a] * s_blk_a (W4A4) or x (W4A16)   exact in BF16
+    acc   = a_op @ w_op^T                                FP32 accumulation, the consistent GEMM's order
+    y     = round(acc * (s_dec_a[m] * s_dec_w) + b)      s_dec = 1 / s_enc (FP32), W4A16: acc * s_dec_w
+  CPU: F.linear on fixed [row_chunk, K] pieces of the operands in FP32 (linear.consistent's rule);
+  CUDA: ops/cuda/matmul.py on the BF16 operands with FP32 output; the epilogue in FP32 torch ops.
+baseline: the same quantisers, then one library GEMM over all rows on the dequantised operands.
+Backward is straight-through: linear.reference on the unquantised operands (ops/autograd.py).
+
+The weight's quantised copy is cached on the parameter and rebuilt when its version counter moves
+(optimizer steps and the engine's in-place copy_ bump it) or its storage changes; `quant_cache =
+False` on a parameter turns that off (re-quantised at every forward: the memory of one copy saved).
+No cache while a CUDA graph is captured: the graph quantises the live weights at every replay.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from onepath.numerics.quant import FP8Tensor, NVFP4Tensor, quantize
+from onepath.numerics.spec import ExecutionSpec, OpSpec
+from onepath.ops.autograd import capturing
+from onepath.ops.pinned import row_chunks
+
+FP8_BLOCK_K = 128
+
+
+def check_formats(op: OpSpec, name: str) -> str:
+    """'fp8' (W8A8), 'w4a16' or 'w4a4'; any other weight/act pairing is refused."""
+    w, a = op.weight, op.act
+    w_fmt, a_fmt = (w.format if w else None), (a.format if a else None)
+    if w_fmt == a_fmt == "fp8_e4m3":
+        if w.scales_applied != "accumulator" or a.scales_applied != "accumulator" or w.scale_domain != "per_block" \
+                or a.scale_domain != "per_block" or w.block[1] != FP8_BLOCK_K or a.block != (1, FP8_BLOCK_K):
+            raise ValueError(f"ops[{name!r}]: the FP8 GEMM takes per_block scales applied in the accumulator, "
+                             f"weight blocks (r, {FP8_BLOCK_K}) and activation groups (1, {FP8_BLOCK_K}); got weight "
+                             f"{w.scale_domain} {w.block}, act {a.scale_domain} {a.block}: use the 'fp8' preset")
+        return "fp8"
+    if w_fmt == "nvfp4" and a_fmt in (None, "nvfp4"):
+        if w.outer_scale != "per_tensor" or (a is not None and a.outer_scale != "per_token"):
+            raise ValueError(f"ops[{name!r}]: NVFP4 takes a per_tensor outer scale on the weight and per_token on "
+                             "the activation: use the 'nvfp4_w4a16' or 'nvfp4_w4a4' preset")
+        return "w4a16" if a is None else "w4a4"
+    raise ValueError(f"ops[{name!r}]: weight {w_fmt} with act {a_fmt} is not a supported pairing: use FP8 W8A8 "
+                     "(fp8_e4m3 both), NVFP4 W4A16 (weight nvfp4, act None) or W4A4 (nvfp4 both)")
+
+
+def prepared_weight(weight: torch.Tensor, op: OpSpec, operand_dtype: torch.dtype):
+    """The weight as the GEMM takes it: an FP8Tensor, or (code * s_blk in operand_dtype, s_dec) for NVFP4;
+    from the parameter's cache while its version and storage are unchanged."""
+    key = (op.weight, operand_dtype, weight._version, weight.data_ptr(), tuple(weight.shape), weight.device)
+    use_cache = getattr(weight, "quant_cache", True) and not capturing(weight)
+    hit = getattr(weight, "_quantized", None) if use_cache else None
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    with torch.no_grad():
+        q = quantize(weight.detach(), op.weight)
+        if isinstance(q, NVFP4Tensor):
+            q = (q.dequantize(operand_dtype, outer=False), torch.reciprocal(q.encode_scale))
+    if use_cache:
+        weight._quantized = (key, q)
+    return q
+
+
+def quant_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype, name: str = "linear") -> torch.Tensor:
+    """The forward values of a quantised linear (no autograd: linear() wraps it straight-through)."""
+    op = spec.op(name)
+    fmt = check_formats(op, name)
+    cuda = spec.mode == "consistent" and spec.device == "cuda"
+    operand_dtype = x.dtype if cuda else torch.float32
+    qw = prepared_weight(weight, op, operand_dtype)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if fmt == "fp8":
+        if cuda:
+            from onepath.ops.cuda.matmul_fp8 import matmul_fp8
+            from onepath.ops.cuda.quant import quantize_fp8
+            y = matmul_fp8(quantize_fp8(x2, op.act), qw, bias, out_dtype)
+        else:
+            qa = quantize(x2, op.act)
+            gemm = fp8_gemm if spec.mode == "consistent" else _dequantized_gemm
+            y = gemm(qa, qw, bias).to(out_dtype)
+        return y.reshape(*lead, weight.shape[0])
+
+    w_op, s_dec = qw
+    if fmt == "w4a4":
+        qa = quantize(x2, op.act)
+        a_op, s_dec = qa.dequantize(operand_dtype, outer=False), torch.reciprocal(qa.encode_scale) * s_dec
+    else:
+        a_op = x2.to(operand_dtype)
+    if cuda:
+        from onepath.ops.cuda.matmul import matmul
+        acc = matmul(a_op, w_op, out_dtype=torch.float32)
+    elif spec.mode == "consistent":
+        acc = row_chunks(lambda c: F.linear(c, w_op), op.row_chunk, a_op)
+    else:
+        acc = F.linear(a_op, w_op)
+    y = acc * s_dec
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype).reshape(*lead, weight.shape[0])
+
+
+def fp8_gemm(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The block-FP8 GEMM of the module docstring on CPU: FP32 [M, N], bias added, not yet rounded."""
+    a, w = qa.codes.double(), qw.codes.double()
+    (m, k), n = a.shape, w.shape[0]
+    sw = qw.scales.repeat_interleave(qw.block[0], 0)[:n]  # [N, K blocks]
+    acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    for kb, start in enumerate(range(0, k, FP8_BLOCK_K)):
+        blk = slice(start, start + FP8_BLOCK_K)
+        partial = (a[:, blk] @ w[:, blk].T).float()  # exact in float64: one rounding to FP32
+        acc = fma(partial, qa.scales[:, kb:kb + 1] * sw[:, kb][None, :], acc)
+    return acc if bias is None else acc + bias.float()
+
+
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a * b + c rounded once: the product is exact in FP64, the sum rounded to odd in FP64
+    (TwoSum's error says which way), and FP64-to-odd then FP32 rounds as one rounding would (53 >= 24 + 2)."""
+    p, c = a.double() * b.double(), c.double()
+    s = p + c
+    bp = s - c
+    err = (p - bp) + (c - (s - bp))  # TwoSum: s + err == p + c exactly
+    odd = (s.view(torch.int64) & 1) == 1
+    toward = torch.nextafter(s, torch.where(err > 0, torch.inf, -torch.inf).double())
+    return torch.where((err == 0) | odd | ~torch.isfinite(s), s, toward).float()
+
+
+def _dequantized_gemm(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """baseline: dequantised operands, one library GEMM over all rows (its M-dependent kernel)."""
+    return F.linear(qa.dequantize(), qw.dequantize(), None if bias is None else bias.float())

@@ -1,0 +1,169 @@
+"""onepath.ops.cuda.matmul_fp8 run by Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny shapes.
+
+As in test_matmul_interpret.py, the interpreter's dot and FMA are replaced by exact models: a block's
+fp8 code products summed exactly (float64) and rounded once to FP32 (a K-block partial of e4m3 codes
+is exact in float64), and a correctly rounded FP32 FMA. The CPU path of ops/quant_linear.py computes
+exactly that, so the interpreted kernel must equal it bit for bit: the kernel's tile walk, K tail,
+scale indexing (per row and K group; per 128x128 weight block), epilogue order and masks are the
+CPU contract's. Hopper's FP8 MMA rounds its own way: the GPU's bits are a GPU test's job.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from tests.interpret import interpreted_results
+
+CHECKS = ["equals_cpu_contract", "rows_alone_equal_rows_in_batch", "configs_agree", "bias_bf16_out",
+          "cuda_linear_fp8_equals_cpu", "cuda_linear_rows_alone_equal_rows_in_batch"]
+
+
+def _run_checks() -> dict:
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def f64(h):
+        if h.dtype.scalar.primitive_bitwidth == 8:  # fp8 codes are exact in fp16
+            return interpreter._convert_float(h.data, h.dtype.scalar, tl.float16, None).view(np.float16) \
+                .reshape(h.data.shape).astype(np.float64)
+        return h.data.astype(np.float64)
+
+    def create_dot(self, a, b, d, *rest):
+        block = np.matmul(f64(a), f64(b)).astype(np.float32)
+        return interpreter.TensorHandle(block + d.data, d.dtype.scalar)
+
+    def create_fma(self, x, y, z):
+        from onepath.ops.quant_linear import fma
+        out = fma(*(torch.from_numpy(np.ascontiguousarray(t.data, dtype=np.float32)) for t in (x, y, z)))
+        return interpreter.TensorHandle(out.numpy(), z.dtype.scalar)
+
+    convert_float = interpreter._convert_float
+
+    # The interpreter's FP32 -> bf16 truncates and its FP32 -> e4m3 rounds half up (see
+    # test_quant_interpret.py); Hopper's casts round to nearest even, as torch's do.
+    def rne_convert_float(data, src, dst, rounding_mode):
+        wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)) if src == tl.float32 else None
+        if wide is not None and dst == tl.bfloat16:
+            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        if wide is not None and dst == tl.float8e4nv:
+            return wide.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(np.shape(data))
+        return convert_float(data, src, dst, rounding_mode)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+    interpreter.InterpreterBuilder.create_fma = create_fma
+    interpreter._convert_float = rne_convert_float
+
+    from onepath.numerics.quant import quantize
+    from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
+    from onepath.ops.cuda.matmul import TileConfig
+    from onepath.ops.cuda.matmul_fp8 import TILES_FP8, matmul_fp8
+    from onepath.ops.quant_linear import fp8_gemm
+
+    gen = torch.Generator().manual_seed(0)
+    results = {}
+
+    def record(name, ok, detail=""):
+        prev = results.get(name, {"ok": True, "detail": ""})
+        results[name] = {"ok": prev["ok"] and bool(ok), "detail": prev["detail"] or ("" if ok else detail)}
+
+    small = TileConfig(16, 16, 4, 2, group_m=2)
+    n = 140  # two 128-row weight blocks, the second ragged
+    for k in (200, 256, 40):  # ragged K tail, whole blocks, one short block
+        w = quantize(torch.randn(n, k, generator=gen) * 0.05, FP8_WEIGHT)
+        x = torch.randn(19, k, generator=gen) * 3
+        qx = quantize(x, FP8_ACT)
+        want = fp8_gemm(qx, w)
+        got = matmul_fp8(qx, w, out_dtype=torch.float32, config=small)
+        record("equals_cpu_contract", torch.equal(got, want), f"K={k}: max diff {(got - want).abs().max().item():.3g}")
+
+        probe = x[:1]
+        alone = matmul_fp8(quantize(probe, FP8_ACT), w, out_dtype=torch.float32, config=small)
+        for m in (2, 17, 33):
+            batch = torch.randn(m, k, generator=gen)
+            pos = int(torch.randint(m, (1,), generator=gen))
+            batch[pos] = probe[0]
+            inside = matmul_fp8(quantize(batch, FP8_ACT), w, out_dtype=torch.float32, config=small)[pos]
+            record("rows_alone_equal_rows_in_batch", torch.equal(inside, alone[0]), f"K={k} M={m} pos={pos}")
+
+        for cfg in (TileConfig(16, 32, 4, 2, group_m=1), *TILES_FP8):
+            record("configs_agree", torch.equal(matmul_fp8(qx, w, out_dtype=torch.float32, config=cfg), want), f"K={k} {cfg}")
+
+    k = 200
+    w = quantize(torch.randn(n, k, generator=gen) * 0.05, FP8_WEIGHT)
+    qx = quantize(torch.randn(5, k, generator=gen), FP8_ACT)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    got = matmul_fp8(qx, w, b, out_dtype=torch.bfloat16, config=small)
+    record("bias_bf16_out", got.dtype == torch.bfloat16 and torch.equal(got, fp8_gemm(qx, w, b).to(torch.bfloat16)),
+           "bias added in FP32, one rounding to bf16")
+
+    # ops.linear under a "cuda" spec, run on CPU tensors: the Triton FP8 quantiser + this kernel for W8A8,
+    # NVFP4 operands into the Triton BF16 matmul; the wiring of ops/quant_linear.py's CUDA branch.
+    from onepath.numerics.spec import ExecutionSpec
+    from onepath.ops import linear as L
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16) * 0.1
+    b = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x = torch.randn(3, k, generator=gen).to(torch.bfloat16)
+    gpu, cpu = (ExecutionSpec.default("consistent", dev, quant="fp8") for dev in ("cuda", "cpu"))
+    record("cuda_linear_fp8_equals_cpu", torch.equal(L.linear(gpu, x, w, b), L.linear(cpu, x, w, b)), "fp8")
+    for preset in ("fp8", "nvfp4_w4a16", "nvfp4_w4a4"):
+        gpu = ExecutionSpec.default("consistent", "cuda", quant=preset)
+        alone = L.linear(gpu, x[:1], w, b)
+        for m in (2, 70):
+            batch = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            batch[m // 2] = x[0]
+            record("cuda_linear_rows_alone_equal_rows_in_batch",
+                   torch.equal(L.linear(gpu, batch, w, b)[m // 2], alone[0]), f"{preset} M={m}")
+    return results
+
+
+def test_every_fp8_config_compiles_for_sm90_on_fp8_wgmma_within_shared_memory():
+    """What the launcher can pick builds for the H200 (the Triton wheel's ptxas, no GPU): fp8 wgmma
+    (e4m3 operands, no mma.sync fallback), one FMA per K block, within the 227 KiB of shared memory."""
+    pytest.importorskip("triton.backends.nvidia")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: the kernel is an interpreted function, not compilable")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from onepath.ops.cuda import matmul_fp8 as mm
+    from tests.ops.test_matmul_interpret import SM90_SHARED_BYTES
+
+    names = mm._matmul_fp8_kernel.arg_names
+    bad = []
+    for cfg in mm.TILES_FP8:
+        consts = dict(W_BLOCK_N=128, HAS_BIAS=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=mm.BLOCK_K,
+                      GROUP_M=cfg.group_m, NUM_SMS=132)
+        sig = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sw_ptr": "*fp32", "bias_ptr": "*bf16",
+               "out_ptr": "*bf16", **{n: "i32" for n in ("M", "N", "K", "stride_am", "stride_sam", "stride_wn",
+                                                         "stride_swn", "stride_om")}}
+        sig.update({n: "constexpr" for n in consts})
+        aligned = ("a_ptr", "w_ptr", "out_ptr", "K", "stride_am", "stride_wn", "stride_om")
+        src = ASTSource(mm._matmul_fp8_kernel, {n: sig[n] for n in names},
+                        constexprs={(names.index(n),): v for n, v in consts.items()},
+                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        ptx = kernel.asm["ptx"]
+        ok = "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx and "mma.sync" not in ptx and "fma.rn.f32" in ptx
+        if kernel.metadata.shared > SM90_SHARED_BYTES or not ok:
+            bad.append((cfg, kernel.metadata.shared, ok))
+    assert not bad, f"(config, shared bytes, fp8 wgmma + fma) that break the build contract: {bad}"
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return interpreted_results(__file__, "matmul_fp8")
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_matmul_fp8_interpreted(interpreted, check):
+    assert interpreted[check]["ok"], f"{check}: {interpreted[check]['detail']}"
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    print(json.dumps(_run_checks()))
