@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--quant", default=None, help="low-precision presets for both modes, e.g. fp8+fp8_kv")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/rollout-MODELS-DEVICE.json)")
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default 256)")
@@ -183,7 +184,8 @@ def build_engine(config: ModelConfig, mode: str, state: dict, max_model_len: int
                  args) -> tuple[LLMEngine, dict]:
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    model = build_decoder(config, Ops(ExecutionSpec.default(mode, args.device)), max_positions=max_model_len)
+    model = build_decoder(config, Ops(ExecutionSpec.default(mode, args.device, quant=args.quant)),
+                          max_positions=max_model_len)
     model.load_hf_state_dict(state)
     accepted = inspect.signature(LLMEngine).parameters
     kwargs = dict(block_size=BLOCK_SIZE, scheduler=SchedulerConfig(
@@ -205,7 +207,7 @@ def memory(engine: LLMEngine) -> dict:
     if reported:
         return dict(reported)
     model = engine.model
-    kv_bytes_per_token = KVCache.bytes_per_token(model.config, model.ops.spec.dtype)
+    kv_bytes_per_token = KVCache.bytes_per_token(model.config, model.ops.spec.dtype, model.ops.spec.op("attention").kv)
     num_blocks, block_size = engine.block_manager.num_blocks, engine.block_manager.block_size
     return dict(weights_gib=sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
                 kv_cache_gib=num_blocks * block_size * kv_bytes_per_token / 2**30, num_blocks=num_blocks,
@@ -325,7 +327,8 @@ def _delta(before: dict, after: dict) -> dict:
 
 
 def _kv_bytes_per_token(config: ModelConfig, args) -> int:
-    return KVCache.bytes_per_token(config, _dtype(args))
+    spec = ExecutionSpec.default("consistent", args.device, quant=args.quant)
+    return KVCache.bytes_per_token(config, spec.dtype, spec.op("attention").kv)
 
 
 def _dtype(args) -> torch.dtype:

@@ -333,7 +333,8 @@ PRESETS = {  # --sides: (layout A, layout B, spec B)
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a Hugging Face checkpoint directory (config.json, safetensors)")
-    parser.add_argument("--spec-a", default="consistent", help="'consistent', 'baseline' or a spec.json path")
+    parser.add_argument("--spec-a", default="consistent", help="'consistent', 'baseline' (with presets: "
+                        "'consistent+fp8+fp8_kv') or a spec.json path")
     parser.add_argument("--spec-b", default=None, help="as --spec-a (default: set by --sides)")
     parser.add_argument("--ops-a", default=None, help="backend class 'module:Class' (an Ops subclass; default Ops)")
     parser.add_argument("--ops-b", default=None, help="as --ops-a")
@@ -365,8 +366,11 @@ def parse_layout(text: str) -> tuple[Layout, int, int]:
 
 
 def load_spec(text: str, device: str) -> ExecutionSpec:
-    if text in ("consistent", "baseline"):
-        return ExecutionSpec.default(text, device)
+    """'consistent' or 'baseline', optionally with low-precision presets ('consistent+fp8+fp8_kv'), or a
+    spec.json path."""
+    mode, _, quant = text.partition("+")
+    if mode in ("consistent", "baseline"):
+        return ExecutionSpec.default(mode, device, quant=quant or None)
     return ExecutionSpec.from_json(Path(text).read_text())
 
 

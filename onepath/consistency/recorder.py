@@ -271,7 +271,7 @@ def trace(model: DenseDecoder, sequences: list[list[int]], layout: Layout = Layo
         tables.append(list(range(next_block, next_block - (-n // block_size))))
         next_block = tables[-1][-1] + 1
     device = model.device
-    cache = KVCache(model.config, next_block, block_size, model.ops.spec.dtype, device)
+    cache = KVCache.for_model(model, next_block, block_size)
     recorder, gather = Recorder(capture), _Gather(len(sequences))
     with recorder.installed(model):
         for pieces in layout.schedule(lengths):

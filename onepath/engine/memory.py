@@ -29,7 +29,7 @@ def activation_peak(model: DenseDecoder, config: SchedulerConfig, block_size: in
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     batch, num_blocks = ForwardBatch.for_sequences([[0] * n for n in lengths], block_size, device)
-    cache = KVCache(model.config, num_blocks, block_size, model.ops.spec.dtype, device)
+    cache = KVCache.for_model(model, num_blocks, block_size)
     hidden = model(batch, cache)
     rows = min(config.max_num_seqs, hidden.shape[0])
     logits = model.compute_logits(hidden[:rows])
@@ -50,7 +50,7 @@ def kv_blocks_for(model: DenseDecoder, config: SchedulerConfig, block_size: int,
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     budget = total * utilization - (total - free) - peak
-    per_block = KVCache.bytes_per_token(model.config, model.ops.spec.dtype) * block_size
+    per_block = kv_bytes_per_token(model) * block_size
     blocks = int(budget // per_block)
     needed = -(-config.max_model_len // block_size)
     if blocks < needed:
@@ -62,9 +62,15 @@ def kv_blocks_for(model: DenseDecoder, config: SchedulerConfig, block_size: int,
     return blocks
 
 
+def kv_bytes_per_token(model: DenseDecoder) -> int:
+    """K/V bytes of one token in the cache the model's spec asks for, FP8 scales included."""
+    spec = model.ops.spec
+    return KVCache.bytes_per_token(model.config, spec.dtype, spec.op("attention").kv)
+
+
 def report(model: DenseDecoder, cache: KVCache, utilization: float | None) -> dict:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    per_token = KVCache.bytes_per_token(model.config, model.ops.spec.dtype)
+    per_token = kv_bytes_per_token(model)
     out = {"weights_gib": weights / GIB, "kv_cache_gib": per_token * cache.num_blocks * cache.block_size / GIB,
            "num_blocks": cache.num_blocks - 1, "block_size": cache.block_size, "kv_bytes_per_token": per_token,
            "kv_tokens": (cache.num_blocks - 1) * cache.block_size}

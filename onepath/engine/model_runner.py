@@ -124,7 +124,7 @@ class ModelRunner:
         self.model, self.ops = model, model.ops
         self.block_size = block_size
         # one block past the block manager's: the padding rows of captured graphs write there
-        self.cache = KVCache(model.config, num_blocks + 1, block_size, model.ops.spec.dtype, model.device)
+        self.cache = KVCache.for_model(model, num_blocks + 1, block_size)
         self.graphs = None
         if graph_batch_sizes:
             if model.device.type != "cuda":

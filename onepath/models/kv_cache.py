@@ -1,21 +1,52 @@
-"""Paged KV cache storage: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim]."""
+"""Paged KV cache storage: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim].
+
+With the spec's attention.kv QuantSpec set (FP8_KV), a layer's K and V are each an FP8Tensor: codes
+float8_e4m3fn [num_blocks, block_size, kv_heads, head_dim] and FP32 scales [num_blocks, block_size,
+kv_heads, 1], one per token and head, by quant.py's rule. ops/attention.py writes and reads both forms.
+"""
 from __future__ import annotations
 
 import torch
 
 from onepath.models.config import ModelConfig
+from onepath.numerics.quant import FP8Tensor
+from onepath.numerics.spec import QuantSpec
+
+SCALE_BYTES = 4  # one FP32 scale per token and head
 
 
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", kv: QuantSpec | None = None):
+        check_kv_spec(kv)
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        # zeros, not empty: unused slots are masked, but 0 * NaN would still poison a masked sum
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+
+        def layer():
+            # zeros, not empty: unused slots are masked, but 0 * NaN would still poison a masked sum
+            if kv is None:
+                return torch.zeros(shape, dtype=dtype, device=device)
+            return FP8Tensor(torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device),
+                             torch.zeros(*shape[:-1], 1, dtype=torch.float32, device=device), (1, config.head_dim))
+
+        self.k = [layer() for _ in range(config.num_hidden_layers)]
+        self.v = [layer() for _ in range(config.num_hidden_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
 
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int) -> "KVCache":
+        """The cache `model`'s spec asks for (its dtype, its attention.kv quantisation), on its device."""
+        spec = model.ops.spec
+        return cls(model.config, num_blocks, block_size, spec.dtype, model.device, kv=spec.op("attention").kv)
+
     @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv: QuantSpec | None = None) -> int:
+        """K and V of one token over all layers, scales included."""
+        per_head = config.head_dim * torch.empty((), dtype=dtype).element_size() if kv is None \
+            else config.head_dim + SCALE_BYTES
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * per_head
+
+
+def check_kv_spec(kv: QuantSpec | None) -> None:
+    if kv is not None and (kv.format, kv.scale_domain, kv.scales_applied) != ("fp8_e4m3", "per_token", "load"):
+        raise ValueError(f"KV cache quantisation {kv} is not supported: the cache stores FP8 (E4M3) with one "
+                         "scale per token and head, dequantised on load; use FP8_KV (quant='fp8_kv')")

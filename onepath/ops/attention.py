@@ -10,6 +10,16 @@ queries share its launch nor on the phase nor on the batch. The softmax max is e
 baseline: the stock fast path: SDPA on the fresh K/V for a pure prefill, SDPA with a mask for a
 chunk over a cached prefix, a batched matmul decode path for single-token queries (on CUDA the
 paged kernel with a batch-dependent KV split, as flash-decoding runs: torch has no paged decode).
+
+FP8 KV cache (the spec's attention.kv, FP8_KV): a layer's cache is an FP8Tensor (codes float8_e4m3fn
+[blocks, block_size, Hkv, D], FP32 scales [blocks, block_size, Hkv, 1]). write_kv quantises each new
+token's K and V per head by quant.py's rule; every read dequantises the same way, before attending:
+    k = (code.float() * scale).to(q.dtype)     one FP32 product, then one rounding to q's dtype
+(`_load` here, the `FP8_KV` branch of the Triton kernel). Prefill, chunks, decode and the trainer's
+private cache all read through it, so the quantisation moves no bit between them. The backward
+stays straight-through: `reference` differentiates attention over the fresh, unquantised K/V.
+The baseline's SDPA prefill attends to the fresh K/V and so ignores the quantisation (the naive
+path a stock engine takes); its chunked prefill and decode read the quantised cache.
 """
 from __future__ import annotations
 
@@ -19,7 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from onepath.numerics.spec import ExecutionSpec
+from onepath.numerics.quant import FP8Tensor, quantize_fp8
+from onepath.numerics.spec import ExecutionSpec, QuantSpec
 from onepath.ops.autograd import apply_kernel
 from onepath.ops.pinned import pinned_unary, row_chunks, tiled_sum, tree_sum
 
@@ -46,10 +57,33 @@ class AttentionMetadata:
 BASELINE_KV_TILE = 32
 
 
-def write_kv(k_cache, v_cache, k, v, slot_mapping):
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.detach().to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.detach().to(v_cache.dtype)
+def write_kv(k_cache, v_cache, k, v, slot_mapping, kv: QuantSpec | None = None):
+    """This step's K/V [T, Hkv, D] into their slots; quantised by `kv` (the spec's attention.kv) when
+    the cache is FP8."""
+    if isinstance(k_cache, FP8Tensor) != (kv is not None):
+        raise TypeError(f"KV cache of {type(k_cache).__name__} with the spec's attention.kv {kv}: build the "
+                        "cache from the model's spec (KVCache.for_model) so its format follows the spec")
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        if kv is None:
+            cache.view(-1, *cache.shape[2:])[slot_mapping] = x.detach().to(cache.dtype)
+            continue
+        fp8 = quantize_fp8(x.detach(), kv)
+        cache.codes.view(-1, *cache.codes.shape[2:])[slot_mapping] = fp8.codes
+        cache.scales.view(-1, *cache.scales.shape[2:])[slot_mapping] = fp8.scales
+
+
+def cache_shape(cache) -> torch.Size:
+    """[blocks, block_size, Hkv, D] of a plain or FP8 cache."""
+    return cache.codes.shape if isinstance(cache, FP8Tensor) else cache.shape
+
+
+def _load(cache, slots, dtype):
+    """The cache rows at `slots` (any shape) -> [*slots.shape, Hkv, D]: an FP8 cache's dequantised to
+    dtype, code.float() * scale then one rounding (the kernel's order); a plain cache's as stored."""
+    if isinstance(cache, FP8Tensor):
+        codes = cache.codes.view(-1, *cache.codes.shape[2:])[slots]
+        return (codes.float() * cache.scales.view(-1, *cache.scales.shape[2:])[slots]).to(dtype)
+    return cache.view(-1, *cache.shape[2:])[slots]
 
 
 def _key_mask(pos, length, window):
@@ -61,12 +95,10 @@ def _key_mask(pos, length, window):
 
 
 def consistent(q, k_cache, v_cache, meta: AttentionMetadata, scale, window, kv_tile, rows):
-    heads, head_dim = q.shape[1:]
-    num_kv_heads = k_cache.shape[2]
+    heads = q.shape[1]
+    num_kv_heads = cache_shape(k_cache)[2]
     head_to_kv = torch.arange(heads, device=q.device) // (heads // num_kv_heads)
     bs = meta.block_size
-    keys_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    values_flat = v_cache.view(-1, num_kv_heads, head_dim)
 
     def chunk(qc, pos, seq):
         length = -(-(int(pos.max()) + 1) // kv_tile) * kv_tile
@@ -74,8 +106,8 @@ def consistent(q, k_cache, v_cache, meta: AttentionMetadata, scale, window, kv_t
         j = torch.arange(length, device=q.device)
         blocks = meta.block_tables[seq][:, (j // bs).clamp(max=meta.block_tables.shape[1] - 1)]
         slots = torch.where(valid, blocks * bs + j % bs, 0)
-        k = keys_flat[slots][:, :, head_to_kv].float()           # [R, L, H, D]
-        v = values_flat[slots][:, :, head_to_kv].float()
+        k = _load(k_cache, slots, q.dtype)[:, :, head_to_kv].float()     # [R, L, H, D]
+        v = _load(v_cache, slots, q.dtype)[:, :, head_to_kv].float()
         v = torch.where(valid[:, :, None, None], v, 0.0)
         s = tree_sum(qc.float()[:, None] * k) * scale            # [R, L, H]
         s = torch.where(valid[:, :, None], s, -math.inf)
@@ -87,11 +119,10 @@ def consistent(q, k_cache, v_cache, meta: AttentionMetadata, scale, window, kv_t
     return row_chunks(chunk, rows, q, meta.positions, meta.query_seq).to(q.dtype)
 
 
-def _gather_context(cache, meta, b):
+def _gather_context(cache, meta, b, dtype):
     bs = meta.block_size
-    j = torch.arange(meta.context_lens[b], device=cache.device)
-    slots = meta.block_tables[b][j // bs] * bs + j % bs
-    return cache.view(-1, *cache.shape[2:])[slots]
+    j = torch.arange(meta.context_lens[b], device=meta.block_tables.device)
+    return _load(cache, meta.block_tables[b][j // bs] * bs + j % bs, dtype)
 
 
 def whole_sequences(meta: AttentionMetadata) -> bool:
@@ -138,8 +169,8 @@ def baseline(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window):
             o = F.scaled_dot_product_attention(qb, kb.to(q.dtype), vb.to(q.dtype), is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            kb = _gather_context(k_cache, meta, b).transpose(0, 1)[None].to(q.dtype)
-            vb = _gather_context(v_cache, meta, b).transpose(0, 1)[None].to(q.dtype)
+            kb = _gather_context(k_cache, meta, b, q.dtype).transpose(0, 1)[None].to(q.dtype)
+            vb = _gather_context(v_cache, meta, b, q.dtype).transpose(0, 1)[None].to(q.dtype)
             mask = _key_mask(meta.positions[s:e], ctx, window)
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s:e] = o[0].transpose(0, 1)
@@ -156,13 +187,13 @@ def baseline(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window):
 def _decode(q, k_cache, v_cache, meta, seqs, scale, window):
     """Single-token queries of several sequences in one padded batched matmul."""
     heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = cache_shape(k_cache)[2]
     longest = max(meta.context_lens[b] for b in seqs)
     keys = q.new_zeros((len(seqs), longest, num_kv_heads, q.shape[2]))
     values = torch.zeros_like(keys)
     for i, b in enumerate(seqs):
-        keys[i, :meta.context_lens[b]] = _gather_context(k_cache, meta, b)
-        values[i, :meta.context_lens[b]] = _gather_context(v_cache, meta, b)
+        keys[i, :meta.context_lens[b]] = _gather_context(k_cache, meta, b, q.dtype)
+        values[i, :meta.context_lens[b]] = _gather_context(v_cache, meta, b, q.dtype)
     keys = keys.repeat_interleave(heads // num_kv_heads, dim=2).transpose(1, 2)     # [S, H, L, D]
     values = values.repeat_interleave(heads // num_kv_heads, dim=2).transpose(1, 2)
     qs = q[[meta.cu_seqlens[b] for b in seqs]].unsqueeze(2)                          # [S, H, 1, D]
@@ -184,7 +215,7 @@ def _paged_decode(q, k_cache, v_cache, positions, query_seq, block_tables, max_c
     """Single-token queries on CUDA: the paged kernel as flash-decoding runs it, with the number of KV
     splits chosen from the batch (enough programs for two per SM), a shape-dependent choice."""
     from onepath.ops.cuda.attention import paged_attention
-    programs = q.shape[0] * k_cache.shape[2]
+    programs = q.shape[0] * cache_shape(k_cache)[2]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     splits = max(1, min(-(-max_context // kv_tile), -(-2 * sms // programs)))
     # a power of two times the tile: the split size is a compile-time constant of the kernel
@@ -218,9 +249,10 @@ def reference(q, k, v, meta: AttentionMetadata, scale, window):
 
 def attention(spec: ExecutionSpec, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
               sliding_window: int | None = None) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens; caches: [blocks, block_size, Hkv, D]."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    """q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens; caches: [blocks, block_size, Hkv, D]
+    (FP8Tensors when the spec quantises the KV cache)."""
     o = spec.op("attention")
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping, o.kv)
     if spec.mode == "consistent" and spec.device == "cuda":
         from onepath.ops.cuda.attention import paged_attention
         kernel = lambda q, k, v: paged_attention(q, k_cache, v_cache, meta.positions, meta.query_seq, meta.block_tables,

@@ -87,7 +87,7 @@ class Actor:
     def forward(self, prompts, completions, params, head_rows):
         device = self.model.device
         batch, num_blocks, rows = ForwardBatch.for_completions(prompts, completions, self.block_size, device)
-        cache = KVCache(self.model.config, num_blocks, self.block_size, self.ops.spec.dtype, device)
+        cache = KVCache.for_model(self.model, num_blocks, self.block_size)
         hidden = self.hidden(batch, cache)
         tokens = [t for c in completions for t in c]
         row_params = [params[i] for i, c in enumerate(completions) for _ in c]

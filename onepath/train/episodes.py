@@ -168,7 +168,7 @@ def masked_forward(actor: Actor, prompts, completions, masks, params, head_rows)
                 tokens.append(c[j])
                 row_params.append(p)
         k += len(c)
-    cache = KVCache(actor.model.config, num_blocks, actor.block_size, actor.ops.spec.dtype, actor.model.device)
+    cache = KVCache.for_model(actor.model, num_blocks, actor.block_size)
     hidden = actor.hidden(batch, cache)
     return actor.head(hidden, rows, tokens, row_params, head_rows)
 

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from onepath.models.batch import ForwardBatch, SeqChunk
+from onepath.numerics.quant import FP8Tensor, quantize_fp8
+from onepath.numerics.spec import FP8_KV
 from onepath.ops import attention as A
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 24, 16   # GQA group of 3; head_dim not a power of two
@@ -163,3 +165,46 @@ def test_padded_sdpa_equals_plain_math_and_its_gradient(gen):
     want = torch.autograd.grad(expected, (q, k, v), g)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def _fp8_caches(num_blocks):
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    return tuple(FP8Tensor(torch.zeros(shape, dtype=torch.float8_e4m3fn), torch.zeros(*shape[:3], 1), (1, HEAD_DIM))
+                 for _ in range(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 9])
+def test_fp8_cache_reads_as_the_cache_of_its_dequantised_values(consistent, gen, dtype, window):
+    """A chunk over a cached prefix: attention over the FP8 cache == attention over a cache of q's dtype
+    holding (code.float() * scale).to(dtype), bit for bit; and != the unquantised cache."""
+    fp8 = consistent.with_quant("fp8_kv")
+    n, start = 40, 23
+    q, k, v = (t.to(dtype) for t in _qkv(n, gen))
+    table = [3, 0, 2]
+    slots = lambda j: torch.tensor(table)[j // BLOCK] * BLOCK + j % BLOCK
+    caches = _fp8_caches(4)
+    A.write_kv(*caches, k[:start], v[:start], slots(torch.arange(start)), FP8_KV)
+    chunk = [SeqChunk([0] * (n - start), start, table)]
+    out = _step(fp8, chunk, q[start:], k[start:], v[start:], caches, window)
+    assert isinstance(caches[0], FP8Tensor) and caches[0].scales[3, 0, 0, 0] > 0
+    dq = lambda x: quantize_fp8(x, FP8_KV).dequantize(dtype)
+    plain = tuple(c.dequantize(dtype) for c in caches)
+    assert torch.equal(out, _step(consistent, chunk, q[start:], dq(k[start:]), dq(v[start:]), plain, window))
+    unquantised = tuple(torch.zeros(c.codes.shape, dtype=dtype) for c in caches)
+    A.write_kv(*unquantised, k[:start], v[:start], slots(torch.arange(start)))
+    assert not torch.equal(out, _step(consistent, chunk, q[start:], k[start:], v[start:], unquantised, window))
+
+
+def test_fp8_cache_gradient_is_straight_through(consistent, gen):
+    """The backward differentiates attention over the fresh K/V: the same gradient as an unquantised cache."""
+    lengths = [1, 17, 30]
+    batch, num_blocks = ForwardBatch.for_sequences([[0] * n for n in lengths], BLOCK)
+    g = torch.randn(sum(lengths), HEADS, HEAD_DIM, generator=gen)
+    qkv = _qkv(sum(lengths), gen)
+    grads = []
+    for spec, caches in ((consistent.with_quant("fp8_kv"), _fp8_caches(num_blocks)), (consistent, _caches(num_blocks))):
+        leaves = [t.clone().requires_grad_() for t in qkv]
+        A.attention(spec, *leaves, *caches, batch.attn, SCALE).backward(g)
+        grads.append([t.grad for t in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

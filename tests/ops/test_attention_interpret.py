@@ -1,8 +1,10 @@
 """The Triton paged attention kernel's logic on CPU (TRITON_INTERPRET=1, tiny shapes): close to a float64
 causal reference; a probe's bits alone == inside a batch; prefill == chunked prefill == decode token by
-token; the in-register and split-KV launches agree; sliding window. Each check runs in a subprocess
+token; the in-register and split-KV launches agree; sliding window; an FP8 KV cache reads as the cache of
+its dequantised values (check_fp8_kv). Each check runs in a subprocess
 because TRITON_INTERPRET must be set before triton is imported. The helpers build paged batches for
 tests/gpu/test_attention_gpu.py too."""
+import copy
 import math
 import os
 import subprocess
@@ -12,6 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from onepath.numerics.quant import FP8Tensor
+from onepath.numerics.spec import FP8_KV
+from onepath.ops.attention import write_kv
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, KV_TILE, KV_SPLIT = 4, 2, 16, 16, 16, 32
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,14 +26,27 @@ ROOT = Path(__file__).resolve().parents[2]
 
 class PagedCache:
     """K/V caches filled with NaN, so a read of any slot the kernel must not touch poisons the output.
-    Sequences get blocks drawn at random from a shuffled pool: tables are non-contiguous."""
+    Sequences get blocks drawn at random from a shuffled pool: tables are non-contiguous.
+    kv (a QuantSpec, FP8_KV): K and V are FP8Tensors, written through ops.attention.write_kv."""
 
-    def __init__(self, num_blocks, num_kv_heads, head_dim, dtype, device, gen, block_size=BLOCK):
+    def __init__(self, num_blocks, num_kv_heads, head_dim, dtype, device, gen, block_size=BLOCK, kv=None):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.full(shape, math.nan, dtype=dtype, device=device)
-        self.v = torch.full(shape, math.nan, dtype=dtype, device=device)
-        self.block_size = block_size
+
+        def nan_cache():
+            if kv is None:
+                return torch.full(shape, math.nan, dtype=dtype, device=device)
+            return FP8Tensor(torch.full(shape, math.nan, device=device).to(torch.float8_e4m3fn),
+                             torch.full((*shape[:3], 1), math.nan, device=device), (1, head_dim))
+
+        self.k, self.v = nan_cache(), nan_cache()
+        self.block_size, self.device, self.kv = block_size, torch.device(device), kv
         self.free = torch.randperm(num_blocks, generator=gen).tolist()
+
+    def dequantized(self, dtype):
+        """A plain cache of `dtype` holding this FP8 cache's dequantised values, same block tables."""
+        plain = copy.copy(self)
+        plain.k, plain.v, plain.kv = self.k.dequantize(dtype), self.v.dequantize(dtype), None
+        return plain
 
     def table(self, length):
         n = -(-length // self.block_size)
@@ -36,15 +55,14 @@ class PagedCache:
 
     def write(self, table, start, k, v):
         j = torch.arange(start, start + k.shape[0])
-        slots = (torch.tensor(table)[j // self.block_size] * self.block_size + j % self.block_size).to(self.k.device)
-        self.k.view(-1, *self.k.shape[2:])[slots] = k.to(self.k.dtype)
-        self.v.view(-1, *self.v.shape[2:])[slots] = v.to(self.v.dtype)
+        slots = (torch.tensor(table)[j // self.block_size] * self.block_size + j % self.block_size).to(self.device)
+        write_kv(self.k, self.v, k.to(self.device), v.to(self.device), slots, self.kv)
 
 
 def step(attn, cache, chunks, scale, **kw):
     """One launch over chunks (q [n, H, D], start, table): the chunk's queries sit at positions
     start..start+n-1 of their sequence, whose K/V 0..start+n-1 are in the cache. Returns each chunk's output."""
-    device = cache.k.device
+    device = cache.device
     positions = torch.cat([torch.arange(s, s + q.shape[0]) for q, s, _ in chunks]).to(device)
     query_seq = torch.cat([torch.full((q.shape[0],), i) for i, (q, _, _) in enumerate(chunks)]).to(device)
     width = max(len(t) for _, _, t in chunks)
@@ -97,17 +115,31 @@ def _attn(**fixed):
     return lambda *a, **kw: paged_attention(*a, kv_tile=KV_TILE, kv_split=KV_SPLIT, **fixed, **kw)
 
 
-def _batch(attn, seqs, gen, window=None):
-    """seqs: (q, k, v, start); tokens start.. are this step's chunk over the cached prefix."""
+def _fill(seqs, gen, kv=None):
+    """seqs: (q, k, v, start); tokens start.. are this step's chunk over the cached prefix.
+    Returns the cache holding every sequence's K/V and the chunks (q, start, table)."""
     kv_heads, head_dim = seqs[0][1].shape[1:]
     cache = PagedCache(sum(-(-q.shape[0] // BLOCK) for q, *_ in seqs) + 5, kv_heads, head_dim, torch.float32,
-                       "cpu", gen)
+                       "cpu", gen, kv=kv)
     chunks = []
     for q, k, v, start in seqs:
         table = cache.table(q.shape[0])
         cache.write(table, 0, k, v)
         chunks.append((q[start:], start, table))
-    return step(attn, cache, chunks, head_dim ** -0.5, sliding_window=window)
+    return cache, chunks
+
+
+def _batch(attn, seqs, gen, window=None):
+    cache, chunks = _fill(seqs, gen)
+    return step(attn, cache, chunks, seqs[0][0].shape[2] ** -0.5, sliding_window=window)
+
+
+def _fp8_batch(attn, seqs, gen, dtype, window=None):
+    """Each chunk's output over an FP8 cache (FP8_KV) and over the cache of dtype holding its dequantised values."""
+    cache, chunks = _fill(seqs, gen, FP8_KV)
+    chunks = [(q.to(dtype), start, table) for q, start, table in chunks]
+    return (step(attn, cache, chunks, SCALE, sliding_window=window),
+            step(attn, cache.dequantized(dtype), chunks, SCALE, sliding_window=window))
 
 
 def check_reference():
@@ -174,9 +206,31 @@ def check_control():
     assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
 
 
+def check_fp8_kv():
+    """The kernel reading an FP8 cache == the kernel reading a cache of q's dtype that holds the dequantised
+    values, bit for bit (both launches, with and without a window), alone and inside a batch; and the
+    quantisation shows: != the unquantised cache, yet close to it. FP32 queries only: the interpreter's
+    BF16 dots are not IEEE (tests/engine/test_kv_fp8.py runs BF16 on the GPU)."""
+    gen = torch.Generator().manual_seed(4)
+    dtype = torch.float32
+    for window in (None, 7):
+        probe = (*_seq(37, gen), 20)
+        others = [(*_seq(m, gen), start) for m, start in ((5, 4), (24, 0), (18, 17))]
+        for split in (False, True):
+            attn = _attn(split_kv=split)
+            (alone,), (alone_plain,) = _fp8_batch(attn, [probe], gen, dtype, window)
+            assert torch.equal(alone, alone_plain), (dtype, split)
+            inside, inside_plain = _fp8_batch(attn, others[:2] + [probe] + others[2:], gen, dtype, window)
+            assert torch.equal(inside[2], alone), (dtype, split)
+            assert all(torch.equal(a, b) for a, b in zip(inside, inside_plain)), (dtype, split)
+        (unquantised,) = _batch(_attn(), [probe], gen, window)
+        assert not torch.equal(alone, unquantised)
+        torch.testing.assert_close(alone, unquantised, atol=0.1, rtol=0.1)
+
+
 # ---- pytest entry ----
 
-CHECKS = ["check_reference", "check_batch_invariance", "check_phases", "check_control"]
+CHECKS = ["check_reference", "check_batch_invariance", "check_phases", "check_control", "check_fp8_kv"]
 
 
 @pytest.mark.parametrize("check", CHECKS)

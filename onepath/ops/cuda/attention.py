@@ -29,12 +29,19 @@ them) and split-KV (grid [query blocks, Hkv, splits]; one split per program writ
 `_merge_splits_kernel` merges a row's splits in the same order with the same `_merge`). Split-KV fills
 the SMs when few queries cover long contexts (decode); the choice is speed only, and
 tests/gpu/test_attention_gpu.py proves both launches give the same bits.
+
+FP8 KV cache (FP8_KV constexpr): the caches are FP8Tensors (float8_e4m3fn codes, FP32 scales per token
+and head). Each K/V tile is loaded as codes and scales and dequantised in registers as ops/attention.py's
+`_load` does, (code.to(fp32) * scale).to(q's dtype), before the dots: the same bits as this kernel
+reading a cache of q's dtype that holds the dequantised values. The kernel only reads; write_kv quantises.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from onepath.numerics.quant import FP8Tensor
 
 # Rows (query tokens x group heads) per program: one shape for every launch, so every dot is the same.
 BLOCK_M = 64
@@ -66,9 +73,10 @@ def _merge(m, l, acc, m_split, l_split, acc_split):
 
 @triton.jit
 def _attend_split(q, s, tile_lo, tile_end, lo_key, last_key, pos, first_key, row_ok, table, k_base, v_base,
-                  d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                  ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                  stride_ksb, stride_kss, stride_vsb, stride_vss,
                   BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr,
-                  SPLIT_TILES: tl.constexpr):
+                  SPLIT_TILES: tl.constexpr, FP8_KV: tl.constexpr):
     """(max, sum, acc) of split s: its tiles in ascending order from a fresh state; shared by both launches."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -84,6 +92,13 @@ def _attend_split(q, s, tile_lo, tile_end, lo_key, last_key, pos, first_key, row
         kv_mask = load_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + block[:, None] * stride_kb + slot[:, None] * stride_ks, mask=kv_mask, other=0.0)
         v = tl.load(v_base + block[:, None] * stride_vb + slot[:, None] * stride_vs, mask=kv_mask, other=0.0)
+        if FP8_KV:
+            # one FP32 product, then one rounding to q's dtype: write_kv's quantisation undone as the
+            # CPU path undoes it; masked keys load code 0 and scale 0, the zeros a plain cache gives
+            k_scale = tl.load(ks_base + block * stride_ksb + slot * stride_kss, mask=load_ok, other=0.0)
+            v_scale = tl.load(vs_base + block * stride_vsb + slot * stride_vss, mask=load_ok, other=0.0)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         # ieee: fp32 inputs stay fp32 (the default would be TF32); 16-bit inputs ignore it.
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         valid = row_ok[:, None] & (key[None, :] <= pos[:, None]) & (key[None, :] >= first_key[:, None])
@@ -99,14 +114,15 @@ def _attend_split(q, s, tile_lo, tile_end, lo_key, last_key, pos, first_key, row
 
 @triton.jit(do_not_specialize=["num_tokens", "window", "num_splits"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, pos_ptr, seq_ptr, table_ptr, starts_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, pos_ptr, seq_ptr, table_ptr, starts_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
     num_tokens, window, qk_scale, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
+    stride_ksb, stride_kss, stride_ksh, stride_vsb, stride_vss, stride_vsh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -148,12 +164,15 @@ def _paged_attention_kernel(
     table = table_ptr + seq.to(tl.int64) * stride_table
     k_base = k_ptr + kv_head * stride_kh + d[None, :]
     v_base = v_ptr + kv_head * stride_vh + d[None, :]
+    ks_base = ks_ptr + kv_head * stride_ksh
+    vs_base = vs_ptr + kv_head * stride_vsh
 
     if SPLIT:
         s = tl.program_id(2)
         m_i, l_i, acc = _attend_split(q, s, tile_lo, tile_end, lo_key, last_key, pos, first_key, row_ok,
-                                      table, k_base, v_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
-                                      stride_vs, BLOCK_M, D_PAD, BLOCK_SIZE, KV_TILE, SPLIT_TILES)
+                                      table, k_base, v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb,
+                                      stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss, stride_vsb,
+                                      stride_vss, BLOCK_M, D_PAD, BLOCK_SIZE, KV_TILE, SPLIT_TILES, FP8_KV)
         part = (tok_c * num_heads + head) * num_splits + s
         keep = row_ok & (s >= split_lo) & (s < split_end) & (s < num_splits)
         tl.store(part_m_ptr + part, m_i, mask=keep)
@@ -165,8 +184,9 @@ def _paged_attention_kernel(
         acc_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         for s in range(split_lo, split_end):
             m_i, l_i, acc = _attend_split(q, s, tile_lo, tile_end, lo_key, last_key, pos, first_key, row_ok,
-                                          table, k_base, v_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
-                                          stride_vs, BLOCK_M, D_PAD, BLOCK_SIZE, KV_TILE, SPLIT_TILES)
+                                          table, k_base, v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb,
+                                          stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss, stride_vsb,
+                                          stride_vss, BLOCK_M, D_PAD, BLOCK_SIZE, KV_TILE, SPLIT_TILES, FP8_KV)
             m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
         out = acc_run / tl.where(row_ok, l_run, 1.0)[:, None]
         tl.store(out_ptr + tok_c[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -222,14 +242,16 @@ def _query_blocks(positions: torch.Tensor, query_seq: torch.Tensor, tokens_per_b
     return starts.scatter_reduce_(0, block, t, "amin")
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache: torch.Tensor | FP8Tensor,
+                    positions: torch.Tensor,
                     query_seq: torch.Tensor, block_tables: torch.Tensor, scale: float,
                     sliding_window: int | None = None, kv_tile: int = 32, kv_split: int = 256,
                     split_kv: bool | None = None, max_context: int | None = None,
                     num_stages: int = NUM_STAGES) -> torch.Tensor:
     """Causal attention of each query over its own sequence's keys in a paged KV cache.
 
-    q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (this step's K/V already written);
+    q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (this step's K/V already written), of
+    q's dtype or FP8Tensors (codes float8_e4m3fn, scales FP32 [num_blocks, block_size, Hkv, 1]);
     positions [T] absolute position p of each query, which attends to keys 0..p (and > p - window);
     query_seq [T] the query's row in block_tables [B, max_blocks]; a sequence's queries are contiguous
     in T at consecutive positions (an engine chunk, a training sequence); queries that are not are
@@ -241,6 +263,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Returns [T, H, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
+    fp8_kv = isinstance(k_cache, FP8Tensor)
+    if fp8_kv != isinstance(v_cache, FP8Tensor):
+        raise TypeError("paged_attention: k_cache and v_cache must both be FP8Tensors or both plain tensors")
+    if fp8_kv:
+        (k_cache, k_scales), (v_cache, v_scales) = (k_cache.codes, k_cache.scales), (v_cache.codes, v_cache.scales)
+        if k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != torch.float8_e4m3fn \
+                or k_scales.dtype != torch.float32 or v_scales.dtype != torch.float32:
+            raise TypeError(f"paged_attention: FP8 caches hold float8_e4m3fn codes and float32 scales, got "
+                            f"{k_cache.dtype}/{k_scales.dtype} and {v_cache.dtype}/{v_scales.dtype}")
+        if k_scales.shape != (*k_cache.shape[:3], 1) or v_scales.shape != k_scales.shape:
+            raise ValueError(f"paged_attention: scales {tuple(k_scales.shape)}, {tuple(v_scales.shape)} must be "
+                             f"[blocks, block_size, Hkv, 1] = {(*k_cache.shape[:3], 1)}: one per token and head")
+    else:
+        k_scales, v_scales = k_cache, v_cache  # unread: FP8_KV is off
     num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
     if v_cache.shape != k_cache.shape or kv_dim != head_dim:
         raise ValueError(f"paged_attention: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache "
@@ -255,7 +291,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"paged_attention: block_size {block_size} must be a power of two")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_attention: the caches' head_dim must be contiguous (stride 1)")
-    if q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
+    if not fp8_kv and (q.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype):
         raise TypeError(f"paged_attention: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype} must match")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0:
@@ -285,14 +321,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=NUM_WARPS,
                   enable_fp_fusion=False)
     _paged_attention_kernel[(starts.shape[0], num_kv_heads, num_splits if split else 1)](
-        q, k_cache, v_cache, out, positions, query_seq, block_tables, starts,
+        q, k_cache, v_cache, k_scales, v_scales, out, positions, query_seq, block_tables, starts,
         part_acc, part_m, part_l,
         num_tokens, window, scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        k_scales.stride(0), k_scales.stride(1), k_scales.stride(2),
+        v_scales.stride(0), v_scales.stride(1), v_scales.stride(2),
         BLOCK_SIZE=block_size, KV_TILE=kv_tile, SPLIT_TILES=kv_split // kv_tile, BLOCK_M=block_m,
-        BLOCK_Q=block_q, SPLIT=split, num_stages=num_stages, **common,
+        BLOCK_Q=block_q, SPLIT=split, FP8_KV=fp8_kv, num_stages=num_stages, **common,
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_kv_heads)](
