@@ -58,3 +58,20 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert diagnose_cli.main([str(tmp_path / "ckpt"), "--sides", "prefill-decode", "--json",
                               str(tmp_path / "p.json")]) == 0
     assert json.loads((tmp_path / "p.json").read_text())["logprob_abs_diff_max"] == 0.0
+
+
+def test_quantised_specs_naive_vs_aligned(tmp_path):
+    """The low-precision table's two settings: the trainer ignoring the engine's FP8 (naive) differs,
+    both sides quantising by the spec (aligned) reads exactly 0."""
+    model = tiny_model("consistent", hidden_size=128, intermediate_size=256)
+    save_checkpoint(tmp_path / "ckpt", model.hf_state_dict(), model.config)
+    results = {}
+    for name, spec_a in (("naive", "consistent"), ("aligned", "consistent+fp8+fp8_kv")):
+        out = tmp_path / f"{name}.json"
+        assert diagnose_cli.main([str(tmp_path / "ckpt"), "--spec-a", spec_a, "--spec-b", "consistent+fp8+fp8_kv",
+                                  "--num-sequences", "3", "--length", "20", "--json", str(out)]) == 0
+        results[name] = json.loads(out.read_text())
+    assert results["naive"]["logprob_abs_diff_max"] > 0 and results["naive"]["k3_kl"] > 0
+    aligned = results["aligned"]
+    assert aligned["logprob_abs_diff_max"] == 0 and aligned["k3_kl"] == 0
+    assert all(m["rel_l2"] == 0 for m in aligned["modules"].values())
