@@ -18,6 +18,12 @@ experts  SwiGLU MLPs through ops.linear and ops.silu_mul, the down projection wi
          result depends on the row only (tests/models/test_moe_layouts.py).
 combine  on the token, in FP32, over the slots in slot order, plus the gated shared expert (its down
          projection FP32 too); rounded once to the model dtype.
+expert parallelism (MoeDecoder.expert_parallel): rank r of an EP group of size ep holds only experts
+         [r * E/ep, (r+1) * E/ep); attention, router and shared expert are replicated. A token is
+         routed on its own rank; its (token, slot) rows go to their experts' owners by all_to_all, the
+         owner runs them in either layout, the FP32 rows come back by the reverse all_to_all, and
+         the combine above runs on the token's rank. The all-to-alls only move data, so a token's
+         bits do not depend on the EP degree: the engine and the trainer may use different ones.
 
 No routing replay: the trainer recomputes the routing, and it is the rollout's, because every step
 above gives both sides the same bits.
@@ -25,10 +31,11 @@ above gives both sides the same bits.
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from onepath.models.batch import ForwardBatch
@@ -93,6 +100,62 @@ def experts_masked(mlp: Callable, x: torch.Tensor, experts: torch.Tensor, num_ex
     return unpermute(out.index_select(0, row), order).view(t, k, -1)
 
 
+@dataclass(frozen=True)
+class ExpertParallel:
+    """An EP group: this rank is `rank` of `size` and owns experts `local`, a contiguous range of
+    num_experts / size."""
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    num_experts: int
+
+    @classmethod
+    def over(cls, num_experts: int, group: dist.ProcessGroup | None = None) -> "ExpertParallel":
+        size = dist.get_world_size(group)
+        if num_experts % size:
+            raise ValueError(f"num_experts {num_experts} is not a multiple of the EP degree {size}: "
+                             "use an EP group whose size divides the number of experts")
+        return cls(group, dist.get_rank(group), size, num_experts)
+
+    @property
+    def local(self) -> range:
+        n = self.num_experts // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows [in_splits[r] for each rank r] out, [out_splits[r]] in; the gradient goes back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return AllToAll.apply(grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
+
+
+def experts_parallel(run: Callable, x: torch.Tensor, experts: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    """Expert outputs [T, k, H] FP32 of this rank's tokens, each (token, slot) row computed by its
+    expert's owner: run(rows, row_experts [N, 1]) -> [N, 1, H] over the rows this rank receives.
+    Every rank of the group must call it at each sparse layer, with or without tokens."""
+    t, k = experts.shape
+    order, counts = dispatch(experts, ep.num_experts)  # packed by expert, so by owner too
+    send = torch.tensor(counts, device=x.device).view(ep.size, -1)  # [owner, its local expert]
+    recv = torch.empty_like(send)  # [source rank, my local expert]
+    dist.all_to_all_single(recv, send, group=ep.group)
+    in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+    rows = AllToAll.apply(x.index_select(0, order // k), out_splits, in_splits, ep.group)
+    owned = torch.tensor(list(ep.local) * ep.size, device=x.device).repeat_interleave(recv.flatten())
+    y = run(rows, owned[:, None])[:, 0]
+    back = AllToAll.apply(y, in_splits, out_splits, ep.group)
+    return unpermute(back, order).view(t, k, x.shape[-1])
+
+
 class Router(nn.Module):
     """mlp.gate: x -> (weights [T, k] FP32, experts [T, k]), slots in descending probability."""
 
@@ -117,14 +180,22 @@ class Experts(nn.Module):
     def __init__(self, ops: Ops, config: ModelConfig, dtype):
         super().__init__()
         self.ops, self.num_experts = ops, config.num_experts
+        self.first = 0  # the global index of gate_up_proj[0]: its EP rank's first expert
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
 
     def mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert `expert` on rows [n, H] -> [n, H] FP32."""
-        gate, up = self.ops.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
-        return self.ops.expert_down(self.ops.silu_mul(gate, up), self.down_proj[expert])
+        gate, up = self.ops.linear(rows, self.gate_up_proj[expert - self.first]).chunk(2, dim=-1)
+        return self.ops.expert_down(self.ops.silu_mul(gate, up), self.down_proj[expert - self.first])
+
+    def keep(self, local: range) -> None:
+        """Drop every expert outside `local` (an EP rank's own)."""
+        picked = slice(local.start - self.first, local.stop - self.first)
+        self.gate_up_proj = nn.Parameter(self.gate_up_proj.detach()[picked].clone())
+        self.down_proj = nn.Parameter(self.down_proj.detach()[picked].clone())
+        self.first = local.start
 
     def forward(self, x, experts, layout: str = "contiguous", capacity: int = CAPACITY):
         """FP32 outputs [T, k, H] of each token's experts."""
@@ -149,11 +220,18 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(ops, config.hidden_size, 1, False, dtype)
         self.capacity, self.masked_max_tokens = CAPACITY, MASKED_MAX_TOKENS
         self.layout: str | None = None  # None: masked up to masked_max_tokens tokens, else contiguous
+        self.ep: ExpertParallel | None = None
+
+    def expert_parallel(self, ep: ExpertParallel) -> None:
+        self.experts.keep(ep.local)
+        self.ep = ep
 
     def forward(self, x):
         weights, experts = self.gate(x)
         layout = self.layout or ("masked" if x.shape[0] <= self.masked_max_tokens else "contiguous")
-        out = slot_sum(weights.unsqueeze(-1) * self.experts(x, experts, layout, self.capacity))
+        run = lambda rows, chosen: self.experts(rows, chosen, layout, self.capacity)
+        y = run(x, experts) if self.ep is None else experts_parallel(run, x, experts, self.ep)
+        out = slot_sum(weights.unsqueeze(-1) * y)
         if hasattr(self, "shared_expert"):
             se = self.shared_expert
             # the shared MLP's own forward would round its output; it joins the FP32 sum unrounded
@@ -175,6 +253,15 @@ class MoeDecoder(DenseDecoder):
             return SparseMoeBlock(self.ops, self.config, self.ops.spec.dtype)
         return MLP(self.ops, self.config, self.ops.spec.dtype)
 
+    def expert_parallel(self, group: dist.ProcessGroup | None = None) -> "MoeDecoder":
+        """Keep only this rank's experts of `group` (None: every process) in each sparse layer and run
+        them expert-parallel. Call it after the weights are loaded; the model then holds a slice."""
+        ep = ExpertParallel.over(self.config.num_experts, group)
+        for m in self.modules():
+            if isinstance(m, SparseMoeBlock):
+                m.expert_parallel(ep)
+        return self
+
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """From the hub layout (mlp.experts.{i}.gate_proj.weight, ...) or the fused one
         (mlp.experts.gate_up_proj, as transformers 5 holds it in memory and our state_dict names it)."""
@@ -183,6 +270,9 @@ class MoeDecoder(DenseDecoder):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The hub layout: a gate/up/down projection per expert, as the published Qwen3-MoE checkpoints
         and transformers' save_pretrained write it (from_pretrained fuses it on load)."""
+        if any(m.ep for m in self.modules() if isinstance(m, SparseMoeBlock)):
+            raise ValueError("this model is expert-parallel and holds only its rank's experts: "
+                             "write checkpoints from a model without expert_parallel()")
         return split_experts(super().hf_state_dict())
 
 
@@ -235,7 +325,7 @@ def expert_choices(model: MoeDecoder, sequences: list[list[int]], block_size: in
              for m in model.modules() if isinstance(m, Router)]
     try:
         batch, num_blocks = ForwardBatch.for_sequences(sequences, block_size, model.device)
-        cache = KVCache(model.config, num_blocks, block_size, model.ops.spec.dtype, model.device)
+        cache = KVCache.for_model(model, num_blocks, block_size)
         with torch.no_grad():
             model(batch, cache)
     finally:
