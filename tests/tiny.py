@@ -33,10 +33,14 @@ def tiny_moe_config(**overrides) -> ModelConfig:
     return tiny_config(**fields)
 
 
-def tiny_moe_model(mode: str, seed: int = 0, std: float = 0.15, dtype: str = "float32", **overrides):
-    """A random Qwen3-MoE-style model (8 experts, top-2) in `dtype` with FP32 log-probs."""
+def tiny_moe_model(mode: str, seed: int = 0, std: float = 0.15, dtype: str = "float32", quant: str | None = None,
+                   **overrides):
+    """A random Qwen3-MoE-style model (8 experts, top-2) in `dtype` with FP32 log-probs; `quant` presets."""
     ops = {name: OpSpec(dtype=dtype if name != "logprobs" else "float32") for name in OPS}
-    model = build_decoder(tiny_moe_config(**overrides), Ops(ExecutionSpec(mode=mode, ops=ops)), max_positions=256)
+    spec = ExecutionSpec(mode=mode, ops=ops)
+    for preset in quant.split("+") if quant else ():
+        spec = spec.with_quant(preset)
+    model = build_decoder(tiny_moe_config(**overrides), Ops(spec), max_positions=256)
     model.init_weights(seed, std=std)
     return model
 

@@ -39,9 +39,9 @@ class Ops:
         return _linear.linear(self.spec, x, weight, op="lm_head")
 
     def expert_down(self, x, weight):
-        """An MoE expert's down projection with FP32 output: the experts are combined in FP32 and
-        rounded once. The LM head's GEMM path, until linear takes an output dtype."""
-        return _linear.linear(self.spec, x, weight, op="lm_head")
+        """An MoE expert's down projection with FP32 output (the experts are combined in FP32 and rounded
+        once); a linear layer otherwise, quantised as the spec's linear op says."""
+        return _linear.linear(self.spec, x, weight, out_dtype=torch.float32)
 
     def softmax(self, x):
         """FP32 softmax over the last dim (the router's expert probabilities). consistent: the

@@ -32,8 +32,9 @@ def consistent(x, weight, bias=None, rows: int = 16):
 
 
 def linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           op: str = "linear") -> torch.Tensor:
-    out_dtype = torch.float32 if op == "lm_head" else x.dtype
+           op: str = "linear", out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """out_dtype: FP32 for the LM head by default, else x's dtype; one rounding of the FP32 accumulator."""
+    out_dtype = out_dtype or (torch.float32 if op == "lm_head" else x.dtype)
     if spec.op(op).weight is not None or spec.op(op).act is not None:
         def kernel(x, w, b=None):
             return quant_linear(spec, x, w, b, out_dtype, op)

@@ -32,6 +32,19 @@ def test_after_update_and_in_place_sync_still_equal():
     assert is_exact(before) and is_exact(after), (before, after)
 
 
+def test_fp8_experts_engine_equals_trainer(monkeypatch):
+    """Block-FP8 experts (gate/up and the FP32-output down projection quantised per token, the same way
+    in the engine's masked and the trainer's contiguous layout): diff = 0 before and after an update."""
+    monkeypatch.setattr(dense, "tiny_model", lambda mode, **kw: tiny_moe_model(mode, quant="fp8", **kw))
+    before, after = dense.rollout_and_recompute("consistent", update=True)
+    assert is_exact(before) and is_exact(after), (before, after)
+    block = tiny_moe_model("consistent", quant="fp8").model.layers[0].mlp
+    plain = tiny_moe_model("consistent").model.layers[0].mlp
+    x = torch.randn(5, block.experts.down_proj.shape[-1])
+    assert not torch.equal(block.ops.expert_down(x, block.experts.down_proj[0]),
+                           plain.ops.expert_down(x, plain.experts.down_proj[0]))  # the down projection is quantised
+
+
 def test_negative_control_baseline_trainer_differs():
     (metrics,) = dense.rollout_and_recompute("baseline", update=False)
     assert metrics["rollout_corr/tokens_differing_frac"] > 0
