@@ -49,7 +49,8 @@ class LLMEngine:
                  tokenizer=None, enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
                  cuda_graphs: bool | None = None, graph_batch_sizes: list[int] | None = None):
         """num_blocks: KV-cache blocks; None sizes the cache from gpu_memory_utilization on CUDA (1024 on
-        CPU). cuda_graphs: decode steps replay captured graphs (None: on when the model is on CUDA) at
+        CPU). cuda_graphs: decode steps replay captured graphs (None: on when the model is on CUDA and
+        capturable) at
         graph_batch_sizes (default 1, 2, 4, 8 and multiples of 16 up to max_num_seqs)."""
         self.model, self.tokenizer = model, tokenizer
         self.scheduler_config = replace(scheduler or SchedulerConfig(),
@@ -59,7 +60,11 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} > the model's "
                              f"{model.rope_cos.shape[0]} RoPE positions: lower max_model_len")
         on_cuda = model.device.type == "cuda"
-        cuda_graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        capturable = getattr(model, "capturable", True)
+        if cuda_graphs and not capturable:
+            raise ValueError(f"{type(model).__name__} cannot be captured in a CUDA graph (it reads sizes on the "
+                             "host inside its forward): pass cuda_graphs=False or leave it None")
+        cuda_graphs = on_cuda and capturable if cuda_graphs is None else cuda_graphs
         if num_blocks is None:
             num_blocks = memory.kv_blocks_for(model, config, block_size, gpu_memory_utilization) if on_cuda else 1024
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)

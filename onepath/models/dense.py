@@ -103,6 +103,9 @@ class Backbone(nn.Module):
 
 
 class DenseDecoder(nn.Module):
+    # the forward reads no size on the host: the engine may capture it in a CUDA graph
+    capturable = True
+
     def __init__(self, config: ModelConfig, ops: Ops, max_positions: int | None = None):
         super().__init__()
         dtype = ops.spec.dtype

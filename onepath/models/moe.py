@@ -242,6 +242,8 @@ class SparseMoeBlock(nn.Module):
 
 class MoeDecoder(DenseDecoder):
     """DenseDecoder whose sparse layers (config.is_sparse_layer) carry a SparseMoeBlock as their MLP."""
+    # the expert dispatch reads per-expert counts on the host: decode runs eagerly
+    capturable = False
 
     def __init__(self, config: ModelConfig, ops: Ops, max_positions: int | None = None):
         if not config.is_moe:

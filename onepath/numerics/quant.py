@@ -43,6 +43,8 @@ Rules both formats share:
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +79,13 @@ class FP8Tensor:
         return (codes * _expand(scales, self.block, codes.shape)).reshape(self.codes.shape).to(dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _e2m1_values(device: torch.device) -> torch.Tensor:
+    """The E2M1 value of each code 0..15 (bit 3: sign), made once per device: no host-to-device copy
+    happens inside a forward (a CUDA graph capture refuses one)."""
+    return torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), device=device)
+
+
 @dataclass(frozen=True)
 class NVFP4Tensor:
     """codes: uint8 E2M1 codes 0..15, the input's shape, unpacked. scales: float8_e4m3fn, [*lead, ceil(K/16)].
@@ -88,7 +97,7 @@ class NVFP4Tensor:
     def dequantize(self, dtype: torch.dtype = torch.float32, outer: bool = True) -> torch.Tensor:
         """(E2M1[code] * s_blk) / s_enc in FP32, then one rounding to dtype; outer=False leaves out
         the division by s_enc: code * s_blk, exact in BF16, the emulated GEMM's operand."""
-        values = torch.tensor(E2M1_GRID + tuple(-v for v in E2M1_GRID), device=self.codes.device)
+        values = _e2m1_values(self.codes.device)
         k = self.codes.shape[-1]
         scales = self.scales.float().reshape(-1, self.scales.shape[-1])
         blocks = values[self.codes.long()].reshape(-1, k) * _expand(scales, (1, NVFP4_BLOCK), (scales.shape[0], k))

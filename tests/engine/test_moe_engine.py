@@ -45,3 +45,13 @@ def test_a_generation_runs_both_expert_layouts(monkeypatch):
     prompts = random_prompts(torch.Generator().manual_seed(1), 4, low=30, high=40)
     dense.engine(tiny_moe_model("consistent")).generate(prompts, dense.PARAMS[0])
     assert calls["masked"] > 0 and calls["contiguous"] > 0, calls
+
+
+def test_moe_decode_is_not_captured_and_asking_for_graphs_is_a_clear_error():
+    from onepath.engine.llm_engine import LLMEngine
+    from onepath.engine.scheduler import SchedulerConfig
+    model, scheduler = tiny_moe_model("consistent"), SchedulerConfig(max_model_len=128)
+    assert not model.capturable
+    with pytest.raises(ValueError, match="MoeDecoder cannot be captured in a CUDA graph"):
+        LLMEngine(model, num_blocks=16, scheduler=scheduler, cuda_graphs=True)
+    assert LLMEngine(model, num_blocks=16, scheduler=scheduler).runner.graphs is None
