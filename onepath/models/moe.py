@@ -264,6 +264,26 @@ class MoeDecoder(DenseDecoder):
                 m.expert_parallel(ep)
         return self
 
+    @torch.no_grad()
+    def serve_experts(self) -> None:
+        """Each sparse layer on zero tokens, in layer order: an EP rank with no forward of its own runs
+        this while the others run theirs, so every all-to-all pairs up and its experts serve their rows.
+        Attention and the dense layers talk to no other rank and are skipped."""
+        x = torch.zeros(0, self.config.hidden_size, dtype=self.ops.spec.dtype, device=self.device)
+        for m in self.modules():
+            if isinstance(m, SparseMoeBlock):
+                m(x)
+
+    def expert_slices(self) -> dict[str, slice]:
+        """The global experts each expert weight (mlp.experts.gate_up_proj, .down_proj) holds along its
+        first dimension: all of them, or after expert_parallel() this rank's own."""
+        slices = {}
+        for name, m in self.named_modules():
+            if isinstance(m, Experts):
+                for weight in ("gate_up_proj", "down_proj"):
+                    slices[f"{name}.{weight}"] = slice(m.first, m.first + getattr(m, weight).shape[0])
+        return slices
+
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """From the hub layout (mlp.experts.{i}.gate_proj.weight, ...) or the fused one
         (mlp.experts.gate_up_proj, as transformers 5 holds it in memory and our state_dict names it)."""

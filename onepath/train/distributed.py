@@ -8,17 +8,28 @@ backward) or `single` (rank 0 trains). A token's log-prob is computed by the sam
 device, so every pairing of layouts keeps diff = 0; weights reach the engines by an all-gather
 (fsdp) or a broadcast from rank 0 (single) into the engines' existing storage.
 
-Run: `python -m onepath.train.distributed --device cuda --world 2 --steps 3 --out results.json`.
+The MoE model (`--model moe`) adds `ep` on either side: expert parallelism over every rank
+(MoeDecoder.expert_parallel), each rank holding the replicated weights and its slice of the experts.
+Rollout `ep`: one engine per rank on its share of the prompts, the engines stepping in lockstep
+(generate_in_lockstep). Trainer `ep`: each rank trains on its share; replicated gradients are
+averaged, an expert's gradient is already summed over every rank's tokens on its owner (the
+all-to-all's backward) and is divided by the world to match. The all-to-alls only move rows, so the
+EP degree moves no bit and the engine and the trainer may use different degrees.
+
+Run: `python -m onepath.train.distributed --device cuda --world 2 --steps 3 --out results.json`
+(`--model moe` for the MoE layouts).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import socket
 import sys
 import time
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -30,6 +41,7 @@ from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.config import ModelConfig
 from onepath.models import build_decoder
 from onepath.models.dense import DenseDecoder
+from onepath.models.moe import MoeDecoder
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import Ops
 from onepath.train.actor import Actor, Responses
@@ -37,8 +49,13 @@ from onepath.train.grpo import group_advantages, policy_loss
 
 # NVLink multicast stays off, in this process and in every process it starts.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-ROLLOUT_LAYOUTS = ("dp", "single")
-TRAINER_LAYOUTS = ("fsdp", "single")
+LAYOUTS = {"dense": (("dp", "single"), ("fsdp", "single")),   # (rollout layouts, trainer layouts)
+           "moe": (("ep", "dp", "single"), ("ep", "fsdp", "single"))}
+
+
+def pairings(model: str = "dense") -> list[tuple[str, str]]:
+    rollouts, trainers = LAYOUTS[model]
+    return [(rollout, trainer) for rollout in rollouts for trainer in trainers]
 
 
 class ShardedActor(Actor):
@@ -83,13 +100,54 @@ class ShardedActor(Actor):
         return float(grad_norm)
 
 
-def model_config(device: str) -> ModelConfig:
+class ExpertParallelActor(Actor):
+    """EP actor for the MoE model: every rank holds the replicated weights and its experts."""
+
+    def __init__(self, model: MoeDecoder, block_size: int, lr: float, max_grad_norm: float = 1.0):
+        self.world = dist.get_world_size()
+        super().__init__(model.expert_parallel(), block_size, lr=lr, max_grad_norm=max_grad_norm)
+        self.experts = set(model.expert_slices())
+
+    def update(self, loss: torch.Tensor) -> float:
+        self.model.zero_grad(set_to_none=True)
+        loss.backward()
+        named = list(self.model.named_parameters())
+        for name, p in named:
+            if p.grad is None:  # no token reached these experts: a zero gradient, and the all-reduces pair up
+                p.grad = torch.zeros_like(p)
+            if name not in self.experts:
+                dist.all_reduce(p.grad)
+            # an expert's gradient already sums every rank's tokens (the all-to-all's backward)
+            p.grad /= self.world
+        # clip_grad_norm_ over the whole model: replicated squares once, expert squares from every owner
+        replicated = sum(p.grad.float().square().sum() for name, p in named if name not in self.experts)
+        experts = torch.stack([p.grad.float().square().sum() for name, p in named if name in self.experts]).sum()
+        dist.all_reduce(experts)
+        grad_norm = (replicated + experts).sqrt()
+        scale = torch.clamp(self.max_grad_norm / (grad_norm + 1e-6), max=1.0)
+        for _, p in named:
+            p.grad.mul_(scale.to(p.grad.dtype))
+        self.optimizer.step()
+        return float(grad_norm)
+
+
+def model_config(device: str, model: str = "dense") -> ModelConfig:
+    """The dense model, or with model="moe" a Qwen3-MoE-shaped one (8 experts top-2 on the CPU, 64
+    experts top-8 on the GPU)."""
+    moe = model == "moe"
+    if model not in LAYOUTS:
+        raise ValueError(f"model {model!r} is unknown: use one of {tuple(LAYOUTS)}")
+    experts = {} if not moe else dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=40,
+                                      norm_topk_prob=True) if device == "cpu" else \
+        dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256, norm_topk_prob=True)
+    model_type = "qwen3_moe" if moe else "qwen3"
     if device == "cpu":
-        return ModelConfig(vocab_size=53, hidden_size=48, intermediate_size=136, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, model_type="qwen3", eos_token_id=2)
+        return ModelConfig(vocab_size=53, hidden_size=48, intermediate_size=72 if moe else 136, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, model_type=model_type,
+                           eos_token_id=2, **experts)
     return ModelConfig(vocab_size=4096, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, model_type="qwen3",
-                       eos_token_id=2, tie_word_embeddings=True)
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, model_type=model_type,
+                       eos_token_id=2, tie_word_embeddings=True, **experts)
 
 
 def build(config: ModelConfig, mode: str, device: str) -> DenseDecoder:
@@ -105,34 +163,55 @@ def prompts_for(step: int, count: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def response_budgets(step: int, count: int) -> list[int]:
+    """max_tokens per prompt, uneven: ranks finish their shares after different numbers of engine steps."""
+    return torch.randint(16, 49, (count,), generator=torch.Generator().manual_seed(2000 + step)).tolist()
+
+
 def pseudo_rewards(completions: list[list[int]]) -> torch.Tensor:
     """A deterministic stand-in reward (share of even token ids): this run proves consistency, not learning."""
     return torch.tensor([sum(t % 2 == 0 for t in c) / max(len(c), 1) for c in completions])
 
 
 def run_pairing(rollout: str, trainer: str, mode: str, device: str, steps: int, prompts_per_step: int,
-                group: int = 4) -> list[dict]:
+                group: int = 4, model: str = "dense", keep_weights: bool = False) -> list[dict]:
+    """`steps` RL steps; each step's report per rank. Rank 0's carries the digest of the trained
+    weights and with keep_weights, at the last step, the weights themselves (flat FP32, numpy)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = model_config(device)
-    has_engine = rollout == "dp" or rank == 0
-    trains = trainer == "fsdp" or rank == 0
-    engine = LLMEngine(build(config, mode, device), num_blocks=4096, block_size=16,
-                       scheduler=SchedulerConfig(max_model_len=1024)) if has_engine else None
+    if "ep" in (rollout, trainer) and model != "moe":
+        raise ValueError(f"layout ep (rollout={rollout}, trainer={trainer}) splits experts: use --model moe")
+    config = model_config(device, model)
+    has_engine = rollout in ("dp", "ep") or rank == 0
+    trains = trainer in ("fsdp", "ep") or rank == 0
+    engine = None
+    if has_engine:
+        # an EP forward's all-to-alls take their split sizes from the host: no CUDA graphs around them
+        weights = build(config, mode, device)
+        engine = LLMEngine(weights.expert_parallel() if rollout == "ep" else weights, num_blocks=4096,
+                           block_size=16, scheduler=SchedulerConfig(max_model_len=1024),
+                           cuda_graphs=None if rollout != "ep" else False)
     actor = None
     if trains:
         policy = build(config, mode, device)
-        actor = ShardedActor(policy, 16, lr=1e-4) if trainer == "fsdp" else Actor(policy, 16, lr=1e-4)
+        actors = {"fsdp": ShardedActor, "ep": ExpertParallelActor, "single": Actor}
+        actor = actors[trainer](policy, 16, lr=1e-4)
+    # a rank with neither an engine nor an actor takes part in no weight collective (single x single)
+    holder = actor or engine
+    names = [name for name, _ in holder.model.named_parameters()] if holder is not None else []
     history = []
     for step in range(steps):
         prompts = [p for p in prompts_for(step, prompts_per_step, config.vocab_size) for _ in range(group)]
-        params = [SamplingParams(max_tokens=48, ignore_eos=True, seed=step) for _ in prompts]
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, seed=step)
+                  for n in response_budgets(step, prompts_per_step) for _ in range(group)]
         ids = list(range(step * 10_000, step * 10_000 + len(prompts)))
         mine = [i for i in range(len(prompts)) if (rollout == "single" and rank == 0) or
-                (rollout == "dp" and (i // group) % world == rank)]
-        start = time.perf_counter()
-        local = engine.generate([prompts[i] for i in mine], [params[i] for i in mine], [ids[i] for i in mine]) \
+                (rollout in ("dp", "ep") and (i // group) % world == rank)]
+        start, engine_steps = time.perf_counter(), engine.stats.steps if has_engine else 0
+        generate = generate_in_lockstep if rollout == "ep" else LLMEngine.generate
+        local = generate(engine, [prompts[i] for i in mine], [params[i] for i in mine], [ids[i] for i in mine]) \
             if has_engine else []
         seconds = time.perf_counter() - start
+        engine_steps = engine.stats.steps - engine_steps if has_engine else 0
         gathered = [None] * world
         dist.all_gather_object(gathered, [(i, o.prompt_token_ids, o.token_ids, o.logprobs) for i, o in zip(mine, local)])
         outputs = sorted((row for part in gathered for row in part), key=lambda row: row[0])
@@ -148,30 +227,105 @@ def run_pairing(rollout: str, trainer: str, mode: str, device: str, steps: int, 
             advantages = group_advantages(rewards, group).to(lp.device)
             loss, _ = policy_loss(lp, lp.detach(), advantages, mask, 0.2)
             actor.update(loss)
-        sync(engine, actor, rollout, trainer)
+        sync(engine, actor, rollout, trainer, names)
+        weights = trained_weights(actor, trainer, names)
+        kept = {"weights_vector": weights.numpy()} if keep_weights and weights is not None and step == steps - 1 else {}
         reports = [None] * world
         dist.all_gather_object(reports, {"rank": rank, "exact": bool(metrics) and is_exact(metrics),
+                                         "weights": digest(weights), **kept,
                                          "trains": trains, "generated": sum(len(o.token_ids) for o in local),
+                                         "engine_steps": engine_steps,
                                          "gen_seconds": seconds, **{k: float(v) for k, v in metrics.items()}})
         history.append({"step": step, "ranks": reports})
     return history
 
 
+def generate_in_lockstep(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams],
+                         request_ids: list[int]) -> list:
+    """LLMEngine.generate for engines whose model is expert-parallel over every rank. Each sparse
+    layer's all-to-alls pair up only if every rank runs the same number of forwards, so the engines
+    step together: before each step the ranks agree whether any of them has work left, a rank with
+    work runs one engine step (one forward), and a rank without runs the sparse layers on zero tokens
+    (MoeDecoder.serve_experts), its experts serving the others' rows."""
+    for prompt, p, rid in zip(prompts, params, request_ids):
+        engine.add_request(prompt, p, rid)
+    device = engine.model.device
+    outputs = {}
+    while True:
+        busy = torch.tensor([0 if engine.scheduler.is_finished() else 1], device=device)
+        dist.all_reduce(busy)
+        if not int(busy):
+            break
+        if engine.scheduler.is_finished():
+            engine.model.serve_experts()
+        else:
+            for seq in engine.step():
+                outputs[seq.request_id] = engine.output(seq)
+    return [outputs[rid] for rid in request_ids]
+
+
 @torch.no_grad()
-def sync(engine: LLMEngine | None, actor: Actor | None, rollout: str, trainer: str) -> None:
-    """New weights into every engine's existing storage: locally after an fsdp all-gather, by a
-    broadcast from rank 0 when one rank trains and every rank holds a replica."""
-    if engine is None:
-        return
-    if trainer == "fsdp" or dist.get_rank() == 0:
-        engine.update_weights(actor.model.named_parameters())
-    if trainer == "single" and rollout == "dp":
-        for _, p in engine.model.named_parameters():
-            dist.broadcast(p.data, src=0)
+def sync(engine: LLMEngine | None, actor: Actor | None, rollout: str, trainer: str, names: list[str]) -> None:
+    """New weights into every engine's existing storage, in place. Every rank walks the same `names`,
+    so the collectives pair up. Full weights come from the trainer: on every rank after an fsdp
+    all-gather (and for the replicated weights of an ep trainer), by a broadcast from rank 0 when
+    rank 0 alone trains and other ranks hold engines, by an all-gather of the owners' slices for the
+    experts of an ep trainer. An ep engine keeps its slice of the experts; between an ep trainer and
+    an ep engine (the same slices) the experts do not move at all."""
+    rank = dist.get_rank()
+    source = dict(actor.model.named_parameters()) if actor is not None else {}
+    target = dict(engine.model.named_parameters()) if engine is not None else {}
+    held = engine.model.expert_slices() if engine is not None and rollout == "ep" else {}
+    trainer_experts = set(actor.model.expert_slices()) if trainer == "ep" else set()
+    for name in names:
+        if name in trainer_experts and rollout == "ep":  # both sides are EP over every rank
+            target[name].copy_(source[name])
+            continue
+        if name in trainer_experts:
+            parts = [torch.empty_like(source[name]) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, source[name])
+            full = torch.cat(parts)
+        elif trainer == "single" and rollout != "single":
+            if rank == 0:
+                full = source[name]
+            elif name in held:  # this engine keeps a slice: the whole tensor lands in a buffer first
+                full = target[name].new_empty((engine.model.config.num_experts, *target[name].shape[1:]))
+            else:
+                full = target[name]  # straight into the engine's storage
+            dist.broadcast(full, src=0)
+        else:
+            full = source.get(name)
+        if engine is not None and full is not None and full is not target[name]:
+            target[name].copy_(full[held[name]] if name in held else full)
+    if engine is not None:
         engine.weights_changed()
 
 
-def worker(rank: int, world: int, device: str, mode: str, steps: int, prompts_per_step: int, port: int, queue):
+@torch.no_grad()
+def trained_weights(actor: Actor | None, trainer: str, names: list[str]) -> torch.Tensor | None:
+    """The trained weights in `names` order, flattened to FP32 (exact for BF16 and FP32), on rank 0;
+    an ep trainer's experts are gathered from their owners."""
+    experts = set(actor.model.expert_slices()) if trainer == "ep" else set()
+    params = dict(actor.model.named_parameters()) if actor is not None else {}
+    flat = []
+    for name in names:
+        tensor = params.get(name)
+        if name in experts:
+            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, tensor)
+            tensor = torch.cat(parts)
+        if dist.get_rank() == 0:
+            flat.append(tensor.float().flatten().cpu())
+    return torch.cat(flat) if flat else None
+
+
+def digest(weights: torch.Tensor | None) -> str | None:
+    """sha256 of the weights' bytes: equal digests are bitwise equal weights."""
+    return None if weights is None else hashlib.sha256(weights.numpy().tobytes()).hexdigest()
+
+
+def worker(rank: int, world: int, device: str, mode: str, steps: int, prompts_per_step: int, port: int, queue,
+           model: str = "dense", layouts: list[tuple[str, str]] | None = None, keep_weights: bool = False):
     os.environ.update(NO_MULTICAST)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cuda":
@@ -181,10 +335,10 @@ def worker(rank: int, world: int, device: str, mode: str, steps: int, prompts_pe
                             device_id=torch.device("cuda", rank) if device == "cuda" else None)
     try:
         results = {}
-        for rollout in ROLLOUT_LAYOUTS:
-            for trainer in TRAINER_LAYOUTS:
-                results[f"rollout={rollout},trainer={trainer}"] = run_pairing(rollout, trainer, mode, device, steps,
-                                                                              prompts_per_step)
+        for rollout, trainer in layouts or pairings(model):
+            results[f"rollout={rollout},trainer={trainer}"] = run_pairing(rollout, trainer, mode, device, steps,
+                                                                          prompts_per_step, model=model,
+                                                                          keep_weights=keep_weights)
         if rank == 0:
             queue.put(results)
         # nobody leaves while another rank still talks to it (gloo aborts a process whose peer vanished)
@@ -200,15 +354,33 @@ def free_port() -> int:
 
 
 def run(world: int = 2, device: str = "cpu", mode: str = "consistent", steps: int = 2,
-        prompts_per_step: int = 4, port: int | None = None) -> dict:
-    """Every pairing of rollout and trainer layouts on `world` processes; returns the per-step reports."""
+        prompts_per_step: int = 4, port: int | None = None, model: str = "dense",
+        layouts: list[tuple[str, str]] | None = None, keep_weights: bool = False) -> dict:
+    """Each (rollout, trainer) layout pair (default: every pairing for `model`) on `world` processes;
+    returns the per-step reports of each."""
     os.environ.update(NO_MULTICAST)
     port = port or free_port()
     ctx = torch.multiprocessing.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    torch.multiprocessing.start_processes(worker, args=(world, device, mode, steps, prompts_per_step, port, queue),
-                                          nprocs=world, join=True, start_method="spawn")
-    return queue.get()
+    queue = ctx.Queue()
+    workers = torch.multiprocessing.start_processes(
+        worker, args=(world, device, mode, steps, prompts_per_step, port, queue, model, layouts, keep_weights),
+        nprocs=world, join=False, start_method="spawn")
+    return collect(workers, queue)
+
+
+def collect(workers, queue):
+    """The result one worker puts on `queue`, then every worker joined. Read before the join completes
+    (a put larger than the pipe waits for its reader); join raises a worker's error at once rather than
+    leave this read waiting."""
+    while True:
+        try:
+            results = queue.get(timeout=1)
+            break
+        except Empty:
+            assert not workers.join(timeout=0), "the workers ended without results"
+    while not workers.join():
+        pass
+    return results
 
 
 def all_exact(results: dict) -> bool:
@@ -221,15 +393,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--mode", default="consistent", choices=("consistent", "baseline"))
+    p.add_argument("--model", default="dense", choices=tuple(LAYOUTS))
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--prompts-per-step", type=int, default=32)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     start = time.perf_counter()
-    results = run(args.world, args.device, args.mode, args.steps, args.prompts_per_step)
+    results = run(args.world, args.device, args.mode, args.steps, args.prompts_per_step, model=args.model)
     record = {"command": "python -m onepath.train.distributed " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "world": args.world,
               "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "mode": args.mode,
+              "model": args.model,
               "torch": torch.__version__, "wall_seconds": time.perf_counter() - start,
               "all_diff_exactly_0": all_exact(results), "pairings": results}
     for name, history in results.items():

@@ -6,7 +6,6 @@ controls: a merge in another order, and the baseline backend, must show a differ
 import datetime
 import os
 import pickle
-from queue import Empty
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch.distributed as dist
 from onepath.models import moe
 from onepath.models.batch import ForwardBatch
 from onepath.models.kv_cache import KVCache
-from onepath.train.distributed import free_port
+from onepath.train.distributed import collect, free_port
 from tests.tiny import random_prompts, tiny_moe_model
 
 TOP_K = 4  # three adds per token: a merge order other than slot order changes bits
@@ -100,17 +99,7 @@ def run(world: int) -> dict:
     queue = ctx.Queue()
     workers = torch.multiprocessing.start_processes(worker, args=(world, free_port(), queue), nprocs=world,
                                                     join=False, start_method="spawn")
-    # read before the join completes (a put larger than the pipe waits for the reader); join raises
-    # a worker's error at once rather than leave this read waiting
-    while True:
-        try:
-            results = pickle.loads(queue.get(timeout=1))
-            break
-        except Empty:
-            assert not workers.join(timeout=0), "the workers ended without results"
-    while not workers.join():
-        pass
-    return results
+    return pickle.loads(collect(workers, queue))
 
 
 @pytest.fixture(scope="module")
