@@ -16,7 +16,6 @@ to show the attention backward's share of the step.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import statistics
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from onepath.bench.results import environment
 from onepath.engine.sampling_params import SamplingParams
 from onepath.models.batch import ForwardBatch
 from onepath.models.config import ModelConfig
@@ -171,20 +171,6 @@ def attention_backward(args, r: Responses) -> dict:
     return result
 
 
-def environment(device: str) -> dict:
-    env = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    try:
-        import triton
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    if device == "cuda":
-        env.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
-    else:
-        env["gpu"] = None
-    return env
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="JSON file for the results")
@@ -228,7 +214,6 @@ def main():
               flush=True)
     record = {
         "command": "python " + " ".join(sys.argv),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         **environment(args.device),
         "device": args.device,
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "modes")},

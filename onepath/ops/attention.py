@@ -44,6 +44,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor   # [B, max_blocks] cache block ids (padding entries are never read)
     slot_mapping: torch.Tensor   # [T] cache slot where each new token's K/V go
     block_size: int
+    padded_rows: torch.Tensor | None = None  # padded_sdpa's row map, made by its first layer, kept for the others
 
     @property
     def num_seqs(self) -> int:
@@ -137,9 +138,12 @@ def padded_sdpa(q, k, v, meta: AttentionMetadata, scale):
     and index_select move the rows both ways (their backward is the other one: no sort, no loop)."""
     num_seqs, tokens = meta.num_seqs, q.shape[0]
     longest = max(meta.query_len(b) for b in range(num_seqs))
-    lengths = torch.tensor([meta.query_len(b) for b in range(num_seqs)], device=q.device)
-    shift = torch.arange(num_seqs, device=q.device) * longest - torch.tensor(meta.cu_seqlens[:-1], device=q.device)
-    rows = torch.arange(tokens, device=q.device) + torch.repeat_interleave(shift, lengths, output_size=tokens)
+    if meta.padded_rows is None:
+        lengths = torch.tensor([meta.query_len(b) for b in range(num_seqs)], device=q.device)
+        shift = torch.arange(num_seqs, device=q.device) * longest - torch.tensor(meta.cu_seqlens[:-1], device=q.device)
+        meta.padded_rows = torch.arange(tokens, device=q.device) + torch.repeat_interleave(shift, lengths,
+                                                                                          output_size=tokens)
+    rows = meta.padded_rows
 
     def padded(t):
         out = t.new_zeros(num_seqs * longest, *t.shape[1:]).index_copy(0, rows, t)

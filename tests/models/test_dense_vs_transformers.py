@@ -114,7 +114,12 @@ def test_save_checkpoint_loads_in_transformers(tmp_path, name):
     ref = hf_model(name)
     ours = load_ours(saved(ref, tmp_path / "hf", name), "consistent")
     save_checkpoint(tmp_path / "ours", ours.hf_state_dict(), ours.config, max_shard_size=SHARDED.get(name))
-    back = reload(tmp_path / "ours")
+    assert_reloads_as(ref, tmp_path / "ours")
+
+
+def assert_reloads_as(ref, path):
+    """transformers reads our checkpoint at `path` back into ref's class, its tensors and logits bitwise ref's."""
+    back = reload(path)
     assert type(back) is type(ref)
     want_state, got_state = ref.state_dict(), back.state_dict()
     assert sorted(got_state) == sorted(want_state)

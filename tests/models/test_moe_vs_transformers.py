@@ -19,8 +19,8 @@ from onepath.models.kv_cache import KVCache
 from onepath.models.moe import MoeDecoder
 from onepath.ops import ExecutionSpec, Ops
 from tests.tiny import randomize
-from tests.models.test_dense_vs_transformers import ATOL, BLOCK_SIZE, LENGTHS, MAX_POSITIONS, RTOL, reference_logits, \
-    reload, sequences
+from tests.models.test_dense_vs_transformers import ATOL, BLOCK_SIZE, LENGTHS, MAX_POSITIONS, RTOL, assert_reloads_as, \
+    reference_logits, sequences
 
 BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, moe_intermediate_size=24,
@@ -97,14 +97,7 @@ def test_save_checkpoint_loads_in_transformers(tmp_path, name):
     model = ours(load_config(tmp_path / "hf"), load_state_dict(tmp_path / "hf"))
     save_checkpoint(tmp_path / "ours", model.hf_state_dict(), model.config)
     assert sorted(load_state_dict(tmp_path / "ours")) == sorted(load_state_dict(tmp_path / "hf"))
-    back = reload(tmp_path / "ours")
-    assert type(back) is type(ref)
-    want_state, got_state = ref.state_dict(), back.state_dict()
-    assert sorted(got_state) == sorted(want_state)
-    assert all(torch.equal(got_state[k], t) for k, t in want_state.items())
-    seqs = sequences(ref.config.vocab_size)
-    for b, (g, w) in enumerate(zip(reference_logits(back, seqs), reference_logits(ref, seqs))):
-        assert torch.equal(g, w), f"sequence {b}: max |diff| {(g - w).abs().max().item()}"
+    assert_reloads_as(ref, tmp_path / "ours")
 
 
 def test_tolerance_catches_the_wrong_top_k_normalisation(tmp_path):

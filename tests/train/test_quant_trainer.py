@@ -3,18 +3,14 @@
 quantised weights, the trainer re-quantises at each forward: a stale engine cache would show). Negative control, the "naive" setting: engine quantised, trainer in
 the unquantised spec, same weights and tokens: a diff."""
 import pytest
-import torch
 
-from onepath.consistency.diff import is_exact, rollout_diff
-from onepath.engine.llm_engine import LLMEngine
+from onepath.consistency.diff import is_exact
 from onepath.engine.sampling_params import SamplingParams
-from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.dense import DenseDecoder
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import Ops
-from onepath.train.actor import Actor, Responses
-from onepath.train.grpo import policy_loss
-from tests.tiny import random_prompts, tiny_config
+from tests.tiny import tiny_config
+from tests.train.test_trainer_consistency import engine_vs_trainer
 
 PARAMS = [SamplingParams(max_tokens=12, seed=1), SamplingParams(max_tokens=12, temperature=0.8, top_k=7, seed=2)]
 
@@ -27,26 +23,11 @@ def quant_model(quant: str | None, seed: int = 4) -> DenseDecoder:
 
 
 def rollout_and_recompute(engine_quant: str, trainer_quant: str | None, update: bool, sampling=PARAMS):
-    engine_model, policy = quant_model(engine_quant), quant_model(trainer_quant)
+    policy = quant_model(trainer_quant)
     for p in policy.parameters():
         p.quant_cache = False  # the trainer re-quantises at every forward; the engine's cache must follow the sync
-    engine = LLMEngine(engine_model, num_blocks=128, block_size=16, scheduler=SchedulerConfig(max_model_len=96))
-    actor = Actor(policy, block_size=16, lr=1e-2)
-    gen = torch.Generator().manual_seed(9)
-    diffs = []
-    for step in range(2 if update else 1):
-        prompts = random_prompts(gen, 6)
-        params = [sampling[i % len(sampling)] for i in range(len(prompts))]
-        outs = engine.generate(prompts, params, request_ids=[step * 100 + i for i in range(len(prompts))])
-        r = Responses.build([o.prompt_token_ids for o in outs], [o.token_ids for o in outs], params,
-                            [o.logprobs for o in outs])
-        lp, _ = actor.logprobs(r)
-        diffs.append(rollout_diff(r.rollout_logprobs, lp.detach(), r.mask))
-        if update:
-            loss, _ = policy_loss(lp, lp.detach(), torch.randn(len(outs), generator=gen), r.mask, 0.2)
-            actor.update(loss)
-            engine.update_weights(policy.named_parameters())
-    return diffs
+    return engine_vs_trainer(quant_model(engine_quant), policy, update, sampling, prompts=6, num_blocks=128,
+                             max_model_len=96)
 
 
 @pytest.mark.parametrize("quant", ["fp8", "nvfp4_w4a16", "nvfp4_w4a4"])

@@ -17,15 +17,23 @@ PARAMS = [SamplingParams(max_tokens=20, seed=1), SamplingParams(max_tokens=20, t
 
 
 def rollout_and_recompute(mode: str, update: bool):
-    engine_model, policy = tiny_model(mode, seed=4), tiny_model(mode, seed=4)
-    engine = LLMEngine(engine_model, num_blocks=256, block_size=16, scheduler=SchedulerConfig(max_model_len=128))
+    return engine_vs_trainer(tiny_model(mode, seed=4), tiny_model(mode, seed=4), update)
+
+
+def engine_vs_trainer(engine_model, policy, update: bool, sampling=PARAMS, prompts: int = 12, num_blocks: int = 256,
+                      max_model_len: int = 128, after_update=None):
+    """Rollout diff metrics of one step (two with update: an update + in-place sync between them), the
+    engine sampling with engine_model, the trainer recomputing with policy; after_update(before) sees the
+    policy's parameters from before the update."""
+    engine = LLMEngine(engine_model, num_blocks=num_blocks, block_size=16,
+                       scheduler=SchedulerConfig(max_model_len=max_model_len))
     actor = Actor(policy, block_size=16, lr=1e-2)
     gen = torch.Generator().manual_seed(9)
     diffs = []
     for step in range(2 if update else 1):
-        prompts = random_prompts(gen, 12)
-        params = [PARAMS[i % 3] for i in range(len(prompts))]
-        outs = engine.generate(prompts, params, request_ids=[step * 100 + i for i in range(len(prompts))])
+        step_prompts = random_prompts(gen, prompts)
+        params = [sampling[i % len(sampling)] for i in range(len(step_prompts))]
+        outs = engine.generate(step_prompts, params, request_ids=[step * 100 + i for i in range(len(step_prompts))])
         r = Responses.build([o.prompt_token_ids for o in outs], [o.token_ids for o in outs], params,
                             [o.logprobs for o in outs])
         lp, _ = actor.logprobs(r)
@@ -33,7 +41,10 @@ def rollout_and_recompute(mode: str, update: bool):
         if update:
             advantages = torch.randn(len(outs), generator=gen)
             loss, _ = policy_loss(lp, lp.detach(), advantages, r.mask, 0.2)
+            before = {n: p.detach().clone() for n, p in policy.named_parameters()} if after_update else None
             actor.update(loss)
+            if after_update:
+                after_update(before)
             engine.update_weights(policy.named_parameters())
     return diffs
 

@@ -74,12 +74,17 @@ def pick_config(m: int, n: int, dtype: torch.dtype, num_sms: int, out_dtype: tor
     if dtype == torch.float32:
         return TILE_FP32
     wide_out = out_dtype == torch.float32
-    for config in TILES_16BIT:
-        if wide_out and config.block_m * config.block_n > MAX_TILE_FP32_OUT:
-            continue
+    return first_filling([c for c in TILES_16BIT if not (wide_out and c.block_m * c.block_n > MAX_TILE_FP32_OUT)],
+                         m, n, num_sms)
+
+
+def first_filling(configs, m: int, n: int, num_sms: int) -> TileConfig:
+    """The first (largest) config that gives every SM a tile, 128-row tiles only once M fills them;
+    the last (smallest) when none does."""
+    for config in configs:
         if config.block_m <= max(64, m) and config.tiles(m, n) >= num_sms:
             return config
-    return TILES_16BIT[-1]
+    return configs[-1]
 
 
 @triton.jit

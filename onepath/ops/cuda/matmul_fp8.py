@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from onepath.numerics.quant import FP8Tensor
-from onepath.ops.cuda.matmul import TileConfig, _num_sms, _tile_coords
+from onepath.ops.cuda.matmul import TileConfig, _num_sms, _tile_coords, first_filling
 
 # One K step = one scale group: the partial a scale multiplies is exactly one tl.dot.
 BLOCK_K = 128
@@ -77,10 +77,7 @@ def _matmul_fp8_kernel(
 
 
 def pick_config(m: int, n: int, num_sms: int) -> TileConfig:
-    for config in TILES_FP8:
-        if config.block_m <= max(64, m) and config.tiles(m, n) >= num_sms:
-            return config
-    return TILES_FP8[-1]
+    return first_filling(TILES_FP8, m, n, num_sms)
 
 
 def matmul_fp8(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None = None,
