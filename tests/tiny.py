@@ -19,9 +19,10 @@ def tiny_config(**overrides) -> ModelConfig:
 
 
 def tiny_model(mode: str, seed: int = 0, std: float = 0.15, device: str = "cpu", max_positions: int = 256,
-               **overrides) -> DenseDecoder:
+               quant: str | None = None, **overrides) -> DenseDecoder:
     """A random model with weights large enough that its distributions are far from uniform."""
-    model = DenseDecoder(tiny_config(**overrides), Ops(ExecutionSpec.default(mode, device)), max_positions=max_positions)
+    spec = ExecutionSpec.default(mode, device, quant=quant)
+    model = DenseDecoder(tiny_config(**overrides), Ops(spec), max_positions=max_positions)
     model.init_weights(seed, std=std)
     return model
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from onepath.ops.quant_linear import refresh_quantized
+
 from onepath.engine.block_manager import BlockManager
 from onepath.engine import memory
 from onepath.engine.model_runner import ModelRunner
@@ -146,15 +148,19 @@ class LLMEngine:
     def update_weights(self, named_tensors) -> None:
         """Copy new weights into the engine's own parameter storage (in place: nothing that holds a
         reference to the old tensors, a captured graph included, goes stale). The prefix cache is
-        dropped first: its K/V were computed with the old weights."""
-        self.weights_changed()
+        dropped: its K/V were computed with the old weights."""
         params = dict(self.model.named_parameters())
-        for name, tensor in dict(named_tensors).items():
-            if name not in params:
-                raise KeyError(f"weight {name} is not a parameter of the engine's model")
+        named_tensors = dict(named_tensors)
+        unknown = [name for name in named_tensors if name not in params]
+        if unknown:
+            raise KeyError(f"weights {unknown} are not parameters of the engine's model")
+        for name, tensor in named_tensors.items():
             params[name].copy_(tensor)
+        self.weights_changed()
 
     def weights_changed(self) -> None:
         """Weights were written into the engine's storage by someone else (a broadcast): drop what was
-        computed from the old ones. The prefix cache is all there is (RoPE tables are not weight-derived)."""
+        computed from the old ones: the prefix cache, and the quantised weight copies are rewritten in
+        their own storage (captured graphs read them). RoPE tables are not weight-derived."""
         self.block_manager.reset_prefix_cache()
+        refresh_quantized(self.model)

@@ -14,8 +14,11 @@ experts  SwiGLU MLPs through ops.linear and ops.silu_mul, the down projection wi
            contiguous (the trainer, prefill): the (token, slot) pairs packed by expert, one GEMM each;
            masked (the engine's decode steps): each expert's pairs in chunks of a fixed capacity,
            zero-padded, one GEMM per chunk.
-         A pair's output has the same bits in both and computed alone: the consistent GEMM's row
-         result depends on the row only (tests/models/test_moe_layouts.py).
+         Consistent on CUDA, each projection is instead one grouped GEMM over all experts' rows
+         (ops.grouped_linear; masked: the chunks of an expert are its group), whose rows have the
+         dense GEMM's bits. A pair's output has the same bits in both and computed alone: the
+         consistent GEMM's row result depends on the row only (tests/models/test_moe_layouts.py,
+         tests/gpu/test_grouped_matmul_gpu.py).
 combine  on the token, in FP32, over the slots in slot order, plus the gated shared expert (its down
          projection FP32 too); rounded once to the model dtype.
 expert parallelism (MoeDecoder.expert_parallel): rank r of an EP group of size ep holds only experts
@@ -70,21 +73,25 @@ def unpermute(packed: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return packed.index_select(0, inverse)
 
 
-def experts_contiguous(mlp: Callable, x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+def experts_contiguous(mlp: Callable, x: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                       grouped: Callable | None = None) -> torch.Tensor:
     """Expert outputs [T, k, H] of each token's k experts, the pairs packed by expert, mlp(e, rows)
-    once per expert over its rows."""
+    once per expert over its rows; or grouped(rows, counts) once over all of them."""
     t, k = experts.shape
     order, counts = dispatch(experts, num_experts)
     rows = x.index_select(0, order // k)
-    packed = [mlp(e, part) for e, part in enumerate(rows.split(counts)) if part.shape[0]]
-    return unpermute(torch.cat(packed), order).view(t, k, -1)
+    if grouped is not None:
+        packed = grouped(rows, counts)
+    else:
+        packed = torch.cat([mlp(e, part) for e, part in enumerate(rows.split(counts)) if part.shape[0]])
+    return unpermute(packed, order).view(t, k, -1)
 
 
 def experts_masked(mlp: Callable, x: torch.Tensor, experts: torch.Tensor, num_experts: int,
-                   capacity: int = CAPACITY) -> torch.Tensor:
+                   capacity: int = CAPACITY, grouped: Callable | None = None) -> torch.Tensor:
     """Expert outputs [T, k, H] as experts_contiguous's, from a buffer of fixed-capacity chunks: an
     expert with n pairs owns ceil(n / capacity) chunks, zero rows fill the last, and mlp(e, chunk)
-    runs over all `capacity` rows of each chunk."""
+    runs over all `capacity` rows of each chunk; or grouped(buffer, rows per expert) once."""
     t, k = experts.shape
     order, counts = dispatch(experts, num_experts)
     chunks = [-(-n // capacity) for n in counts]
@@ -95,8 +102,11 @@ def experts_masked(mlp: Callable, x: torch.Tensor, experts: torch.Tensor, num_ex
     # the buffer row of each packed pair: its expert's first row plus its rank among the expert's pairs
     row = first_row[owner] + torch.arange(order.numel(), device=x.device) - first_pair[owner]
     buffer = x.new_zeros(sum(chunks) * capacity, x.shape[-1]).index_copy(0, row, x.index_select(0, order // k))
-    owners = [e for e, n in enumerate(chunks) for _ in range(n)]
-    out = torch.cat([mlp(e, chunk) for e, chunk in zip(owners, buffer.split(capacity))])
+    if grouped is not None:
+        out = grouped(buffer, [n * capacity for n in chunks])
+    else:
+        owners = [e for e, n in enumerate(chunks) for _ in range(n)]
+        out = torch.cat([mlp(e, chunk) for e, chunk in zip(owners, buffer.split(capacity))])
     return unpermute(out.index_select(0, row), order).view(t, k, -1)
 
 
@@ -190,6 +200,13 @@ class Experts(nn.Module):
         gate, up = self.ops.linear(rows, self.gate_up_proj[expert - self.first]).chunk(2, dim=-1)
         return self.ops.expert_down(self.ops.silu_mul(gate, up), self.down_proj[expert - self.first])
 
+    def grouped_mlp(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Every expert on its rows of rows [n, H], packed by expert (counts[e] rows of global expert
+        e, all of them this rank's) -> [n, H] FP32: one grouped GEMM per projection."""
+        local = counts[self.first:self.first + self.gate_up_proj.shape[0]]
+        gate, up = self.ops.grouped_linear(rows, self.gate_up_proj, local).chunk(2, dim=-1)
+        return self.ops.grouped_expert_down(self.ops.silu_mul(gate, up), self.down_proj, local)
+
     def keep(self, local: range) -> None:
         """Drop every expert outside `local` (an EP rank's own)."""
         picked = slice(local.start - self.first, local.stop - self.first)
@@ -201,10 +218,11 @@ class Experts(nn.Module):
         """FP32 outputs [T, k, H] of each token's experts."""
         if x.shape[0] == 0:
             return x.new_zeros(0, experts.shape[-1], x.shape[-1], dtype=torch.float32)
+        grouped = self.grouped_mlp if self.ops.grouped_experts else None
         if layout == "masked":
-            return experts_masked(self.mlp, x, experts, self.num_experts, capacity)
+            return experts_masked(self.mlp, x, experts, self.num_experts, capacity, grouped)
         if layout == "contiguous":
-            return experts_contiguous(self.mlp, x, experts, self.num_experts)
+            return experts_contiguous(self.mlp, x, experts, self.num_experts, grouped)
         raise ValueError(f"expert layout {layout!r} is unknown: use one of {LAYOUTS}")
 
 

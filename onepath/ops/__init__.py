@@ -43,6 +43,19 @@ class Ops:
         once); a linear layer otherwise, quantised as the spec's linear op says."""
         return _linear.linear(self.spec, x, weight, out_dtype=torch.float32)
 
+    @property
+    def grouped_experts(self) -> bool:
+        """True where the experts' GEMMs run as one grouped launch per projection (consistent CUDA)."""
+        return _linear.grouped_kernel(self.spec)
+
+    def grouped_linear(self, x, weight, counts):
+        """x's rows packed by expert (counts[e] rows each) through ops.linear against weight[e]."""
+        return _linear.grouped_linear(self.spec, x, weight, counts)
+
+    def grouped_expert_down(self, x, weight, counts):
+        """ops.expert_down (FP32 output) of rows packed by expert, as grouped_linear."""
+        return _linear.grouped_linear(self.spec, x, weight, counts, out_dtype=torch.float32)
+
     def softmax(self, x):
         """FP32 softmax over the last dim (the router's expert probabilities). consistent: the
         log-probs' fixed-order recipe (exp on fixed-shape pieces, the sum as a fixed tree)."""

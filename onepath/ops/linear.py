@@ -9,6 +9,8 @@ The LM head returns FP32 logits: the consistent GEMM rounds its FP32 accumulator
 the baseline rounds to the weights' dtype first, as the stock engines do.
 Quantised (the op's weight/act QuantSpecs set): ops/quant_linear.py's forward, on both sides; the
 backward stays this file's reference on the unquantised operands (straight-through).
+grouped_linear (the MoE experts, rows packed by expert): on consistent CUDA, unquantised, one launch
+of ops/cuda/grouped_matmul.py, whose rows have the dense kernel's bits; elsewhere linear() per group.
 """
 from __future__ import annotations
 
@@ -53,3 +55,29 @@ def linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bias: tor
             return reference(x, w, b).to(out_dtype)
     inputs = (x, weight) if bias is None else (x, weight, bias)
     return apply_kernel(kernel, lambda *t: reference(*t).to(out_dtype), *inputs)
+
+
+def grouped_reference(x, weight, counts: list[int]):
+    parts = [F.linear(part, weight[g]) for g, part in enumerate(x.split(counts)) if part.shape[0]]
+    return torch.cat(parts) if parts else x.new_empty(0, weight.shape[1])
+
+
+def grouped_kernel(spec: ExecutionSpec, op: str = "linear") -> bool:
+    """True where grouped_linear is one grouped-GEMM launch rather than a linear() per group."""
+    quantised = spec.op(op).weight is not None or spec.op(op).act is not None
+    return spec.mode == "consistent" and spec.device == "cuda" and not quantised
+
+
+def grouped_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, counts: list[int],
+                   op: str = "linear", out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K], rows packed by group (counts[g] rows each), weight [G, N, K] -> [M, N]: each group's
+    rows through linear() against weight[g], bit for bit, whatever the backend."""
+    out_dtype = out_dtype or x.dtype
+    if not grouped_kernel(spec, op):
+        parts = [linear(spec, part, weight[g], op=op, out_dtype=out_dtype)
+                 for g, part in enumerate(x.split(counts)) if part.shape[0]]
+        return torch.cat(parts) if parts else x.new_empty(0, weight.shape[1], dtype=out_dtype)
+    from onepath.ops.cuda.grouped_matmul import grouped_matmul
+
+    return apply_kernel(lambda x, w: grouped_matmul(x, w, counts, out_dtype=out_dtype),
+                        lambda x, w: grouped_reference(x, w, counts).to(out_dtype), x, weight)

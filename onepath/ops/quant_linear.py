@@ -23,7 +23,8 @@ Backward is straight-through: linear.reference on the unquantised operands (ops/
 The weight's quantised copy is cached on the parameter and rebuilt when its version counter moves
 (optimizer steps and the engine's in-place copy_ bump it) or its storage changes; `quant_cache =
 False` on a parameter turns that off (re-quantised at every forward: the memory of one copy saved).
-No cache while a CUDA graph is captured: the graph quantises the live weights at every replay.
+A captured CUDA graph reads the cache's storage: a stale cache is rewritten in place (the engine calls
+refresh_quantized after a weight update, before the next replay).
 """
 from __future__ import annotations
 
@@ -60,19 +61,54 @@ def check_formats(op: OpSpec, name: str) -> str:
 
 def prepared_weight(weight: torch.Tensor, op: OpSpec, operand_dtype: torch.dtype):
     """The weight as the GEMM takes it: an FP8Tensor, or (code * s_blk in operand_dtype, s_dec) for NVFP4;
-    from the parameter's cache while its version and storage are unchanged."""
+    from the parameter's cache while its version and storage are unchanged. A stale cache is rewritten
+    in place, so a CUDA graph captured on it reads the new weights (refresh_quantized does it eagerly)."""
     key = (op.weight, operand_dtype, weight._version, weight.data_ptr(), tuple(weight.shape), weight.device)
-    use_cache = getattr(weight, "quant_cache", True) and not capturing(weight)
+    use_cache = getattr(weight, "quant_cache", True)
     hit = getattr(weight, "_quantized", None) if use_cache else None
-    if hit is not None and hit[0] == key:
+    if hit is not None and (hit[0] == key or capturing(weight)):
+        # while capturing, the graph reads the cache's storage; refresh_quantized keeps it current
         return hit[1]
     with torch.no_grad():
         q = quantize(weight.detach(), op.weight)
         if isinstance(q, NVFP4Tensor):
             q = (q.dequantize(operand_dtype, outer=False), torch.reciprocal(q.encode_scale))
+        if hit is not None and hit[0][:2] == key[:2] and _copy_into(hit[1], q):
+            q = hit[1]
     if use_cache:
         weight._quantized = (key, q)
     return q
+
+
+def _tensors(q) -> list[torch.Tensor]:
+    return [q.codes, q.scales] if isinstance(q, FP8Tensor) else list(q)
+
+
+def _copy_into(old, new) -> bool:
+    """Write `new` into `old`'s storage when every tensor has the same shape and dtype."""
+    pairs = list(zip(_tensors(old), _tensors(new)))
+    if not all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device for a, b in pairs):
+        return False
+    for a, b in pairs:
+        a.copy_(b)
+    return True
+
+
+@torch.no_grad()
+def refresh_quantized(module: torch.nn.Module) -> None:
+    """Re-quantise every cached weight of `module` whose parameter changed, into the cache's own storage:
+    after an in-place weight update, before a captured graph replays (it does not pass through Python)."""
+    for p in module.parameters():
+        hit = getattr(p, "_quantized", None)
+        if hit is not None:
+            weight_spec, operand_dtype = hit[0][:2]
+            prepared_weight(p, _WeightOnly(weight_spec), operand_dtype)
+
+
+class _WeightOnly:
+    """The part of an OpSpec prepared_weight reads."""
+    def __init__(self, weight):
+        self.weight = weight
 
 
 def quant_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -49,6 +49,7 @@ from onepath.train.grpo import group_advantages, policy_loss
 
 # NVLink multicast stays off, in this process and in every process it starts.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 LAYOUTS = {"dense": (("dp", "single"), ("fsdp", "single")),   # (rollout layouts, trainer layouts)
            "moe": (("ep", "dp", "single"), ("ep", "fsdp", "single"))}
 
@@ -237,6 +238,11 @@ def run_pairing(rollout: str, trainer: str, mode: str, device: str, steps: int, 
                                          "engine_steps": engine_steps,
                                          "gen_seconds": seconds, **{k: float(v) for k, v in metrics.items()}})
         history.append({"step": step, "ranks": reports})
+        if rank == 0:  # progress: a run that stalls shows where
+            exact = all(r["exact"] for r in reports if r["trains"])
+            print(f"rollout={rollout},trainer={trainer} step {step}: generated "
+                  f"{sum(r['generated'] for r in reports)} tokens in {max(r['gen_seconds'] for r in reports):.1f} s, "
+                  f"diff exactly 0: {exact}", file=sys.stderr, flush=True)
     return history
 
 
@@ -331,7 +337,9 @@ def worker(rank: int, world: int, device: str, mode: str, steps: int, prompts_pe
     if device == "cuda":
         torch.cuda.set_device(rank)
     torch.set_num_threads(1)
+    # a collective that does not pair up fails after COLLECTIVE_TIMEOUT naming itself, rather than hang
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT,
                             device_id=torch.device("cuda", rank) if device == "cuda" else None)
     try:
         results = {}

@@ -164,7 +164,7 @@ def test_gpu_graphs_batches_chunks_and_trainer_agree():
                             [o.logprobs for o in outs])
         with torch.no_grad():
             lp, _ = Actor(make(trainer_quant), block_size=16, lr=0.0).logprobs(r)
-        return rollout_diff(r.rollout_logprobs, lp, r.mask)
+        return rollout_diff(r.rollout_logprobs.cuda(), lp, r.mask.cuda())
 
     everything = range(len(prompts))
     outs = run(everything)

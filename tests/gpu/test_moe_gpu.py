@@ -53,15 +53,22 @@ def test_negative_control_trainer_baseline_moe_gpu():
     assert any(d["rollout_corr/tokens_differing_frac"] > 0 for d in dense.trainer_diffs("baseline"))
 
 
-@pytest.mark.parametrize("mode", ["consistent", "baseline"])
-def test_masked_vs_contiguous_layout_moe_gpu(mode):
+def layouts(mode):
+    """Per token count: (masked == contiguous, contiguous == each token computed alone)."""
     block = moe_model(mode).model.layers[0].mlp
     g = torch.Generator(device="cuda").manual_seed(0)
-    same = []
+    results = []
     for tokens in (1, 7, 33, 300):
         x = torch.randn(tokens, SHAPE["hidden_size"], generator=g, device="cuda").to(torch.bfloat16)
         _, experts = block.gate(x)
-        a = block.experts(x, experts, "masked")
-        b = block.experts(x, experts, "contiguous")
-        same.append(torch.equal(a, b))
-    assert all(same) if mode == "consistent" else not all(same)
+        contiguous = block.experts(x, experts, "contiguous")
+        alone = torch.cat([block.experts(x[i:i + 1], experts[i:i + 1], "contiguous") for i in range(tokens)])
+        results.append((torch.equal(block.experts(x, experts, "masked"), contiguous), torch.equal(alone, contiguous)))
+    return results
+
+
+def test_masked_vs_contiguous_layout_moe_gpu():
+    # the negative control is the model-level one above (baseline alone != batch): on the H200, cuBLAS's
+    # per-expert rows at these shapes did not move with the row count (2026-11-29), see
+    # tests/gpu/test_grouped_matmul_gpu.py's stock-path control
+    assert all(masked and alone for masked, alone in layouts("consistent"))

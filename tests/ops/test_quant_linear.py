@@ -8,7 +8,7 @@ import torch
 from onepath.numerics.quant import quantize
 from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT, QuantSpec, ExecutionSpec, check_same_spec
 from onepath.ops import linear as L
-from onepath.ops.quant_linear import fma, fp8_gemm
+from onepath.ops.quant_linear import fma, fp8_gemm, refresh_quantized
 
 PRESETS = ("fp8", "nvfp4_w4a16", "nvfp4_w4a4")
 
@@ -85,6 +85,38 @@ def test_gradient_is_the_plain_linear_on_unquantised_operands(preset, gen):
         torch.testing.assert_close(got, want)
 
 
+def storage(q) -> list[torch.Tensor]:
+    return [q.codes, q.scales] if hasattr(q, "codes") else list(q)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_refresh_rewrites_the_cache_without_a_forward(preset, gen):
+    """The engine's weights_changed: a graph replay does not pass through Python, so the cache is
+    refreshed eagerly, in place; a parameter that did not change keeps its cache untouched."""
+    s = spec(preset)
+    layer = torch.nn.Linear(150, 30, bias=False)
+    other = torch.nn.Linear(150, 30, bias=False)
+    x = torch.randn(4, 150, generator=gen)
+    L.linear(s, x, layer.weight), L.linear(s, x, other.weight)
+    before = [t.clone() for t in storage(other.weight._quantized[1])]
+    ptrs = [t.data_ptr() for t in storage(layer.weight._quantized[1])]
+    new = torch.randn(30, 150, generator=gen) * 0.1
+    with torch.no_grad():
+        layer.weight.copy_(new)
+    refresh_quantized(torch.nn.ModuleList([layer, other]))
+    expected = L.linear(s, x, torch.nn.Parameter(new))  # a fresh parameter quantises `new` itself
+    refreshed = storage(layer.weight._quantized[1])
+    assert [t.data_ptr() for t in refreshed] == ptrs
+    assert all(torch.equal(a, b) for a, b in zip(refreshed, storage(quantize_like(new, s))))
+    assert all(torch.equal(a, b) for a, b in zip(storage(other.weight._quantized[1]), before))
+    assert torch.equal(L.linear(s, x, layer.weight), expected)
+
+
+def quantize_like(weight, s):
+    from onepath.ops.quant_linear import prepared_weight
+    return prepared_weight(torch.nn.Parameter(weight.clone()), s.op("linear"), torch.float32)
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_weight_cache_follows_in_place_updates(preset, gen):
     s = spec(preset)
@@ -97,6 +129,8 @@ def test_weight_cache_follows_in_place_updates(preset, gen):
     with torch.no_grad():
         w.copy_(new)  # the engine's sync: bumps w._version
     assert torch.equal(L.linear(s, x, w), L.linear(s, x, new)) and w._quantized is not cached
+    # rewritten in the cache's own storage: a CUDA graph captured on it reads the new weights
+    assert [t.data_ptr() for t in storage(w._quantized[1])] == [t.data_ptr() for t in storage(cached[1])]
     fresh = torch.nn.Parameter(new.clone())
     fresh.quant_cache = False
     assert torch.equal(L.linear(s, x, fresh), L.linear(s, x, w)) and not hasattr(fresh, "_quantized")

@@ -13,7 +13,7 @@ import json
 import os
 
 import pytest
-from tests.interpret import interpreted_results
+from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_results
 
 CHECKS = ["equals_cpu_contract", "rows_alone_equal_rows_in_batch", "configs_agree", "bias_bf16_out",
           "cuda_linear_fp8_equals_cpu", "cuda_linear_rows_alone_equal_rows_in_batch"]
@@ -122,35 +122,20 @@ def _run_checks() -> dict:
 def test_every_fp8_config_compiles_for_sm90_on_fp8_wgmma_within_shared_memory():
     """What the launcher can pick builds for the H200 (the Triton wheel's ptxas, no GPU): fp8 wgmma
     (e4m3 operands, no mma.sync fallback), one FMA per K block, within the 227 KiB of shared memory."""
-    pytest.importorskip("triton.backends.nvidia")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set: the kernel is an interpreted function, not compilable")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from onepath.ops.cuda import matmul_fp8 as mm
-    from tests.ops.test_matmul_interpret import SM90_SHARED_BYTES
 
-    names = mm._matmul_fp8_kernel.arg_names
     bad = []
     for cfg in mm.TILES_FP8:
         consts = dict(W_BLOCK_N=128, HAS_BIAS=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=mm.BLOCK_K,
-                      GROUP_M=cfg.group_m, NUM_SMS=132)
+                      GROUP_M=cfg.group_m)
         sig = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sw_ptr": "*fp32", "bias_ptr": "*bf16",
-               "out_ptr": "*bf16", **{n: "i32" for n in ("M", "N", "K", "stride_am", "stride_sam", "stride_wn",
-                                                         "stride_swn", "stride_om")}}
-        sig.update({n: "constexpr" for n in consts})
+               "out_ptr": "*bf16", **{n: "i32" for n in ("M", "N", "K", "NUM_PROGRAMS", "stride_am", "stride_sam",
+                                                         "stride_wn", "stride_swn", "stride_om")}}
         aligned = ("a_ptr", "w_ptr", "out_ptr", "K", "stride_am", "stride_wn", "stride_om")
-        src = ASTSource(mm._matmul_fp8_kernel, {n: sig[n] for n in names},
-                        constexprs={(names.index(n),): v for n, v in consts.items()},
-                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-        ptx = kernel.asm["ptx"]
+        ptx, shared = compile_sm90(mm._matmul_fp8_kernel, sig, consts, aligned, cfg)
         ok = "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx and "mma.sync" not in ptx and "fma.rn.f32" in ptx
-        if kernel.metadata.shared > SM90_SHARED_BYTES or not ok:
-            bad.append((cfg, kernel.metadata.shared, ok))
+        if shared > SM90_SHARED_BYTES or not ok:
+            bad.append((cfg, shared, ok))
     assert not bad, f"(config, shared bytes, fp8 wgmma + fma) that break the build contract: {bad}"
 
 

@@ -8,7 +8,7 @@ and 128-wide K group [M, ceil(K/128)]; weight codes [N, K] with FP32 scales per 
     y       = round(acc + bias)                       bias in FP32, one rounding to out_dtype
 What keeps a row's bits its own (matmul.py's rules): BLOCK_K = 128 = the scale group, for every
 tile config, so a row's chain of MMAs and FMAs is a function of K alone; no split-K, no atomics;
-rows past M masked; persistent grid of min(#SMs, #tiles) walking tiles with stride #SMs.
+rows past M masked; one program per output tile.
 The promotion is done by hand (one dot per K block, then the FMA): Triton on SM90 would otherwise
 keep the whole K loop in the FP8 MMA's imprecise accumulator (max_num_imprecise_acc = 2^30).
 """
@@ -25,21 +25,23 @@ from onepath.ops.cuda.matmul import TileConfig, _num_sms, _tile_coords, first_fi
 BLOCK_K = 128
 # fp8 tiles, largest first (BLOCK_M >= 64: Hopper's wgmma); the pick follows M like matmul.py's,
 # which cannot move a row's bits (each element's MMA chain over K is the same in every tile).
+# 128-row tiles are left out: with a fresh dot per K block, the MMA waits for its result every block,
+# and four warps on a 64x128 tile ran 2.5-3.7x faster than eight on 128x128 at training shapes
+# (bench/fp8_variants.py, bench/results/fp8-variants.json; same bits in every variant).
 TILES_FP8 = (
-    TileConfig(128, 128, num_warps=8, num_stages=4),
     TileConfig(64, 128, num_warps=4, num_stages=4),
     TileConfig(64, 64, num_warps=4, num_stages=4),
 )
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "NUM_PROGRAMS"])
 def _matmul_fp8_kernel(
     a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr, out_ptr,
     M, N, K,
     stride_am, stride_sam, stride_wn, stride_swn, stride_om,
     W_BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_PROGRAMS,
 ):
     start_pid = tl.program_id(axis=0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -48,7 +50,7 @@ def _matmul_fp8_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
 
-    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
+    for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -99,14 +101,15 @@ def matmul_fp8(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None = None,
     sa, sw = qa.scales.reshape(m, -1).contiguous(), qw.scales.contiguous()
     num_sms = _num_sms(a.device)
     config = config or pick_config(m, n, num_sms)
-    grid = (min(num_sms, config.tiles(m, n)),)
+    # one program per tile: the persistent walk (grid = #SMs) ran up to 1.3x slower here (fp8_variants.py)
+    grid = (config.tiles(m, n),)
     _matmul_fp8_kernel[grid](
         a, sa, w, sw, bias.contiguous() if bias is not None else None, out,
         m, n, k,
         a.stride(0), sa.stride(0), w.stride(0), sw.stride(0), out.stride(0),
         W_BLOCK_N=qw.block[0], HAS_BIAS=bias is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK_K,
-        GROUP_M=config.group_m, NUM_SMS=num_sms,
+        GROUP_M=config.group_m, NUM_PROGRAMS=grid[0],
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -1,0 +1,129 @@
+"""Time the grouped expert GEMM (ops/cuda/grouped_matmul.py) against our dense GEMM at equal work.
+
+    python bench/kernels_moe.py [--out bench/results/kernels-moe.json] [--tokens 256 8192]
+
+Qwen3-30B-A3B's experts (hidden 2048, moe_intermediate 768, 128 experts, top-8), random routing.
+Per (tokens, projection): median microseconds (triton.testing.do_bench, L2 flushed) of
+  grouped     one grouped launch over tokens x 8 rows packed by expert (the launcher's host work included);
+  dense       ops/cuda/matmul.py on one [tokens x 8, K] x [K, N] problem: the same FLOPs, one weight;
+  loop        ops/cuda/matmul.py once per expert: the path the grouped kernel replaces;
+  cublas loop F.linear once per expert (the baseline's path); torch._grouped_mm where torch has it.
+TFLOP/s for all, GB/s of the bytes the grouped call must move (the routed experts' weights, x, out),
+and grouped / dense TFLOP/s (target >= 0.70; at decode the grouped call reads 128 weights where the
+dense one reads one, so there it is bound by HBM, and GB/s is its figure). Without CUDA it says so
+and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
+
+from onepath.bench.results import environment, print_table, save_json  # noqa: E402
+
+HIDDEN, MOE_INTERMEDIATE, NUM_EXPERTS, TOP_K = 2048, 768, 128, 8
+# (name, N, K, out dtype): the fused gate/up projection and the down projection (FP32 out, as ops.expert_down)
+PROJECTIONS = [("gate_up", 2 * MOE_INTERMEDIATE, HIDDEN, torch.bfloat16),
+               ("down", HIDDEN, MOE_INTERMEDIATE, torch.float32)]
+TOKENS = [256, 8192]  # a decode step's batch, a training micro-batch
+TARGET = 0.70
+
+
+def routed_counts(tokens: int, gen: torch.Generator) -> list[int]:
+    experts = torch.rand(tokens, NUM_EXPERTS, generator=gen, device="cuda").topk(TOP_K, dim=-1).indices
+    return torch.bincount(experts.flatten(), minlength=NUM_EXPERTS).tolist()
+
+
+def stock_grouped_mm():
+    """torch._grouped_mm (x [M, K], w [E, K, N], offs = cumulative row ends, int32) where it runs here."""
+    if not hasattr(torch, "_grouped_mm"):
+        return None
+    try:
+        x = torch.ones(32, 64, device="cuda", dtype=torch.bfloat16)
+        w = torch.ones(2, 32, 64, device="cuda", dtype=torch.bfloat16)
+        torch._grouped_mm(x, w.transpose(1, 2), offs=torch.tensor([16, 32], device="cuda", dtype=torch.int32))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    return lambda x, w, offs: torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+
+def stock_us(time_us, fn) -> float | None:
+    """fn's time, or None where torch refuses the shapes (a stock kernel's limits are not ours to fix)."""
+    try:
+        return time_us(fn)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        print(f"torch._grouped_mm: {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
+def run(args) -> dict:
+    import triton.testing
+
+    from onepath.ops.cuda.grouped_matmul import grouped_matmul, pick_grouped_config
+    from onepath.ops.cuda.matmul import _num_sms, matmul
+
+    time_us = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=args.rep_ms, return_mode="median") * 1e3
+    sms = _num_sms(torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    grouped_mm = stock_grouped_mm()
+    result = dict(environment("cuda"), command="python bench/kernels_moe.py " + " ".join(sys.argv[1:]),
+                  shape=dict(hidden=HIDDEN, moe_intermediate=MOE_INTERMEDIATE, experts=NUM_EXPERTS, top_k=TOP_K),
+                  timing="triton.testing.do_bench median, L2 flushed", target_grouped_over_dense=TARGET, rows=[])
+    table = []
+    for tokens in args.tokens:
+        counts = routed_counts(tokens, gen)
+        offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+        rows = sum(counts)
+        for name, n, k, out_dtype in PROJECTIONS:
+            w = (torch.randn(NUM_EXPERTS, n, k, generator=gen, device="cuda") * k ** -0.5).bfloat16()
+            x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
+            cfg = pick_grouped_config(counts, n, x.dtype, sms, out_dtype)
+            flops = 2.0 * rows * n * k
+            moved = 2 * (sum(1 for c in counts if c) * n * k + rows * k) + rows * n * torch.finfo(out_dtype).bits // 8
+            per_expert = lambda fn: [fn(p, w[e]) for e, p in enumerate(x.split(counts)) if p.shape[0]]
+            us = dict(
+                grouped=time_us(lambda: grouped_matmul(x, w, counts, out_dtype=out_dtype)),
+                dense=time_us(lambda: matmul(x, w[0], out_dtype=out_dtype)),
+                loop=time_us(lambda: per_expert(lambda p, we: matmul(p, we, out_dtype=out_dtype))),
+                cublas_loop=time_us(lambda: per_expert(F.linear)),
+                torch_grouped_mm=stock_us(time_us, lambda: grouped_mm(x, w, offs)) if grouped_mm else None,
+            )
+            tflops = {key: flops / t * 1e-6 if t else None for key, t in us.items()}
+            row = dict(tokens=tokens, rows=rows, projection=name, N=n, K=k, out_dtype=str(out_dtype),
+                       config=f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}",
+                       empty_experts=counts.count(0), max_rows_per_expert=max(counts), us=us, tflops=tflops,
+                       grouped_gb_s=moved / us["grouped"] * 1e-3,
+                       grouped_over_dense=tflops["grouped"] / tflops["dense"])
+            result["rows"].append(row)
+            save_json(result, Path(args.out))
+            table.append([str(tokens), name, row["config"], us["grouped"], us["dense"], us["loop"], us["cublas_loop"],
+                          us["torch_grouped_mm"], tflops["grouped"], tflops["dense"], row["grouped_gb_s"],
+                          row["grouped_over_dense"]])
+        torch.cuda.empty_cache()
+    print_table(f"MoE expert GEMMs, {NUM_EXPERTS} experts top-{TOP_K}, hidden {HIDDEN}, moe_intermediate "
+                f"{MOE_INTERMEDIATE} (us: median; target grouped/dense >= {TARGET})",
+                ["tokens", "proj", "config", "grouped us", "dense us", "loop us", "cuBLAS loop us", "_grouped_mm us",
+                 "grouped TF/s", "dense TF/s", "grouped GB/s", "grouped/dense"], table)
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench/results/kernels-moe.json")
+    p.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="tokens per call (rows = tokens x top-8)")
+    p.add_argument("--rep-ms", type=int, default=200, help="do_bench time budget per measurement")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("kernels_moe: no CUDA device here; nothing timed (run it on the GPU machine)")
+        return
+    run(args)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

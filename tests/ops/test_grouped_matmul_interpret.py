@@ -1,0 +1,222 @@
+"""onepath.ops.cuda.grouped_matmul run by Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny,
+awkward shapes: 5 groups of 0, 1, 37, 0 and 6 rows, K = 200 (three full K blocks and a tail), N = 72.
+
+As in test_matmul_interpret.py, the interpreter's dot is replaced by a row-independent model of the
+MMA chain (exact products, each K block rounded once to FP32 and added) and its FP32 -> bf16 cast
+rounds to nearest even. Under it the contract is checked bitwise: every grouped row equals the dense
+kernel (ops/cuda/matmul.py) on that row alone against its group's weight, under any packing of the
+same rows, and in every tile config; the MoE experts wired to it keep masked == contiguous == alone.
+The bits of Hopper's MMA are tests/gpu/test_grouped_matmul_gpu.py's job.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_results
+
+CHECKS = ["values", "rows_equal_dense_alone", "packing_invariant", "configs_agree", "fp32_out_one_rounding",
+          "empty_groups", "moe_layouts_equal_alone", "moe_backward"]
+COUNTS = [0, 1, 37, 0, 6]
+
+
+def _patch_interpreter():
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def f64(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32) \
+                .reshape(h.data.shape).astype(np.float64)
+        return h.data.astype(np.float64)
+
+    def create_dot(self, a, b, d, *rest):
+        return interpreter.TensorHandle(np.matmul(f64(a), f64(b)).astype(np.float32) + d.data, d.dtype.scalar)
+
+    convert_float = interpreter._convert_float
+
+    def rne_convert_float(data, src, dst, rounding_mode):
+        if src == tl.float32 and dst == tl.bfloat16:
+            wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(np.shape(data))
+        return convert_float(data, src, dst, rounding_mode)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+    interpreter._convert_float = rne_convert_float
+
+
+def _run_checks() -> dict:
+    _patch_interpreter()
+    import torch
+
+    from onepath.ops.cuda.grouped_matmul import grouped_matmul
+    from onepath.ops.cuda.matmul import TILES_16BIT, TileConfig, matmul
+
+    gen = torch.Generator().manual_seed(0)
+    k, n = 200, 72
+    results = {}
+
+    def record(name, ok, detail=""):
+        prev = results.get(name, {"ok": True, "detail": ""})
+        results[name] = {"ok": prev["ok"] and bool(ok), "detail": prev["detail"] or ("" if ok else detail)}
+
+    def rand(*shape, dtype):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    # 16-row tiles with group_m 2: M tiles of one group and of neighbouring groups, walked by the
+    # 3-program persistent loop several times over.
+    configs = {"default": None, "16x16": TileConfig(16, 16, 4, 2, group_m=2), "16x32": TileConfig(16, 32, 4, 2),
+               **{f"{c.block_m}x{c.block_n}": c for c in TILES_16BIT}}
+    group_of = torch.repeat_interleave(torch.arange(len(COUNTS)), torch.tensor(COUNTS))
+
+    for dtype in (torch.bfloat16, torch.float32):
+        w = rand(len(COUNTS), n, k, dtype=dtype)
+        x = rand(sum(COUNTS), k, dtype=dtype)
+        y = grouped_matmul(x, w, COUNTS)
+        exact = torch.einsum("mk,mnk->mn", x.double(), w.double()[group_of])
+        u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -23
+        scale = torch.einsum("mk,mnk->mn", x.double().abs(), w.double().abs()[group_of])
+        err = (y.double() - exact).abs()
+        record("values", y.shape == (sum(COUNTS), n) and y.dtype == dtype
+               and bool((err <= u * exact.abs() + 2 * k * 2.0 ** -24 * scale + 1e-30).all()),
+               f"{dtype}: max err {err.max().item():.3g}")
+
+        alone = torch.cat([matmul(x[r:r + 1], w[g]) for r, g in enumerate(group_of.tolist())])
+        record("rows_equal_dense_alone", torch.equal(y, alone), f"{dtype}: {(y != alone).any(-1).sum()} rows differ")
+
+        # The same rows packed otherwise: groups in reverse order, rows reversed inside each, and
+        # group 2 split in two (its weight twice), so every row sits in another tile at another offset.
+        rows_of = [list(reversed((group_of == g).nonzero()[:, 0].tolist())) for g in range(len(COUNTS))]
+        rows_of[2], tail = rows_of[2][:20], rows_of[2][20:]
+        groups = list(reversed(range(len(COUNTS)))) + [2]
+        parts = [rows_of[g] for g in groups[:-1]] + [tail]
+        order = sum(parts, [])
+        w2, counts2 = w[groups], [len(part) for part in parts]
+        y2 = grouped_matmul(x[order], w2, counts2)
+        record("packing_invariant", torch.equal(y2, y[order]), f"{dtype}")
+
+        for name, cfg in configs.items():
+            record("configs_agree", torch.equal(grouped_matmul(x, w, COUNTS, config=cfg), y), f"{dtype} {name}")
+
+    w = rand(len(COUNTS), n, k, dtype=torch.bfloat16)
+    x = rand(sum(COUNTS), k, dtype=torch.bfloat16)
+    wide = grouped_matmul(x, w, COUNTS, out_dtype=torch.float32)
+    alone = torch.cat([matmul(x[r:r + 1], w[g], out_dtype=torch.float32) for r, g in enumerate(group_of.tolist())])
+    record("fp32_out_one_rounding", wide.dtype == torch.float32 and torch.equal(wide, alone), "fp32 out vs dense")
+    record("fp32_out_one_rounding", torch.equal(grouped_matmul(x, w, COUNTS), wide.to(torch.bfloat16)),
+           "bf16 = fp32 rounded")
+
+    record("empty_groups", grouped_matmul(x[:0], w, [0] * len(COUNTS)).shape == (0, n), "M = 0")
+    one = grouped_matmul(x[:1], w, [0, 0, 0, 0, 1])
+    record("empty_groups", torch.equal(one, matmul(x[:1], w[4])), "only the last group has a row")
+    try:
+        grouped_matmul(x, w, [1, 1, 1, 1, 1])
+        record("empty_groups", False, "group sizes that do not sum to M were accepted")
+    except ValueError:
+        pass
+
+    _check_moe(record, gen)
+    return results
+
+
+def _check_moe(record, gen):
+    """The MoE experts with the consistent CUDA spec, on CPU tensors: both layouts run the grouped
+    kernel and give each (token, slot) pair the bits of the pair computed alone by the dense path."""
+    import torch
+
+    from onepath.models.moe import Experts, experts_contiguous, experts_masked
+    from onepath.numerics.spec import ExecutionSpec
+    from onepath.ops import Ops
+    from tests.tiny import tiny_moe_config
+
+    config = tiny_moe_config(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=36, hidden_size=72)
+    ops = Ops(ExecutionSpec.default("consistent", "cuda"))
+    experts = Experts(ops, config, torch.bfloat16)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen) * 0.1)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen) * 0.1)
+    record("moe_layouts_equal_alone", ops.grouped_experts, "the consistent CUDA spec does not pick the grouped kernel")
+    calls = []
+    grouped = lambda rows, counts: calls.append(counts) or experts.grouped_mlp(rows, counts)
+    for t in (1, 9, 23):
+        x = torch.randn(t, 72, generator=gen).to(torch.bfloat16)
+        # expert 1 in every token, expert 3 never: groups of every size, empty ones included
+        other = torch.tensor([0, 2, 4])[torch.randint(3, (t,), generator=gen)]
+        chosen = torch.stack([torch.ones_like(other), other], 1)
+        with torch.no_grad():
+            contiguous = experts(x, chosen, "contiguous")
+            masked = [experts(x, chosen, "masked", capacity) for capacity in (16, 4)]
+            alone = torch.stack([torch.cat([experts.mlp(int(e), x[i:i + 1]) for e in chosen[i]]) for i in range(t)])
+            direct = experts_contiguous(experts.mlp, x, chosen, 5, grouped)
+            direct_masked = experts_masked(experts.mlp, x, chosen, 5, 4, grouped)
+        same = [torch.equal(contiguous, y) for y in (*masked, alone, direct, direct_masked)]
+        record("moe_layouts_equal_alone", all(same) and contiguous.dtype == torch.float32, f"T={t}: {same}")
+    record("moe_layouts_equal_alone", len(calls) == 6 and 0 in calls[0], f"grouped calls {calls}")
+
+    # backward: the kernel's values forward, torch's per-expert GEMMs backward (straight-through)
+    x = torch.randn(9, 72, generator=gen).to(torch.bfloat16).requires_grad_()
+    chosen = torch.stack([torch.ones(9, dtype=torch.long), torch.arange(9) % 3 * 2], 1)
+    experts(x, chosen).square().sum().backward()
+    grads = [x.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+    experts.zero_grad()
+    x_ref = x.detach().clone().requires_grad_()
+    experts_contiguous(experts.mlp, x_ref, chosen, 5).square().sum().backward()
+    refs = [x_ref.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+    close = [g is not None and torch.allclose(g.float(), r.float(), rtol=2e-2, atol=1e-3) for g, r in zip(grads, refs)]
+    record("moe_backward", all(close), f"x, gate_up, down grads close: {close}")
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return interpreted_results(__file__, "grouped matmul")
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_grouped_matmul_interpreted(interpreted, check):
+    assert interpreted[check]["ok"], f"{check}: {interpreted[check]['detail']}"
+
+
+def test_tile_list_and_config_pick():
+    pytest.importorskip("triton")
+    import torch
+
+    from onepath.ops.cuda import grouped_matmul as gm
+    from onepath.ops.cuda import matmul as mm
+
+    assert gm.m_tiles([0, 1, 37, 0, 6], 16) == [[1, 2, 2, 2, 4], [0, 1, 17, 33, 38], [1, 38, 38, 38, 44]]
+    # decode: small groups stay on 64-row tiles; training: the largest tile once the groups fill it
+    assert gm.pick_grouped_config([16] * 128, 1536, torch.bfloat16, 132).block_m == 64
+    assert gm.pick_grouped_config([512] * 128, 1536, torch.bfloat16, 132) == mm.TILES_16BIT[0]
+    wide = gm.pick_grouped_config([512] * 128, 2048, torch.bfloat16, 132, torch.float32)
+    assert wide.block_m * wide.block_n <= mm.MAX_TILE_FP32_OUT
+    assert gm.pick_grouped_config([1], 72, torch.float32, 3) == mm.TILE_FP32
+
+
+def test_every_grouped_config_compiles_for_sm90_on_wgmma_within_shared_memory():
+    """What the launcher can pick builds for the H200 (the Triton wheel's ptxas, no GPU): 16-bit
+    inputs on wgmma only, as the dense kernel, within the 227 KiB of shared memory."""
+    from onepath.ops.cuda import grouped_matmul as gm
+    from onepath.ops.cuda import matmul as mm
+
+    bad = []
+    for cfg in mm.TILES_16BIT:
+        for out in ("bf16", "fp32"):
+            if out == "fp32" and cfg.block_m * cfg.block_n > mm.MAX_TILE_FP32_OUT:
+                continue
+            consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=mm.BLOCK_K, GROUP_M=cfg.group_m,
+                          NUM_SMS=132)
+            sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": f"*{out}", "tiles_ptr": "*i32",
+                   **{a: "i32" for a in ("num_m_tiles", "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om")}}
+            aligned = ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om")
+            ptx, shared = compile_sm90(gm._grouped_matmul_kernel, sig, consts, aligned, cfg)
+            if shared > SM90_SHARED_BYTES or "wgmma.mma_async" not in ptx or "mma.sync" in ptx:
+                bad.append((cfg, out, shared))
+    assert not bad, f"(config, out, shared bytes) that break the build contract: {bad}"
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    print(json.dumps(_run_checks()))
