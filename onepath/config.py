@@ -18,6 +18,8 @@ EMBEDDED_TASKS = ("arithmetic",)
 OLD_LOGPROB = ("verify", "every_n", "skip")
 CORRECTION_LEVELS = ("token", "sequence")
 ENVIRONMENTS = ("calculator",)
+# the embedded model's architectures (a checkpoint's config.json may also name qwen2_moe)
+EMBEDDED_MODEL_TYPES = SUPPORTED_MODEL_TYPES + ("qwen3_moe",)
 
 
 class _Section:
@@ -57,6 +59,11 @@ class ModelSection(_Section):
     max_position_embeddings: int = 64
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = True
+    # mixture of experts (model_type qwen3_moe): experts per sparse layer, chosen per token, their width
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
     path: str | None = None  # a Hugging Face checkpoint dir; its config.json then decides the architecture
 
     def __post_init__(self):
@@ -64,8 +71,8 @@ class ModelSection(_Section):
         self._positive("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                        "num_key_value_heads", "max_position_embeddings")
         self._finite_positive("rope_theta")
-        self._require("model_type", self.model_type in SUPPORTED_MODEL_TYPES, "is not supported",
-                      f"use one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+        self._require("model_type", self.model_type in EMBEDDED_MODEL_TYPES, "is not supported",
+                      f"use one of {', '.join(EMBEDDED_MODEL_TYPES)}")
         self._require("num_key_value_heads", self.num_attention_heads % self.num_key_value_heads == 0,
                       f"does not divide model.num_attention_heads = {self.num_attention_heads}",
                       "grouped-query attention needs whole groups")
@@ -76,6 +83,12 @@ class ModelSection(_Section):
         else:
             self._require("head_dim", self.head_dim >= 2 and self.head_dim % 2 == 0, "must be an even number >= 2",
                           "rotary embedding rotates pairs of dimensions")
+        if self.model_type == "qwen3_moe":
+            moe = f"must be >= 1 for model.model_type = {self.model_type}"
+            self._require("num_experts", self.num_experts >= 1, moe, "set the experts of each sparse layer")
+            self._require("moe_intermediate_size", self.moe_intermediate_size >= 1, moe, "set each expert's MLP width")
+            self._require("num_experts_per_tok", 1 <= self.num_experts_per_tok <= self.num_experts,
+                          f"must be in [1, model.num_experts = {self.num_experts}]", "each token picks distinct experts")
         self._require("path", self.path is None or self.path != "", "is empty",
                       "give a checkpoint directory, or null for the embedded tiny model")
 

@@ -1,16 +1,20 @@
-"""`onepath bench rollout` on the tiny preset (CPU): every measurement a real positive number, both modes
-generating every requested token, the HF reference the same model, a failed mode recorded not fatal."""
+"""`onepath bench rollout` on the tiny presets (CPU, dense and MoE): every measurement a real positive number,
+both modes generating every requested token, the HF reference the same model, a failed mode recorded not
+fatal, the roofline reading the experts a batch touches."""
 import json
 import math
 
+import pytest
 import torch
 
 from onepath.bench import rollout
 from onepath.bench.hf_generate import hf_model
-from onepath.bench.roofline import HBM_PEAK_B_S, decode_roofline, weight_bytes
+from onepath.bench.roofline import HBM_PEAK_B_S, decode_roofline, experts_touched, weight_bytes
+from onepath.bench.summary import TARGETS
 from onepath.bench.workloads import MODELS, model_config
 from onepath.cli import main
 from onepath.models.batch import ForwardBatch
+from onepath.models import build_decoder
 from onepath.models.config import ModelConfig
 from onepath.models.dense import DenseDecoder
 from onepath.models.kv_cache import KVCache
@@ -79,10 +83,11 @@ def test_a_failing_mode_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, c
     assert "error: building or warming up the engine" in capsys.readouterr().out
 
 
-def test_hf_reference_is_the_same_model():
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_hf_reference_is_the_same_model(name):
     """transformers' model built from the bench's weights gives onepath's logits (FP32, a few ulps)."""
-    config = model_config("tiny")
-    ours = DenseDecoder(config, Ops(ExecutionSpec.default("baseline", "cpu")), max_positions=64)
+    config = model_config(name)
+    ours = build_decoder(config, Ops(ExecutionSpec.default("baseline", "cpu")), max_positions=64)
     ours.init_weights(seed=1, std=0.2)  # far from uniform: a swapped or mis-mapped tensor shows
     ref = hf_model(config, ours.hf_state_dict(), torch.float32, "cpu")
     tokens = torch.randint(0, config.vocab_size, (37,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -95,6 +100,27 @@ def test_hf_reference_is_the_same_model():
         ref.model.layers[1].self_attn.k_norm.weight[0] += 1e-2  # negative control: a small slip shows
         slipped = ref(torch.tensor([tokens])).logits[0]
     assert not torch.allclose(got, slipped, rtol=1e-4, atol=1e-4)
+
+
+def test_rollout_bench_tiny_moe_cpu(tmp_path):
+    out = tmp_path / "rollout.json"
+    assert main(["bench", "rollout", *SMALL, "--model", "tiny-moe", "--workloads", "fixed-1000",
+                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert list(r["models"]) == ["tiny", "tiny-moe"]  # SMALL names tiny; --model repeats
+    moe = r["models"]["tiny-moe"]
+    assert moe["config"]["model_type"] == "qwen3_moe" and moe["config"]["num_experts"] == 8
+    row = moe["workloads"]["fixed-1000"]
+    for mode in ("consistent", "baseline"):
+        assert row["modes"][mode]["generated_tokens"] == row["output_tokens"], row["modes"][mode]
+        step = moe["decode_step"]["modes"][mode]
+        assert step["pure_decode"] and positive(step["fraction"]["of_peak"]), step
+    assert row["hf"]["generated_tokens"] == row["output_tokens"] and positive(row["over_hf"]["consistent"])
+    # batch 3 of top-2 over 8 experts reads some of the experts, not all
+    assert row["roofline"]["weight_bytes"] < moe["weight_bytes"]
+    ratio = {c["model"]: c for c in r["checks"] if c["name"] == "consistent/baseline tokens/s"}
+    assert ratio["tiny-moe"]["target"] == TARGETS["consistent_over_baseline_moe"] == 0.90
+    assert ratio["tiny"]["target"] == TARGETS["consistent_over_baseline"] == 0.97
 
 
 def test_roofline_reads_each_weight_once_and_the_batch_rows_of_the_embedding():
@@ -113,3 +139,21 @@ def test_roofline_reads_each_weight_once_and_the_batch_rows_of_the_embedding():
     roof = decode_roofline(state, config, 8, 100.5, kv)
     assert roof["bytes"] == params + 8 * row + round(8 * 100.5 * kv)
     assert roof["tokens_per_s_peak"] == 8 * HBM_PEAK_B_S / roof["bytes"]
+
+
+def test_roofline_reads_the_experts_a_batch_touches():
+    config = model_config("tiny-moe")
+    model = build_decoder(config, Ops(ExecutionSpec.default("baseline", "cpu")), max_positions=2)
+    state = model.hf_state_dict()
+    experts = sum(t.numel() * 4 for name, t in state.items() if ".mlp.experts." in name)
+    assert experts == config.num_hidden_layers * 3 * config.num_experts * config.hidden_size * 4 * \
+        config.moe_intermediate_size  # gate, up and down of every expert: the hub layout's per-expert tensors
+    dense = weight_bytes(state, config, 0)
+    assert dense == sum(p.numel() * 4 for p in model.parameters()) - experts - config.vocab_size * config.hidden_size * 4
+    row = config.hidden_size * 4
+    assert experts_touched(config, 1) == config.num_experts_per_tok / config.num_experts
+    assert weight_bytes(state, config, 1) == dense + row + round(experts * 2 / 8)
+    assert weight_bytes(state, config, 3) == dense + 3 * row + round(experts * (1 - (6 / 8) ** 3))
+    full = model_config("qwen3-30b-a3b-12l")
+    assert experts_touched(full, 256) > 1 - 1e-6 and experts_touched(full, 1) == 8 / 128
+    assert experts_touched(model_config("tiny"), 1) == 1.0  # a dense model reads every weight

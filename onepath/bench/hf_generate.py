@@ -11,6 +11,7 @@ import time
 import torch
 
 from onepath.models.config import ModelConfig
+from onepath.models.moe import fuse_experts
 
 
 def hf_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str):
@@ -22,6 +23,8 @@ def hf_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
     with torch.device(device):  # build in place: a 2B-parameter CPU init would take longer than the run
         model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
     model.to(device=device, dtype=dtype).eval()
+    if any(k.endswith(".mlp.experts.gate_up_proj") for k in model.state_dict()):
+        state = fuse_experts(state)  # transformers 5 holds the MoE experts fused; the state is the hub layout
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     if unexpected or set(missing) - ({"lm_head.weight"} if tied else set()):

@@ -4,6 +4,7 @@ One run covers every model, workload and mode (`onepath bench rollout`, or bench
 
     onepath bench rollout --model qwen3-0.6b --device cuda --out bench/results/rollout-qwen3-0.6b.json
     python bench/rollout.py --model tiny --device cpu --requests 8 --scale 0.02
+    python bench/rollout.py --model qwen3-30b-a3b-12l --workloads fixed-1000 --out bench/results/rollout-qwen3-moe.json
 
 Each (workload, mode) runs on a fresh engine (max_model_len fitted to the workload) over the same
 weights and prompts; the engine is warmed up (Triton compilation, CUDA-graph capture, prefill and
@@ -11,6 +12,8 @@ decode at every row count that changes a GEMM's tiles) before anything is timed,
 the next is built. After the first fixed workload, a window of steps in which every sequence
 decodes is timed against the decode roofline of its batch and context. A measurement that fails is
 recorded with its error and the run goes on; the JSON is rewritten after every measurement.
+An MoE model (qwen3-30b-a3b-12l, tiny-moe) decodes eagerly (it reads expert counts on the host) and
+is held to its own consistent/baseline target (summary.TARGETS).
 """
 from __future__ import annotations
 

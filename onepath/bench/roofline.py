@@ -3,6 +3,11 @@
 A decode step at batch B, each sequence attending over L keys, reads at least every weight matrix
 once (the LM head in full, the embedding only the B gathered rows) and B * L tokens of K/V.
 Activations and the K/V write of the new token are left out: a floor, not a model of the kernels.
+
+A mixture-of-experts layer reads its router and only the experts its B * k (token, slot) pairs
+touch. Routing is taken as uniform and independent (random weights route close to that), so an
+expert goes untouched with probability (1 - k/E)^B: at B = 256, k = 8, E = 128 that is 7e-8 and a
+step reads every expert; at B = 1 it reads k of them.
 """
 from __future__ import annotations
 
@@ -16,12 +21,19 @@ COPY_CEILING_B_S = 4.2e12
 COPY_CEILING_SOURCE = "device-to-device copy (read+write) measured on the lent H200, ../shared/GPU.md"
 
 
+def experts_touched(config: ModelConfig, batch: int) -> float:
+    """The expected fraction of a sparse layer's experts that a decode step at `batch` reads (uniform routing)."""
+    return 1 - (1 - config.num_experts_per_tok / config.num_experts) ** batch if config.is_moe else 1.0
+
+
 def weight_bytes(state: dict[str, torch.Tensor], config: ModelConfig, batch: int) -> int:
     embed = state["model.embed_tokens.weight"]
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    embed_bytes = embed.numel() * embed.element_size()
-    lm_head = embed_bytes if config.tie_word_embeddings else 0  # untied: lm_head.weight is in the state
-    return total - embed_bytes + lm_head + batch * embed.shape[1] * embed.element_size()
+    nbytes = lambda t: t.numel() * t.element_size()
+    experts = sum(nbytes(t) for name, t in state.items() if ".mlp.experts." in name)
+    total = sum(nbytes(t) for t in state.values()) - experts
+    lm_head = nbytes(embed) if config.tie_word_embeddings else 0  # untied: lm_head.weight is in the state
+    return (total - nbytes(embed) + lm_head + batch * embed.shape[1] * embed.element_size()
+            + round(experts * experts_touched(config, batch)))
 
 
 def decode_roofline(state: dict[str, torch.Tensor], config: ModelConfig, batch: int, context: float,

@@ -1,4 +1,8 @@
-"""The rollout benchmark's models (random weights) and workloads (random token ids, seeded)."""
+"""The rollout benchmark's models (random weights) and workloads (random token ids, seeded).
+
+qwen3-30b-a3b-12l is Qwen3-30B-A3B's shape (128 experts, top-8, untied LM head) cut from 48 layers to
+12: about 8.1B parameters, 15 GiB in BF16, so one H200 holds it with room for the KV cache.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,11 +14,18 @@ from onepath.models.config import ModelConfig
 QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
              rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=True,
              eos_token_id=151645)
+QWEN3_MOE = dict(QWEN3, model_type="qwen3_moe", num_attention_heads=32, num_key_value_heads=4, num_experts=128,
+                 num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False)
 MODELS = {
     "qwen3-0.6b": dict(QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28),
     "qwen3-1.7b": dict(QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28),
     "tiny": dict(QWEN3, vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, eos_token_id=2),
+    "qwen3-30b-a3b-12l": dict(QWEN3_MOE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                              num_hidden_layers=12),
+    "tiny-moe": dict(QWEN3_MOE, vocab_size=512, hidden_size=64, intermediate_size=192, moe_intermediate_size=32,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                     num_experts_per_tok=2, eos_token_id=2),
 }
 
 

@@ -10,8 +10,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from onepath.ops.quant_linear import refresh_quantized
-
 from onepath.engine.block_manager import BlockManager
 from onepath.engine import memory
 from onepath.engine.model_runner import ModelRunner
@@ -20,6 +18,7 @@ from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import Scheduler, SchedulerConfig
 from onepath.engine.sequence import Sequence
 from onepath.models.dense import DenseDecoder
+from onepath.ops.quant_linear import refresh_quantized
 
 
 @dataclass(slots=True)
@@ -31,6 +30,7 @@ class RequestOutput:
     finish_reason: str | None
     error: str | None = None
     text: str = ""
+    routing: torch.Tensor | None = None  # MoE experts [prompt + completion - 1, layers, k] (record_routing)
 
 
 @dataclass(slots=True)
@@ -49,11 +49,13 @@ class LLMEngine:
     def __init__(self, model: DenseDecoder, *, num_blocks: int | None = None, block_size: int = 16,
                  scheduler: SchedulerConfig | None = None, eos_token_ids: tuple[int, ...] | None = None,
                  tokenizer=None, enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
-                 cuda_graphs: bool | None = None, graph_batch_sizes: list[int] | None = None):
+                 cuda_graphs: bool | None = None, graph_batch_sizes: list[int] | None = None,
+                 record_routing: bool = False):
         """num_blocks: KV-cache blocks; None sizes the cache from gpu_memory_utilization on CUDA (1024 on
         CPU). cuda_graphs: decode steps replay captured graphs (None: on when the model is on CUDA and
         capturable) at
-        graph_batch_sizes (default 1, 2, 4, 8 and multiples of 16 up to max_num_seqs)."""
+        graph_batch_sizes (default 1, 2, 4, 8 and multiples of 16 up to max_num_seqs). record_routing: each
+        output carries the MoE routers' choices at every position its forwards computed (RequestOutput.routing)."""
         self.model, self.tokenizer = model, tokenizer
         self.scheduler_config = replace(scheduler or SchedulerConfig(),
                                         chunk_align=model.ops.spec.op("attention").kv_tile)
@@ -73,7 +75,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         sizes = (graph_batch_sizes or graph_batch_sizes_for(config.max_num_seqs)) if cuda_graphs else None
         self.runner = ModelRunner(model, num_blocks, block_size, max_model_len=config.max_model_len,
-                                  graph_batch_sizes=sizes)
+                                  graph_batch_sizes=sizes, record_routing=record_routing)
         self.memory = memory.report(model, self.runner.cache, gpu_memory_utilization if on_cuda else None)
         self.eos_token_ids = model.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
         self.next_request_id = 0
@@ -142,7 +144,7 @@ class LLMEngine:
     def output(self, seq: Sequence) -> RequestOutput:
         text = self.tokenizer.decode(seq.completion_token_ids) if self.tokenizer is not None else ""
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.completion_token_ids, list(seq.logprobs),
-                             seq.finish_reason, seq.error, text)
+                             seq.finish_reason, seq.error, text, seq.routing_by_position())
 
     @torch.no_grad()
     def update_weights(self, named_tensors) -> None:

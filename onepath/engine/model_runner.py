@@ -22,6 +22,7 @@ from onepath.engine.scheduler import ScheduledSeq
 from onepath.engine.sequence import Sequence
 from onepath.models.batch import ForwardBatch, SeqChunk
 from onepath.models.dense import DenseDecoder
+from onepath.models.moe import RoutingRecorder
 from onepath.models.kv_cache import KVCache
 from onepath.ops.attention import AttentionMetadata
 from onepath.ops.sampling import sample_key
@@ -120,8 +121,12 @@ class DecodeGraphs:
 
 class ModelRunner:
     def __init__(self, model: DenseDecoder, num_blocks: int, block_size: int, *, max_model_len: int | None = None,
-                 graph_batch_sizes: list[int] | None = None):
+                 graph_batch_sizes: list[int] | None = None, record_routing: bool = False):
+        """record_routing: keep every MoE router's choices on each sequence (Sequence.routing), by position."""
         self.model, self.ops = model, model.ops
+        self.recorder = RoutingRecorder(model) if record_routing else None
+        if self.recorder is not None and graph_batch_sizes and self.recorder.routers:
+            raise ValueError("record_routing reads each forward's router choices on the host: turn cuda_graphs off")
         self.block_size = block_size
         # one block past the block manager's: the padding rows of captured graphs write there
         self.cache = KVCache.for_model(model, num_blocks + 1, block_size)
@@ -143,7 +148,14 @@ class ModelRunner:
             return self.sample([s.seq for s in scheduled], self.graphs.run(chunks))
         self.replayed_graph = False
         batch = ForwardBatch.build(chunks, self.block_size, self.model.device)
-        hidden = self.model(batch, self.cache)
+        if self.recorder is None:
+            hidden = self.model(batch, self.cache)
+        else:
+            with self.recorder:
+                hidden = self.model(batch, self.cache)
+            choices = self.recorder.take()
+            for s, a in zip(scheduled, map(int, batch.attn.cu_seqlens)):
+                s.seq.routing[s.start] = choices[a:a + s.num_tokens]  # a recompute after preemption overwrites
         last = batch.last_token_rows()
         rows = [int(last[i]) for i, s in enumerate(scheduled) if s.samples]
         seqs = [s.seq for s in scheduled if s.samples]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
+import torch
+
 from onepath.engine.sampling_params import SamplingParams
 
 
@@ -28,6 +30,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # prefix-cache keys of the full blocks of token_ids, filled lazily
         self.status = SequenceStatus.WAITING
         self.logprobs: list[float] = []
+        self.routing: dict[int, torch.Tensor] = {}  # first position -> MoE experts [n, layers, k] (record_routing)
         self.finish_reason: str | None = None
         self.error: str | None = None
 
@@ -65,6 +68,18 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def routing_by_position(self) -> torch.Tensor | None:
+        """The recorded experts [positions fed, layers, k] over prompt + completion[:-1] (the last token is
+        never fed), -1 where this sequence ran no forward (prefix-cache hits); None when nothing was recorded."""
+        if not self.routing:
+            return None
+        shape = next(iter(self.routing.values())).shape[1:]
+        out = torch.full((self.num_tokens - 1, *shape), -1, dtype=torch.long)
+        for start, choices in sorted(self.routing.items()):
+            n = min(len(choices), out.shape[0] - start)
+            out[start:start + n] = choices[:n]
+        return out
 
     def append_token(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(token_id)

@@ -358,20 +358,59 @@ def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+class RoutingRecorder:
+    """Records what every Router of `model` chose in the forwards run inside the `with`: after each
+    forward, rows(a, b) is the experts [b - a, sparse layers, k] of that forward's rows a..b-1."""
+
+    def __init__(self, model: nn.Module):
+        self.routers = [m for m in model.modules() if isinstance(m, Router)]
+        self.choices: list[torch.Tensor] = []
+        self.hooks = []
+
+    def __enter__(self) -> "RoutingRecorder":
+        self.choices = []
+        self.hooks = [r.register_forward_hook(lambda _m, _x, out: self.choices.append(out[1].detach()))
+                      for r in self.routers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.hooks:
+            h.remove()
+
+    def take(self) -> torch.Tensor:
+        """The last forward's experts [T, sparse layers, k] on the CPU; the record starts afresh."""
+        if len(self.choices) != len(self.routers):
+            raise RuntimeError(f"recorded {len(self.choices)} router calls for {len(self.routers)} routers: "
+                               "take() once after each forward")
+        out = torch.stack(self.choices, 1).cpu() if self.choices else torch.zeros(0, 0, 0, dtype=torch.long)
+        self.choices = []
+        return out
+
+
 def expert_choices(model: MoeDecoder, sequences: list[list[int]], block_size: int = 16) -> list[torch.Tensor]:
     """Each sparse layer's experts [T, k] for the tokens of `sequences`, run whole in one forward."""
-    picked = []
-    hooks = [m.register_forward_hook(lambda _m, _x, out: picked.append(out[1]))
-             for m in model.modules() if isinstance(m, Router)]
-    try:
-        batch, num_blocks = ForwardBatch.for_sequences(sequences, block_size, model.device)
-        cache = KVCache.for_model(model, num_blocks, block_size)
-        with torch.no_grad():
-            model(batch, cache)
-    finally:
-        for h in hooks:
-            h.remove()
-    return picked
+    batch, num_blocks = ForwardBatch.for_sequences(sequences, block_size, model.device)
+    cache = KVCache.for_model(model, num_blocks, block_size)
+    with RoutingRecorder(model) as recorder, torch.no_grad():
+        model(batch, cache)
+        return list(recorder.take().unbind(1))
+
+
+def routing_agreement(rollout: list[torch.Tensor | None], trainer: list[torch.Tensor]) -> dict[str, float]:
+    """Per sequence, the engine's experts [positions, layers, k] (-1 where it computed none: prefix-cache
+    hits) and the trainer's for the same positions: the share of compared tokens whose every sparse
+    layer chose the same experts in the same slots (no routing replay: 1.0, exactly)."""
+    same = compared = 0
+    for engine, train in zip(rollout, trainer):
+        if engine is None:
+            continue
+        if engine.shape != train.shape:
+            raise ValueError(f"rollout routing {tuple(engine.shape)} and trainer routing {tuple(train.shape)} "
+                             "cover other positions: record both over prompt + completion[:-1]")
+        seen = (engine >= 0).all(-1).all(-1)
+        compared += int(seen.sum())
+        same += int(((engine == train).all(-1).all(-1) & seen).sum())
+    return {"moe/routing_agreement": same / compared if compared else 1.0, "moe/routing_compared_tokens": compared}
 
 
 def routing_changes(before: MoeDecoder, after: MoeDecoder, sequences: list[list[int]],

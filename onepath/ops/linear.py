@@ -10,9 +10,13 @@ the baseline rounds to the weights' dtype first, as the stock engines do.
 Quantised (the op's weight/act QuantSpecs set): ops/quant_linear.py's forward, on both sides; the
 backward stays this file's reference on the unquantised operands (straight-through).
 grouped_linear (the MoE experts, rows packed by expert): on consistent CUDA, unquantised, one launch
-of ops/cuda/grouped_matmul.py, whose rows have the dense kernel's bits; elsewhere linear() per group.
+of ops/cuda/grouped_matmul.py, whose rows have the dense kernel's bits; on baseline CUDA, BF16 and
+unquantised, the stock one, torch._grouped_mm (its rows may depend on the batch: the baseline's are
+allowed to); elsewhere linear() per group. Both grouped paths differentiate the per-group F.linear.
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -63,21 +67,42 @@ def grouped_reference(x, weight, counts: list[int]):
 
 
 def grouped_kernel(spec: ExecutionSpec, op: str = "linear") -> bool:
-    """True where grouped_linear is one grouped-GEMM launch rather than a linear() per group."""
+    """True where grouped_linear is one grouped-GEMM launch rather than a linear() per group: our
+    kernel on consistent CUDA, torch._grouped_mm (where this torch has it) on baseline CUDA BF16."""
     quantised = spec.op(op).weight is not None or spec.op(op).act is not None
-    return spec.mode == "consistent" and spec.device == "cuda" and not quantised
+    if quantised or spec.device != "cuda":
+        return False
+    return spec.mode == "consistent" or (spec.op(op).dtype == "bfloat16" and hasattr(torch, "_grouped_mm"))
+
+
+def stock_grouped_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes these operands: BF16 both, contiguous, rows present, and K and N
+    whole multiples of 16 bytes (it reads weight[g] transposed, whose row stride is K, and writes rows of N)."""
+    align = 16 // x.element_size()
+    return (x.dtype == weight.dtype == torch.bfloat16 and x.is_contiguous() and weight.is_contiguous()
+            and x.shape[0] > 0 and x.shape[-1] % align == 0 and weight.shape[1] % align == 0)
+
+
+def stock_grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """x [M, K] BF16 packed by group, weight [G, N, K] -> [M, N] BF16 by one torch._grouped_mm."""
+    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
 
 
 def grouped_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, counts: list[int],
                    op: str = "linear", out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K], rows packed by group (counts[g] rows each), weight [G, N, K] -> [M, N]: each group's
-    rows through linear() against weight[g], bit for bit, whatever the backend."""
+    rows through linear() against weight[g], bit for bit, whatever the backend (baseline: close)."""
     out_dtype = out_dtype or x.dtype
-    if not grouped_kernel(spec, op):
+    stock = spec.mode == "baseline"
+    if not grouped_kernel(spec, op) or (stock and not stock_grouped_fits(x, weight)):
         parts = [linear(spec, part, weight[g], op=op, out_dtype=out_dtype)
                  for g, part in enumerate(x.split(counts)) if part.shape[0]]
         return torch.cat(parts) if parts else x.new_empty(0, weight.shape[1], dtype=out_dtype)
+    reference = lambda x, w: grouped_reference(x, w, counts).to(out_dtype)
+    if stock:
+        # BF16 out, then cast: the rounding the baseline's linear() per group gives the FP32 down projection
+        return apply_kernel(lambda x, w: stock_grouped(x, w, counts).to(out_dtype), reference, x, weight)
     from onepath.ops.cuda.grouped_matmul import grouped_matmul
 
-    return apply_kernel(lambda x, w: grouped_matmul(x, w, counts, out_dtype=out_dtype),
-                        lambda x, w: grouped_reference(x, w, counts).to(out_dtype), x, weight)
+    return apply_kernel(lambda x, w: grouped_matmul(x, w, counts, out_dtype=out_dtype), reference, x, weight)

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from onepath.engine.sampling_params import SamplingParams
 from onepath.models.batch import ForwardBatch
+from onepath.models.moe import RoutingRecorder
 from onepath.models.dense import DenseDecoder
 from onepath.models.kv_cache import KVCache
 
@@ -29,6 +30,7 @@ class Responses:
     params: list[SamplingParams]
     rollout_logprobs: torch.Tensor   # [B, T] FP32, 0 where mask is False
     mask: torch.Tensor               # [B, T] bool: valid completion tokens
+    routing: list[torch.Tensor | None] | None = None  # the engine's MoE routing per sequence (RequestOutput.routing)
 
     @classmethod
     def build(cls, prompt_ids, completion_ids, params, logprobs) -> "Responses":
@@ -43,7 +45,8 @@ class Responses:
     def select(self, rows: list[int]) -> "Responses":
         """Responses rows[0], rows[1], ... of this batch; the width T stays."""
         return Responses([self.prompt_ids[i] for i in rows], [self.completion_ids[i] for i in rows],
-                         [self.params[i] for i in rows], self.rollout_logprobs[rows], self.mask[rows])
+                         [self.params[i] for i in rows], self.rollout_logprobs[rows], self.mask[rows],
+                         None if self.routing is None else [self.routing[i] for i in rows])
 
 
 class Actor:
@@ -56,6 +59,8 @@ class Actor:
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0)
         self.max_grad_norm = max_grad_norm
+        # with a list here, each forward appends its sequences' MoE routing [prompt + completion - 1, layers, k]
+        self.routing: list[torch.Tensor] | None = None
 
     def logprobs(self, r: Responses, max_tokens: int | None = None,
                  head_rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +93,14 @@ class Actor:
         device = self.model.device
         batch, num_blocks, rows = ForwardBatch.for_completions(prompts, completions, self.block_size, device)
         cache = KVCache.for_model(self.model, num_blocks, self.block_size)
-        hidden = self.hidden(batch, cache)
+        if self.routing is None:
+            hidden = self.hidden(batch, cache)
+        else:
+            with RoutingRecorder(self.model) as recorder:  # left before backward: a recompute is not recorded
+                hidden = self.hidden(batch, cache)
+            choices = recorder.take()
+            cu = list(map(int, batch.attn.cu_seqlens))
+            self.routing += [choices[a:b] for a, b in zip(cu, cu[1:])]
         tokens = [t for c in completions for t in c]
         row_params = [params[i] for i, c in enumerate(completions) for _ in c]
         return self.head(hidden, rows, tokens, row_params, head_rows)

@@ -46,6 +46,7 @@ from onepath.models import build_decoder
 from onepath.models.checkpoint import load_config, load_state_dict, load_tokenizer, load_tokenizer_config, save_checkpoint
 from onepath.models.config import ModelConfig
 from onepath.models.dense import DenseDecoder
+from onepath.models.moe import routing_agreement
 from onepath.numerics.spec import ExecutionSpec, check_same_spec
 from onepath.ops import Ops
 from onepath.tasks import arithmetic
@@ -109,7 +110,9 @@ def prepare(cfg: RunConfig, out: Path, progress: bool = True) -> Setup:
             num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, model_type=m.model_type,
             max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
             tie_word_embeddings=m.tie_word_embeddings, bos_token_id=arithmetic.BOS_ID,
-            eos_token_id=arithmetic.EOS_ID, pad_token_id=arithmetic.PAD_ID)
+            eos_token_id=arithmetic.EOS_ID, pad_token_id=arithmetic.PAD_ID, num_experts=m.num_experts,
+            num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
+            norm_topk_prob=m.norm_topk_prob)
         state = None
     eos = model_config.eos_token_ids or (arithmetic.EOS_ID,)
     state = warm_started(cfg, out, model_config, state, tokenizer, tok_config, train_rows, eos, progress)
@@ -168,11 +171,14 @@ class GRPOTrainer:
         engine_model = build_model(setup.model_config, self.spec, max_len, init_state)
         check_same_spec(engine_model.ops.spec, self.policy.ops.spec)
         r = cfg.rollout
+        # MoE: the engine records its routing, the trainer compares it with its own (moe/routing_agreement)
+        self.routing_check = setup.model_config.is_moe and r.env is None
         self.engine = LLMEngine(engine_model, num_blocks=r.num_blocks, block_size=r.block_size,
                                 scheduler=SchedulerConfig(r.max_num_seqs, r.max_num_batched_tokens, max_len,
                                                           r.prefill_chunk_size),
                                 eos_token_ids=setup.eos_token_ids, tokenizer=setup.tokenizer,
-                                gpu_memory_utilization=r.gpu_memory_utilization, cuda_graphs=r.cuda_graphs)
+                                gpu_memory_utilization=r.gpu_memory_utilization, cuda_graphs=r.cuda_graphs,
+                                record_routing=self.routing_check)
         t = cfg.train
         self.actor = Actor(self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm, t.lr_warmup_steps,
                            recompute=t.recompute)
@@ -236,6 +242,8 @@ class GRPOTrainer:
         if self.env is None:
             responses = Responses.build([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
                                         [params] * len(outputs), [o.logprobs for o in outputs])
+            if self.routing_check:
+                responses.routing = [o.routing for o in outputs]
             texts, metrics = self.decode(outputs), {}
         else:
             responses = episode_responses(episodes, params)
@@ -292,8 +300,11 @@ class GRPOTrainer:
             return policy_loss(logprobs, old, advantages_on[rows], keep, t.clip_ratio, weights, count=valid_tokens)
 
         forward = self.actor.logprobs if self.env is None else partial(masked_logprobs, self.actor)
+        self.actor.routing = [] if responses.routing is not None else None
         logprobs, entropy, pg = self.actor.backward(responses, loss_fn, t.micro_batch_tokens, forward, self.timer,
                                                     "old_logprob" if verify else "update")
+        routing = {} if self.actor.routing is None else routing_agreement(responses.routing, self.actor.routing)
+        self.actor.routing = None
         with self.timer("old_logprob" if verify else "update"):
             old = logprobs if verify else rollout_logprobs
             metrics = rollout_diff(rollout_logprobs, old, mask) if verify else {}
@@ -307,6 +318,7 @@ class GRPOTrainer:
         with self.timer("sync"):
             self.engine.update_weights(self.policy.named_parameters())
         metrics.update(corrections)
+        metrics.update(routing)
         metrics.update(pg)
         metrics.update(rollout_metrics)
         metrics.update({

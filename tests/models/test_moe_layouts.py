@@ -86,3 +86,32 @@ def test_unknown_layout_is_refused():
     block.layout = "padded"
     with pytest.raises(ValueError, match="padded"):
         block(torch.randn(3, 48))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+def test_baseline_cuda_experts_run_one_stock_grouped_gemm_per_projection(monkeypatch):
+    """The baseline CUDA BF16 spec's experts, on CPU tensors (torch 2.13's _grouped_mm runs there too):
+    both layouts through torch._grouped_mm, two launches a forward, close to the per-expert loop."""
+    from onepath.models.moe import Experts
+    from onepath.numerics.spec import ExecutionSpec
+    from onepath.ops import Ops, silu_mul
+    from onepath.ops.cuda import elementwise
+
+    monkeypatch.setattr(elementwise, "silu_mul", silu_mul.reference)  # the fused Triton SwiGLU needs a GPU
+
+    model = tiny_moe_model("baseline", dtype="bfloat16")  # the CPU spec: F.linear per expert
+    block = block_of(model)
+    stock = Experts(Ops(ExecutionSpec.default("baseline", "cuda")), model.config, torch.bfloat16)
+    stock.load_state_dict(block.experts.state_dict())
+    assert stock.ops.grouped_experts and not block.experts.ops.grouped_experts
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    with torch.no_grad():
+        for x, experts in cases(block, torch.bfloat16):
+            want = alone(block, x, experts)
+            for layout in ("contiguous", "masked"):
+                calls.clear()
+                got = stock(x, experts, layout)
+                assert len(calls) == 2 and got.dtype == torch.float32, (layout, calls)
+                torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)

@@ -194,6 +194,9 @@ def test_multiturn_micro_batches_and_recompute(tmp_path, reward):
     (lambda: ModelSection(hidden_size=100, num_attention_heads=16), r"or set model.head_dim"),
     (lambda: ModelSection(head_dim=7), r"model.head_dim = 7 must be an even number"),
     (lambda: LoggerSection(project=""), r"logger.project = '' is empty"),
+    (lambda: ModelSection(model_type="qwen3_moe"), r"model.num_experts = 0 must be >= 1 for model.model_type"),
+    (lambda: ModelSection(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=8, num_experts_per_tok=5),
+     r"model.num_experts_per_tok = 5 must be in \[1, model.num_experts = 4\]"),
 ])
 def test_option_errors(make, match):
     with pytest.raises(ValueError, match=match):

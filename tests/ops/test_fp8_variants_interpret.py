@@ -1,0 +1,123 @@
+"""bench/fp8_variants.py's K-loop variants keep the shipped FP8 GEMM's bits: run by Triton's CPU
+interpreter (TRITON_INTERPRET=1) on awkward shapes, and built for sm_90.
+
+The interpreter's dot and FMA are test_quant_linear_interpret.py's exact models (a K block's fp8
+products summed exactly and rounded once to FP32; a correctly rounded FMA), so what must match is the
+order of operations: every variant (split tiles, one-block software pipelining, persistent walk,
+fewer stages) gives each element the shipped chain (fresh dot per K block, one FMA, ascending K),
+hence torch.equal with ops/cuda/matmul_fp8.py on the same inputs. The negative control, mul + add
+(two roundings per block), must differ. Hopper's MMA bits are the GPU bench's check (torch.equal).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+import pytest
+from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_results
+
+SHAPES = [(m, n, k) for m in (1, 37, 130) for n in (72, 200) for k in (200, 384)]  # (M, N, K)
+
+
+def _run_checks() -> dict:
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def f64(h):
+        if h.dtype.scalar.primitive_bitwidth == 8:  # fp8 codes are exact in fp16
+            return interpreter._convert_float(h.data, h.dtype.scalar, tl.float16, None).view(np.float16) \
+                .reshape(h.data.shape).astype(np.float64)
+        return h.data.astype(np.float64)
+
+    def create_dot(self, a, b, d, *rest):
+        block = np.matmul(f64(a), f64(b)).astype(np.float32)
+        return interpreter.TensorHandle(block + d.data, d.dtype.scalar)
+
+    def create_fma(self, x, y, z):
+        from onepath.ops.quant_linear import fma
+        out = fma(*(torch.from_numpy(np.ascontiguousarray(t.data, dtype=np.float32)) for t in (x, y, z)))
+        return interpreter.TensorHandle(out.numpy(), z.dtype.scalar)
+
+    convert_float = interpreter._convert_float
+
+    def rne_convert_float(data, src, dst, rounding_mode):  # Hopper's casts round to nearest even
+        wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)) if src == tl.float32 else None
+        if wide is not None and dst == tl.bfloat16:
+            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        if wide is not None and dst == tl.float8e4nv:
+            return wide.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(np.shape(data))
+        return convert_float(data, src, dst, rounding_mode)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+    interpreter.InterpreterBuilder.create_fma = create_fma
+    interpreter._convert_float = rne_convert_float
+
+    from bench.fp8_variants import Variant, run_variant, variants
+    from onepath.numerics.quant import quantize
+    from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
+    from onepath.ops.cuda.matmul_fp8 import matmul_fp8
+
+    gen = torch.Generator().manual_seed(0)
+    control = Variant(64, 128, 4, 4, fma=False)
+    # warps, stages and the register cap only shape the GPU build: one interpreted run per program
+    programs = {}
+    for v in variants():
+        programs.setdefault((tuple(v.consts().items()), v.persistent), []).append(v)
+    results = {str(v): {"ok": True, "detail": ""} for v in variants()}
+    results["negative_control_differs"] = {"ok": False, "detail": f"{control} equalled the shipped bits everywhere"}
+    for m, n, k in SHAPES:
+        qw = quantize(torch.randn(n, k, generator=gen) * 0.05, FP8_WEIGHT)
+        qa = quantize(torch.randn(m, k, generator=gen) * 3, FP8_ACT)
+        for out_dtype in (torch.float32, torch.bfloat16) if (m, n, k) == SHAPES[-1] else (torch.float32,):
+            shipped = matmul_fp8(qa, qw, out_dtype=out_dtype)
+            for same in programs.values():
+                got = run_variant(qa, qw, same[0], out_dtype=out_dtype)
+                for v in same:
+                    if not torch.equal(got, shipped) and results[str(v)]["ok"]:
+                        results[str(v)] = {"ok": False, "detail": f"M={m} N={n} K={k} {out_dtype}: "
+                                           f"{(got != shipped).sum().item()} elements differ"}
+            if not torch.equal(run_variant(qa, qw, control, out_dtype=out_dtype), shipped):
+                results["negative_control_differs"] = {"ok": True, "detail": ""}
+    return results
+
+
+def _variant_names() -> list[str]:
+    from bench.fp8_variants import variants
+    return [str(v) for v in variants()]
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return interpreted_results(__file__, "fp8 variants")
+
+
+@pytest.mark.parametrize("name", [*_variant_names(), "negative_control_differs"])
+def test_variant_bits_equal_shipped_interpreted(interpreted, name):
+    assert interpreted[name]["ok"], f"{name}: {interpreted[name]['detail']}"
+
+
+def test_every_variant_compiles_for_sm90_on_fp8_wgmma_within_shared_memory():
+    """What the GPU bench times builds for the H200 (the wheel's ptxas, no GPU): fp8 wgmma (e4m3, no
+    mma.sync fallback, which would round differently), FMA promotion, within 227 KiB of shared memory.
+    The launch-time register cap (maxnreg) is not part of this build: it only changes allocation."""
+    from bench.fp8_variants import _variant_kernel, variants
+
+    sig = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sw_ptr": "*fp32", "out_ptr": "*bf16",
+           **{n: "i32" for n in ("M", "N", "K", "NUM_PROGRAMS", "stride_am", "stride_sam", "stride_wn",
+                                 "stride_swn", "stride_om")}}
+    aligned = ("a_ptr", "w_ptr", "out_ptr", "K", "stride_am", "stride_wn", "stride_om")
+    bad = []
+    for v in {replace(v, maxnreg=None, persistent=False) for v in variants()}:
+        ptx, shared = compile_sm90(_variant_kernel, sig, dict(W_BLOCK_N=128, **v.consts()), aligned, v)
+        ok = "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx and "mma.sync" not in ptx and "fma.rn.f32" in ptx
+        if shared > SM90_SHARED_BYTES or not ok:
+            bad.append((v, shared, ok))
+    assert not bad, f"(variant, shared bytes, fp8 wgmma + fma) that break the build contract: {bad}"
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    print(json.dumps(_run_checks()))
