@@ -208,6 +208,7 @@ class TrainSection(_Section):
     keep_last: int = 2            # step_N checkpoints kept; older ones are deleted
     recompute: bool = False       # activation recomputation: each decoder layer's forward runs again in backward
     micro_batch_tokens: int | None = None  # forward + backward per micro-batch of whole sequences; null/0 = one
+    master_dtype: str | None = None  # float32: AdamW steps FP32 copies of BF16 weights; null = the model's dtype
 
     def __post_init__(self):
         self._coerce()
@@ -221,6 +222,8 @@ class TrainSection(_Section):
         self._require("betas", all(0 <= b < 1 for b in self.betas), "must both be in [0, 1)",
                       "Adam's moment decay rates, e.g. [0.9, 0.999]")
         self._require("overlong_buffer", self.overlong_buffer >= 0, "must be >= 0", "0 turns the penalty off")
+        self._require("master_dtype", self.master_dtype in (None, "float32", "bfloat16"), "is not supported",
+                      "use float32 (FP32 master weights), bfloat16, or null for the model's own dtype")
         self._require("reward", self.reward != "", "is empty",
                       "give a reward name such as exact_answer, or path/to/file.py:function")
         self._require("old_logprob", self.old_logprob in OLD_LOGPROB, "is not a policy",

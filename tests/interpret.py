@@ -41,3 +41,44 @@ def compile_sm90(kernel, sig: dict, consts: dict, aligned, config):
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
     return compiled.asm["ptx"], compiled.metadata.shared
+
+
+def patch_fp8_gemm_interpreter() -> None:
+    """Make Triton's CPU interpreter compute the block-FP8 GEMM as Hopper does where it matters to bits:
+    a dot's partial summed exactly (float64, then rounded once to FP32: e4m3 products are exact), tl.fma
+    as one rounding (onepath.ops.quant_linear.fma), and FP32 -> bf16 / e4m3 casts rounding to nearest
+    even as torch's do (the interpreter truncates to bf16 and rounds e4m3 half up; see
+    tests/ops/test_quant_interpret.py). Call it in the interpreted subprocess, before the kernels run."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def f64(h):
+        if h.dtype.scalar.primitive_bitwidth == 8:  # fp8 codes are exact in fp16
+            return interpreter._convert_float(h.data, h.dtype.scalar, tl.float16, None).view(np.float16) \
+                .reshape(h.data.shape).astype(np.float64)
+        return h.data.astype(np.float64)
+
+    def create_dot(self, a, b, d, *rest):
+        block = np.matmul(f64(a), f64(b)).astype(np.float32)
+        return interpreter.TensorHandle(block + d.data, d.dtype.scalar)
+
+    def create_fma(self, x, y, z):
+        from onepath.ops.quant_linear import fma
+        out = fma(*(torch.from_numpy(np.ascontiguousarray(t.data, dtype=np.float32)) for t in (x, y, z)))
+        return interpreter.TensorHandle(out.numpy(), z.dtype.scalar)
+
+    convert_float = interpreter._convert_float
+
+    def rne_convert_float(data, src, dst, rounding_mode):
+        wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)) if src == tl.float32 else None
+        if wide is not None and dst == tl.bfloat16:
+            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        if wide is not None and dst == tl.float8e4nv:
+            return wide.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(np.shape(data))
+        return convert_float(data, src, dst, rounding_mode)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+    interpreter.InterpreterBuilder.create_fma = create_fma
+    interpreter._convert_float = rne_convert_float

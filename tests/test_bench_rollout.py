@@ -146,11 +146,12 @@ def test_roofline_reads_the_experts_a_batch_touches():
     model = build_decoder(config, Ops(ExecutionSpec.default("baseline", "cpu")), max_positions=2)
     state = model.hf_state_dict()
     experts = sum(t.numel() * 4 for name, t in state.items() if ".mlp.experts." in name)
-    assert experts == config.num_hidden_layers * 3 * config.num_experts * config.hidden_size * 4 * \
-        config.moe_intermediate_size  # gate, up and down of every expert: the hub layout's per-expert tensors
-    dense = weight_bytes(state, config, 0)
-    assert dense == sum(p.numel() * 4 for p in model.parameters()) - experts - config.vocab_size * config.hidden_size * 4
+    # gate, up and down of every expert: the hub layout's per-expert tensors
+    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    assert experts == config.num_hidden_layers * 3 * e * h * i * 4
     row = config.hidden_size * 4
+    dense = weight_bytes(state, config, 0)  # untied: the LM head in full, no embedding row, no expert
+    assert dense == sum(p.numel() * 4 for p in model.parameters()) - experts - config.vocab_size * row
     assert experts_touched(config, 1) == config.num_experts_per_tok / config.num_experts
     assert weight_bytes(state, config, 1) == dense + row + round(experts * 2 / 8)
     assert weight_bytes(state, config, 3) == dense + 3 * row + round(experts * (1 - (6 / 8) ** 3))

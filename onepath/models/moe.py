@@ -18,7 +18,8 @@ experts  SwiGLU MLPs through ops.linear and ops.silu_mul, the down projection wi
          (ops.grouped_linear; masked: the chunks of an expert are its group), whose rows have the
          dense GEMM's bits. A pair's output has the same bits in both and computed alone: the
          consistent GEMM's row result depends on the row only (tests/models/test_moe_layouts.py,
-         tests/gpu/test_grouped_matmul_gpu.py).
+         tests/gpu/test_grouped_matmul_gpu.py). Baseline on CUDA (BF16, aligned shapes) runs the stock
+         grouped GEMM instead, torch._grouped_mm, with no such row guarantee.
 combine  on the token, in FP32, over the slots in slot order, plus the gated shared expert (its down
          projection FP32 too); rounded once to the model dtype.
 expert parallelism (MoeDecoder.expert_parallel): rank r of an EP group of size ep holds only experts

@@ -51,10 +51,19 @@ class Responses:
 
 class Actor:
     def __init__(self, model: DenseDecoder, block_size: int, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0,
-                 max_grad_norm: float = 1.0, warmup_steps: int = 0, recompute: bool = False):
+                 max_grad_norm: float = 1.0, warmup_steps: int = 0, recompute: bool = False,
+                 master_dtype: torch.dtype | None = None):
+        """master_dtype: the optimizer updates copies of the weights in this dtype (e.g. FP32 under a BF16
+        model, where an Adam step below half an ulp would round away) and each step writes them, rounded
+        once, into the model's weights: the forward, and so the contract, sees the model's dtype only."""
         self.model, self.ops, self.block_size = model, model.ops, block_size
         self.recompute = recompute
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        params = list(model.parameters())
+        self.master = None
+        if master_dtype is not None and any(p.dtype != master_dtype for p in params):
+            self.master = [torch.nn.Parameter(p.detach().to(master_dtype).clone()) for p in params]
+        trained = self.master if self.master is not None else params
+        self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
         # Adam's first steps move every weight by about lr whatever the gradient's size: ramp lr up
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0)
@@ -168,14 +177,26 @@ class Actor:
         return torch.cat(lps), torch.cat(entropies), totals
 
     def step(self, grad_scale: float = 1.0) -> float:
-        """Scale the gradients by grad_scale (when not 1), clip them, take one AdamW step; the norm before clipping."""
+        """Scale the gradients by grad_scale (when not 1), clip them, take one AdamW step; the norm before
+        clipping. With master weights the gradients move onto them first, and the stepped masters are
+        rounded into the model's weights."""
+        trained = list(self.model.parameters())
+        if self.master is not None:
+            for p, m in zip(trained, self.master):
+                m.grad = None if p.grad is None else p.grad.to(m.dtype)
+                p.grad = None
+            trained = self.master
         if grad_scale != 1.0:
-            for p in self.model.parameters():
+            for p in trained:
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trained, self.max_grad_norm)
         self.optimizer.step()
         self.schedule.step()
+        if self.master is not None:
+            with torch.no_grad():
+                for p, m in zip(self.model.parameters(), self.master):
+                    p.copy_(m)
         return float(grad_norm)
 
     def update(self, loss: torch.Tensor) -> float:

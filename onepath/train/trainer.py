@@ -47,7 +47,7 @@ from onepath.models.checkpoint import load_config, load_state_dict, load_tokeniz
 from onepath.models.config import ModelConfig
 from onepath.models.dense import DenseDecoder
 from onepath.models.moe import routing_agreement
-from onepath.numerics.spec import ExecutionSpec, check_same_spec
+from onepath.numerics.spec import DTYPES, ExecutionSpec, check_same_spec
 from onepath.ops import Ops
 from onepath.tasks import arithmetic
 from onepath.tasks.calculator import CalculatorEnv
@@ -181,7 +181,7 @@ class GRPOTrainer:
                                 record_routing=self.routing_check)
         t = cfg.train
         self.actor = Actor(self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm, t.lr_warmup_steps,
-                           recompute=t.recompute)
+                           recompute=t.recompute, master_dtype=DTYPES[t.master_dtype] if t.master_dtype else None)
         self.sampler = PromptSampler(setup.train_rows, seed=t.seed)
         self.env = CalculatorEnv(setup.tokenizer, setup.eos_token_ids) if r.env == "calculator" else None
         # on CUDA a phase ends when its kernels do, not when they are queued
@@ -198,9 +198,18 @@ class GRPOTrainer:
                  "model_config": self.setup.model_config.to_dict(), "sampler": self.sampler.state_dict()}
         tensors = {"optimizer": self.actor.optimizer.state_dict(), "schedule": self.actor.schedule.state_dict(),
                    "rng": checkpoint.rng_state(self.cfg.device)}
+        if self.actor.master is not None:  # the weights the HF checkpoint holds are these, rounded
+            tensors["master"] = [m.detach().cpu() for m in self.actor.master]
         return state, tensors
 
     def restore(self, state: dict, tensors: dict):
+        if self.actor.master is not None:
+            if "master" not in tensors:
+                raise ValueError("the checkpoint holds no master weights but train.master_dtype is set: resume "
+                                 "with the run's own train.master_dtype")
+            with torch.no_grad():
+                for m, saved in zip(self.actor.master, tensors["master"]):
+                    m.copy_(saved)
         self.actor.optimizer.load_state_dict(tensors["optimizer"])
         self.actor.schedule.load_state_dict(tensors["schedule"])
         self.sampler.load_state_dict(state["sampler"])

@@ -84,7 +84,8 @@ def test_baseline_moe_experts_match_the_per_expert_loop_gpu(grouped_mm_calls):
     with torch.no_grad():
         _, chosen = block.gate(x)
     grads = []
-    for run in (lambda x: experts(x, chosen), lambda x: experts_contiguous(experts.mlp, x, chosen, experts.num_experts)):
+    loop = lambda x: experts_contiguous(experts.mlp, x, chosen, experts.num_experts)
+    for run in (lambda x: experts(x, chosen), loop):
         experts.zero_grad()
         leaf = x.clone().requires_grad_()
         run(leaf).square().sum().backward()

@@ -7,6 +7,8 @@ order of operations: every variant (split tiles, one-block software pipelining, 
 fewer stages) gives each element the shipped chain (fresh dot per K block, one FMA, ascending K),
 hence torch.equal with ops/cuda/matmul_fp8.py on the same inputs. The negative control, mul + add
 (two roundings per block), must differ. Hopper's MMA bits are the GPU bench's check (torch.equal).
+The Gluon variant (gluon_wait1) cannot be interpreted: here it is only built for sm_90, with the
+`wgmma.wait_group 1` that is its reason to exist; its bits rest on the GPU bench alone.
 """
 from __future__ import annotations
 
@@ -15,45 +17,15 @@ import os
 from dataclasses import replace
 
 import pytest
-from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_results
+from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_results, patch_fp8_gemm_interpreter
 
 SHAPES = [(m, n, k) for m in (1, 37, 130) for n in (72, 200) for k in (200, 384)]  # (M, N, K)
 
 
 def _run_checks() -> dict:
-    import numpy as np
     import torch
-    import triton.language as tl
-    from triton.runtime import interpreter
 
-    def f64(h):
-        if h.dtype.scalar.primitive_bitwidth == 8:  # fp8 codes are exact in fp16
-            return interpreter._convert_float(h.data, h.dtype.scalar, tl.float16, None).view(np.float16) \
-                .reshape(h.data.shape).astype(np.float64)
-        return h.data.astype(np.float64)
-
-    def create_dot(self, a, b, d, *rest):
-        block = np.matmul(f64(a), f64(b)).astype(np.float32)
-        return interpreter.TensorHandle(block + d.data, d.dtype.scalar)
-
-    def create_fma(self, x, y, z):
-        from onepath.ops.quant_linear import fma
-        out = fma(*(torch.from_numpy(np.ascontiguousarray(t.data, dtype=np.float32)) for t in (x, y, z)))
-        return interpreter.TensorHandle(out.numpy(), z.dtype.scalar)
-
-    convert_float = interpreter._convert_float
-
-    def rne_convert_float(data, src, dst, rounding_mode):  # Hopper's casts round to nearest even
-        wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)) if src == tl.float32 else None
-        if wide is not None and dst == tl.bfloat16:
-            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        if wide is not None and dst == tl.float8e4nv:
-            return wide.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(np.shape(data))
-        return convert_float(data, src, dst, rounding_mode)
-
-    interpreter.InterpreterBuilder.create_dot = create_dot
-    interpreter.InterpreterBuilder.create_fma = create_fma
-    interpreter._convert_float = rne_convert_float
+    patch_fp8_gemm_interpreter()
 
     from bench.fp8_variants import Variant, run_variant, variants
     from onepath.numerics.quant import quantize
@@ -64,9 +36,9 @@ def _run_checks() -> dict:
     control = Variant(64, 128, 4, 4, fma=False)
     # warps, stages and the register cap only shape the GPU build: one interpreted run per program
     programs = {}
-    for v in variants():
+    for v in _interpretable(variants()):
         programs.setdefault((tuple(v.consts().items()), v.persistent), []).append(v)
-    results = {str(v): {"ok": True, "detail": ""} for v in variants()}
+    results = {str(v): {"ok": True, "detail": ""} for v in _interpretable(variants())}
     results["negative_control_differs"] = {"ok": False, "detail": f"{control} equalled the shipped bits everywhere"}
     for m, n, k in SHAPES:
         qw = quantize(torch.randn(n, k, generator=gen) * 0.05, FP8_WEIGHT)
@@ -84,9 +56,13 @@ def _run_checks() -> dict:
     return results
 
 
+def _interpretable(variants) -> list:
+    return [v for v in variants if not v.wait1]
+
+
 def _variant_names() -> list[str]:
     from bench.fp8_variants import variants
-    return [str(v) for v in variants()]
+    return [str(v) for v in _interpretable(variants())]
 
 
 @pytest.fixture(scope="module")
@@ -110,12 +86,44 @@ def test_every_variant_compiles_for_sm90_on_fp8_wgmma_within_shared_memory():
                                  "stride_swn", "stride_om")}}
     aligned = ("a_ptr", "w_ptr", "out_ptr", "K", "stride_am", "stride_wn", "stride_om")
     bad = []
-    for v in {replace(v, maxnreg=None, persistent=False) for v in variants()}:
+    for v in {replace(v, maxnreg=None, persistent=False) for v in _interpretable(variants())}:
         ptx, shared = compile_sm90(_variant_kernel, sig, dict(W_BLOCK_N=128, **v.consts()), aligned, v)
         ok = "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx and "mma.sync" not in ptx and "fma.rn.f32" in ptx
         if shared > SM90_SHARED_BYTES or not ok:
             bad.append((v, shared, ok))
     assert not bad, f"(variant, shared bytes, fp8 wgmma + fma) that break the build contract: {bad}"
+
+
+def test_gluon_variant_compiles_for_sm90_with_one_wgmma_left_in_flight():
+    """The Gluon kernel builds for the H200 (ptxas included): fp8 wgmma (e4m3, no mma.sync), FMA
+    promotion, `wgmma.wait_group 1` in the K loop (block kb's MMA in flight under block kb-1's FMA),
+    within 227 KiB of shared memory."""
+    pytest.importorskip("triton.backends.nvidia")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from bench.fp8_variants import _wait1_kernel, variants
+
+    names = _wait1_kernel.arg_names
+    aligned = ("a_ptr", "w_ptr", "out_ptr", "K", "stride_am", "stride_wn")  # any N; K a multiple of 16
+    bad = []
+    for v in {replace(v, maxnreg=None) for v in variants() if v.wait1}:
+        consts = dict(W_BLOCK_N=128, **v.consts())
+        sig = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sw_ptr": "*fp32", "out_ptr": "*bf16",
+               **{n: "i32" for n in names if n not in consts and "ptr" not in n}, **{n: "constexpr" for n in consts}}
+        src = GluonASTSource(_wait1_kernel, {n: sig[n] for n in names},
+                             constexprs={(names.index(n),): c for n, c in consts.items()},
+                             attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=v.num_warps))
+        ptx, shared = compiled.asm["ptx"], compiled.metadata.shared
+        ok = ("wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx and "mma.sync" not in ptx and "fma.rn.f32" in ptx
+              and "wgmma.wait_group.sync.aligned 1;" in ptx)
+        if shared > SM90_SHARED_BYTES or not ok:
+            bad.append((str(v), shared, ok))
+    assert not bad, f"(variant, shared bytes, fp8 wgmma + fma + wait_group 1) that break the build contract: {bad}"
 
 
 if __name__ == "__main__":

@@ -13,48 +13,16 @@ import json
 import os
 
 import pytest
-from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_results
+from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_results, patch_fp8_gemm_interpreter
 
 CHECKS = ["equals_cpu_contract", "rows_alone_equal_rows_in_batch", "configs_agree", "bias_bf16_out",
           "cuda_linear_fp8_equals_cpu", "cuda_linear_rows_alone_equal_rows_in_batch"]
 
 
 def _run_checks() -> dict:
-    import numpy as np
     import torch
-    import triton.language as tl
-    from triton.runtime import interpreter
 
-    def f64(h):
-        if h.dtype.scalar.primitive_bitwidth == 8:  # fp8 codes are exact in fp16
-            return interpreter._convert_float(h.data, h.dtype.scalar, tl.float16, None).view(np.float16) \
-                .reshape(h.data.shape).astype(np.float64)
-        return h.data.astype(np.float64)
-
-    def create_dot(self, a, b, d, *rest):
-        block = np.matmul(f64(a), f64(b)).astype(np.float32)
-        return interpreter.TensorHandle(block + d.data, d.dtype.scalar)
-
-    def create_fma(self, x, y, z):
-        from onepath.ops.quant_linear import fma
-        out = fma(*(torch.from_numpy(np.ascontiguousarray(t.data, dtype=np.float32)) for t in (x, y, z)))
-        return interpreter.TensorHandle(out.numpy(), z.dtype.scalar)
-
-    convert_float = interpreter._convert_float
-
-    # The interpreter's FP32 -> bf16 truncates and its FP32 -> e4m3 rounds half up (see
-    # test_quant_interpret.py); Hopper's casts round to nearest even, as torch's do.
-    def rne_convert_float(data, src, dst, rounding_mode):
-        wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)) if src == tl.float32 else None
-        if wide is not None and dst == tl.bfloat16:
-            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        if wide is not None and dst == tl.float8e4nv:
-            return wide.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(np.shape(data))
-        return convert_float(data, src, dst, rounding_mode)
-
-    interpreter.InterpreterBuilder.create_dot = create_dot
-    interpreter.InterpreterBuilder.create_fma = create_fma
-    interpreter._convert_float = rne_convert_float
+    patch_fp8_gemm_interpreter()
 
     from onepath.numerics.quant import quantize
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
