@@ -1,6 +1,7 @@
 """Where a decode step's time goes: host phases and the GPU kernels of all-decode engine steps.
 
     python bench/profile_decode.py --model qwen3-0.6b --batch 256 --out bench/results/profile-decode.json
+    python bench/profile_decode.py --modes consistent --quants none,fp8,fp8_kv,fp8+fp8_kv   # low precision
 
 Per mode: an engine (CUDA graphs on) is filled with `batch` requests of `prompt` tokens, stepped
 until every sequence decodes, then `steps` steps are timed by phase (schedule, forward + sampling,
@@ -23,7 +24,7 @@ from onepath.bench.workloads import model_config
 from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
-from onepath.models.dense import DenseDecoder
+from onepath.models import build_decoder
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import Ops
 
@@ -74,6 +75,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--modes", default="consistent,baseline")
+    p.add_argument("--quants", default="none", help="comma list of quant presets, each profiled in every mode "
+                                                  "(none: BF16; e.g. fp8, fp8_kv, fp8+fp8_kv)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--prompt", type=int, default=150)
     p.add_argument("--steps", type=int, default=10)
@@ -84,9 +87,11 @@ def main(argv=None) -> int:
     config = model_config(args.model)
     result = dict(environment("cuda"), command="python bench/profile_decode.py " + " ".join(argv or sys.argv[1:]),
                   options=vars(args), modes={})
-    for mode in args.modes.split(","):
-        model = DenseDecoder(config, Ops(ExecutionSpec.default(mode, "cuda")), max_positions=args.max_model_len)
+    for mode, quant in [(m, q) for m in args.modes.split(",") for q in args.quants.split(",")]:
+        spec = ExecutionSpec.default(mode, "cuda", quant=None if quant == "none" else quant)
+        model = build_decoder(config, Ops(spec), max_positions=args.max_model_len)
         model.init_weights(0)
+        name = mode if quant == "none" else f"{mode}+{quant}"
         engine = LLMEngine(model, scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=8192,
                                                             max_model_len=args.max_model_len))
         fill(engine, args.batch, args.prompt, config.vocab_size, seed=1)
@@ -95,9 +100,9 @@ def main(argv=None) -> int:
         phases = timed_phases(engine, args.steps)
         kernels, gpu_ms = kernel_table(engine, args.steps, args.top)
         context = statistics.mean(s.num_tokens for s in engine.scheduler.running)
-        result["modes"][mode] = dict(batch=len(engine.scheduler.running), mean_context=context, host_ms=phases,
+        result["modes"][name] = dict(batch=len(engine.scheduler.running), mean_context=context, host_ms=phases,
                                      gpu_kernel_ms_per_step=gpu_ms, kernels=kernels)
-        print(f"\n{mode}: batch {len(engine.scheduler.running)}, context {context:.0f}; host phases (ms, median) "
+        print(f"\n{name}: batch {len(engine.scheduler.running)}, context {context:.0f}; host phases (ms, median) "
               + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + f"; GPU kernels {gpu_ms:.2f} ms/step")
         for r in kernels:
             print(f"  {r['gpu_ms_per_step']:8.3f} ms  {r['calls']:5d}x  {r['name']}")

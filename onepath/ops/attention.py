@@ -7,9 +7,9 @@ consistent: one path for every phase. For a query at position p the scores over 
 summed in KV tiles of absolute positions [i*kv_tile, (i+1)*kv_tile), ascending, tree inside a
 tile; keys past p contribute exact zeros. A query's bits therefore depend neither on how many
 queries share its launch nor on the phase nor on the batch. The softmax max is exact and global.
-baseline: the stock fast path: SDPA on the fresh K/V for a pure prefill, SDPA with a mask for a
-chunk over a cached prefix, a batched matmul decode path for single-token queries (on CUDA the
-paged kernel with a batch-dependent KV split, as flash-decoding runs: torch has no paged decode).
+baseline: the stock fast path: one padded SDPA call on the fresh K/V of whole prompts, SDPA with a
+mask for a chunk over a cached prefix, a batched matmul decode path for single-token queries (on CUDA
+the paged kernel with a batch-dependent KV split, as flash-decoding runs: torch has no paged decode).
 
 FP8 KV cache (the spec's attention.kv, FP8_KV): a layer's cache is an FP8Tensor (codes float8_e4m3fn
 [blocks, block_size, Hkv, D], FP32 scales [blocks, block_size, Hkv, 1]). write_kv quantises each new
@@ -44,7 +44,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor   # [B, max_blocks] cache block ids (padding entries are never read)
     slot_mapping: torch.Tensor   # [T] cache slot where each new token's K/V go
     block_size: int
-    padded_rows: torch.Tensor | None = None  # padded_sdpa's row map, made by its first layer, kept for the others
+    padded_rows: tuple | None = None  # padded_sdpa's (sequences, row maps): made by its first layer, kept
 
     @property
     def num_seqs(self) -> int:
@@ -131,34 +131,44 @@ def whole_sequences(meta: AttentionMetadata) -> bool:
     return all(meta.query_len(b) == meta.context_lens[b] for b in range(meta.num_seqs))
 
 
-def padded_sdpa(q, k, v, meta: AttentionMetadata, scale):
-    """Causal SDPA over whole sequences in one call: each sequence right-padded with zeros to the
-    longest. A query at position p sees keys 0..p, all its own, so the padding changes no valid row
-    and no mask is needed (the flash kernels stay eligible); the padded rows are dropped. index_copy
-    and index_select move the rows both ways (their backward is the other one: no sort, no loop)."""
-    num_seqs, tokens = meta.num_seqs, q.shape[0]
-    longest = max(meta.query_len(b) for b in range(num_seqs))
-    if meta.padded_rows is None:
-        lengths = torch.tensor([meta.query_len(b) for b in range(num_seqs)], device=q.device)
-        shift = torch.arange(num_seqs, device=q.device) * longest - torch.tensor(meta.cu_seqlens[:-1], device=q.device)
-        meta.padded_rows = torch.arange(tokens, device=q.device) + torch.repeat_interleave(shift, lengths,
-                                                                                          output_size=tokens)
-    rows = meta.padded_rows
+def padded_sdpa(q, k, v, meta: AttentionMetadata, scale, seqs: list[int] | None = None):
+    """Causal SDPA over whole sequences in one call (all of the batch's, or those in `seqs`; their rows'
+    outputs, in q's row order): each sequence right-padded with zeros to the longest. A query at
+    position p sees keys 0..p, all its own, so the padding changes no valid row and no mask is needed
+    (the flash kernels stay eligible); the padded rows are dropped. index_copy and index_select move
+    the rows both ways (their backward is the other one: no sort, no loop)."""
+    seqs = list(range(meta.num_seqs)) if seqs is None else seqs
+    lengths = [meta.query_len(b) for b in seqs]
+    longest, tokens = max(lengths), sum(lengths)
+    if meta.padded_rows is None or meta.padded_rows[0] != seqs:  # made by the first layer, kept for the others
+        count = torch.tensor(lengths, device=q.device)
+        first = torch.tensor([meta.cu_seqlens[b] for b in seqs], device=q.device)
+        packed = torch.cumsum(count, 0) - count  # each sequence's first row among the selected rows
+        local = torch.arange(tokens, device=q.device)
+        src = local + torch.repeat_interleave(first - packed, count, output_size=tokens)
+        dst = local + torch.repeat_interleave(torch.arange(len(seqs), device=q.device) * longest - packed, count,
+                                              output_size=tokens)
+        meta.padded_rows = (seqs, src, dst)
+    _, src, dst = meta.padded_rows
+    every_row = tokens == q.shape[0]
 
     def padded(t):
-        out = t.new_zeros(num_seqs * longest, *t.shape[1:]).index_copy(0, rows, t)
-        return out.view(num_seqs, longest, *t.shape[1:]).transpose(1, 2)
+        rows = t if every_row else t.index_select(0, src)
+        out = t.new_zeros(len(seqs) * longest, *t.shape[1:]).index_copy(0, dst, rows)
+        return out.view(len(seqs), longest, *t.shape[1:]).transpose(1, 2)
 
     out = F.scaled_dot_product_attention(padded(q), padded(k).to(q.dtype), padded(v).to(q.dtype), is_causal=True,
                                          scale=scale, enable_gqa=True)
-    return out.transpose(1, 2).reshape(num_seqs * longest, *q.shape[1:]).index_select(0, rows)
+    return out.transpose(1, 2).reshape(len(seqs) * longest, *q.shape[1:]).index_select(0, dst)
 
 
 def baseline(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window):
+    """Fresh whole prompts in one padded SDPA call, a chunk over a cached prefix (or a window) by a
+    masked SDPA call per sequence, single-token queries in one decode call."""
     if not window and meta.num_seqs > 1 and whole_sequences(meta):
         return padded_sdpa(q, k, v, meta, scale)
     out = torch.empty_like(q)
-    decode = []
+    fresh, decode = [], []
     for b in range(meta.num_seqs):
         s, e = meta.cu_seqlens[b], meta.cu_seqlens[b + 1]
         n, ctx = e - s, meta.context_lens[b]
@@ -166,18 +176,18 @@ def baseline(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window):
             continue
         if n == 1 and ctx > 1:
             decode.append(b)
-            continue
-        qb = q[s:e].transpose(0, 1)[None]
-        if n == ctx and not window:
-            kb, vb = k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qb, kb.to(q.dtype), vb.to(q.dtype), is_causal=True, scale=scale,
-                                               enable_gqa=True)
+        elif n == ctx and not window:
+            fresh.append(b)
         else:
+            qb = q[s:e].transpose(0, 1)[None]
             kb = _gather_context(k_cache, meta, b, q.dtype).transpose(0, 1)[None].to(q.dtype)
             vb = _gather_context(v_cache, meta, b, q.dtype).transpose(0, 1)[None].to(q.dtype)
             mask = _key_mask(meta.positions[s:e], ctx, window)
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[s:e] = o[0].transpose(0, 1)
+            out[s:e] = o[0].transpose(0, 1)
+    if fresh:
+        rows = torch.cat([torch.arange(meta.cu_seqlens[b], meta.cu_seqlens[b + 1]) for b in fresh]).to(q.device)
+        out[rows] = padded_sdpa(q, k, v, meta, scale, fresh)
     if decode:
         rows = [meta.cu_seqlens[b] for b in decode]
         if q.is_cuda:

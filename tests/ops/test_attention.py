@@ -128,6 +128,16 @@ def test_values_close_to_float64_reference(consistent, gen, window):
         torch.testing.assert_close(out.double(), _plain(q, k, v, window)[start:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 1, 20])
+def test_baseline_mixed_step_values(baseline, gen, window):
+    """The stock path on a continuous-batching step: fresh prompts (one padded SDPA call, here three of
+    them between the others), a chunk over a cached prefix, decode tokens: every row's value is right."""
+    seqs = [(*_qkv(n, gen), start) for n, start in ((37, 0), (70, 29), (1, 0), (45, 44), (12, 0), (60, 59))]
+    outs = _one_step_batch(baseline, seqs, gen, window)
+    for (q, k, v, start), out in zip(seqs, outs):
+        torch.testing.assert_close(out.double(), _plain(q, k, v, window)[start:], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("window", [None, 9])
 def test_gradient_is_plain_math(consistent, gen, window):
     lengths = [1, 17, 40]
