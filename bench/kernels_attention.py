@@ -12,10 +12,7 @@ contract, not interchangeable with the default). Without CUDA it prints why and 
 from __future__ import annotations
 
 import argparse
-import datetime
 import inspect
-import json
-import platform
 import sys
 from pathlib import Path
 
@@ -23,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
+
+from onepath.bench.results import environment, save_json  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 DECODE_BATCH = [1, 8, 32, 64, 128, 256]
@@ -60,6 +59,18 @@ def _dense(cache, tables, length):
     return x.repeat_interleave(HEADS // KV_HEADS, dim=2).transpose(1, 2).contiguous()
 
 
+def _inputs(batch, length, queries, gen):
+    """B sequences of `length` cached tokens, the last `queries` of each attending: q, the paged cache with
+    the queries' positions, sequences and block tables (the paged_attention arguments, in order), and the
+    dense K/V for SDPA."""
+    k_cache, v_cache, tables = _paged([length] * batch, gen)
+    q = torch.randn(batch * queries, HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+    positions = torch.arange(length - queries, length, device="cuda").repeat(batch)
+    seqs = torch.arange(batch, device="cuda").repeat_interleave(queries)
+    kd, vd = _dense(k_cache, tables, length), _dense(v_cache, tables, length)
+    return q, k_cache, v_cache, positions, seqs, tables, kd, vd
+
+
 def _flash(q, k, v, causal):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -90,12 +101,8 @@ def decode(args, A, gen):
           f"{'speed':>6s} {'GB/s':>6s}")
     for length in args.contexts:
         for batch in args.batches:
-            k_cache, v_cache, tables = _paged([length] * batch, gen)
-            q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
-            positions = torch.full((batch,), length - 1, device="cuda")
-            seqs = torch.arange(batch, device="cuda")
+            q, k_cache, v_cache, positions, seqs, tables, kd, vd = _inputs(batch, length, 1, gen)
             scale = HEAD_DIM ** -0.5
-            kd, vd = _dense(k_cache, tables, length), _dense(v_cache, tables, length)
             qd = q[:, :, None]
             flash = _time_us(lambda: _flash(qd, kd, vd, False), args.rep_ms)
             ref = _flash(qd, kd, vd, False)[:, :, 0].float()
@@ -121,12 +128,8 @@ def prefill(args, A, gen):
     print(f"{'prefill':>13s} {'variant':>18s} {'us':>9s} {'flash us':>9s} {'speed':>6s} {'TF/s':>6s} "
           f"{'flash TF/s':>10s}")
     for batch, length in PREFILL:
-        k_cache, v_cache, tables = _paged([length] * batch, gen)
-        q = torch.randn(batch * length, HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
-        positions = torch.arange(length, device="cuda").repeat(batch)
-        seqs = torch.arange(batch, device="cuda").repeat_interleave(length)
+        q, k_cache, v_cache, positions, seqs, tables, kd, vd = _inputs(batch, length, length, gen)
         scale = HEAD_DIM ** -0.5
-        kd, vd = _dense(k_cache, tables, length), _dense(v_cache, tables, length)
         qd = q.view(batch, length, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
         flash = _time_us(lambda: _flash(qd, kd, vd, True), args.rep_ms)
         ref = _flash(qd, kd, vd, True).transpose(1, 2).reshape(-1, HEADS, HEAD_DIM).float()
@@ -146,17 +149,13 @@ def prefill(args, A, gen):
 
 
 def run(args) -> dict:
-    import triton
-
     from onepath.ops.cuda import attention as A
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     decode_rows = decode(args, A, gen)
     prefill_rows = prefill(args, A, gen)
     return dict(
-        date=datetime.datetime.now().isoformat(timespec="seconds"),
-        gpu=torch.cuda.get_device_name(0), sms=torch.cuda.get_device_properties(0).multi_processor_count,
-        torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+        environment("cuda"), sms=torch.cuda.get_device_properties(0).multi_processor_count,
         command="python " + " ".join(sys.argv), timing="triton.testing.do_bench median, L2 flushed",
         shape=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK, dtype="bfloat16"),
         contract=dict(kv_tile=32, kv_split=inspect.signature(A.paged_attention).parameters["kv_split"].default,
@@ -176,11 +175,8 @@ def main():
     if not torch.cuda.is_available():
         print("kernels_attention: no CUDA device here; nothing timed (run it on the GPU machine)")
         return
-    result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    save_json(run(args), Path(args.out))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

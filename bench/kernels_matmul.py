@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
-import platform
 import sys
 from pathlib import Path
 
@@ -22,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
+
+from onepath.bench.results import environment, save_json  # noqa: E402
 
 # (name, K, N, out_dtype): the MLP and attention projections of the target models, and an LM head.
 SHAPES = [
@@ -68,8 +67,6 @@ def _sweep_configs():
 
 
 def run(args) -> dict:
-    import triton
-
     from onepath.ops.cuda.matmul import matmul, pick_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -120,10 +117,7 @@ def run(args) -> dict:
         del w
         torch.cuda.empty_cache()
     return dict(
-        date=datetime.datetime.now().isoformat(timespec="seconds"),
-        gpu=torch.cuda.get_device_name(0), sms=sms, torch=torch.__version__, triton=triton.__version__,
-        cuda=torch.version.cuda, python=platform.python_version(),
-        command="python " + " ".join(sys.argv),
+        environment("cuda"), sms=sms, command="python " + " ".join(sys.argv),
         timing="do_bench_cudagraph median (graph replay, L2 not flushed)" if GRAPH else "triton.testing.do_bench median, L2 flushed",
         ceilings=CEILINGS, rows=rows, sweep=sweep,
     )
@@ -142,11 +136,8 @@ def main():
         return
     global GRAPH
     GRAPH = args.graph
-    result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    save_json(run(args), Path(args.out))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -71,24 +71,20 @@ def test_override_errors(overrides, match):
         load_run_config(None, overrides)
 
 
-def test_unknown_yaml_key_lists_valid_keys(tmp_path):
-    path = tmp_path / "c.yaml"
-    path.write_text("rollout:\n  group_size: 4\n")
-    with pytest.raises(ValueError, match=r"unknown key rollout.group_size: valid keys of rollout are n, temperature"):
-        load_run_config(path, [])
-    path.write_text("trainer:\n  lr: 1\n")
-    with pytest.raises(ValueError, match=r"unknown config key 'trainer': valid keys are model, data"):
-        load_run_config(path, [])
-
-
-def test_bad_yaml_names_file_and_line(tmp_path):
+@pytest.mark.parametrize("text, match", [
+    ("rollout:\n  group_size: 4\n", r"unknown key rollout.group_size: valid keys of rollout are n, temperature"),
+    ("trainer:\n  lr: 1\n", r"unknown config key 'trainer': valid keys are model, data"),
+    ("train:\n  lr: 1\n  steps: [1, 2\nmode: both\n", r"{path}:\d+: invalid YAML"),
+    ("- 1\n- 2\n", "a run config is a mapping"),
+])
+def test_bad_yaml_errors(tmp_path, text, match):
     path = tmp_path / "bad.yaml"
-    path.write_text("train:\n  lr: 1\n  steps: [1, 2\nmode: both\n")
-    with pytest.raises(ValueError, match=rf"{path}:\d+: invalid YAML"):
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match.replace("{path}", str(path))):
         load_run_config(path, [])
-    path.write_text("- 1\n- 2\n")
-    with pytest.raises(ValueError, match="a run config is a mapping"):
-        load_run_config(path, [])
+
+
+def test_missing_yaml_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_run_config(tmp_path / "missing.yaml", [])
 

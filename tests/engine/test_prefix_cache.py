@@ -181,12 +181,18 @@ def seq(request_id, tokens):
     return Sequence(request_id, list(tokens), SamplingParams())
 
 
+def prefilled(bm, request_id, tokens):
+    """A sequence allocated, computed whole and its full blocks cached: what a finished prefill leaves."""
+    s = seq(request_id, tokens)
+    bm.allocate(s, s.num_tokens)
+    s.num_computed_tokens = s.num_tokens
+    bm.cache_full_blocks(s, 0)
+    return s
+
+
 def test_shared_blocks_are_reference_counted():
     bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=True)
-    a = seq(0, range(10))
-    bm.allocate(a, 10)
-    a.num_computed_tokens = 10
-    bm.cache_full_blocks(a, 0)
+    a = prefilled(bm, 0, range(10))
     b = seq(1, list(range(8)) + [50, 51])
     cached = bm.cached_prefix(b)
     assert cached == tuple(a.block_table[:2])
@@ -204,10 +210,7 @@ def test_shared_blocks_are_reference_counted():
 
 def test_the_last_token_is_never_taken_from_the_cache():
     bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
-    a = seq(0, range(8))
-    bm.allocate(a, 8)
-    a.num_computed_tokens = 8
-    bm.cache_full_blocks(a, 0)
+    a = prefilled(bm, 0, range(8))
     assert bm.num_cached_blocks == 2
     assert len(bm.cached_prefix(seq(1, range(8)))) == 1  # 2 blocks match, but token 7 must be computed
     assert len(bm.cached_prefix(seq(2, range(9)))) == 2
@@ -215,11 +218,7 @@ def test_the_last_token_is_never_taken_from_the_cache():
 
 def test_cached_free_blocks_are_evicted_least_recently_freed_first():
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
-    seqs = [seq(i, [10 * i, 10 * i + 1, 10 * i + 2]) for i in range(2)]
-    for s in seqs:
-        bm.allocate(s, 3)
-        s.num_computed_tokens = 3
-        bm.cache_full_blocks(s, 0)
+    seqs = [prefilled(bm, i, [10 * i, 10 * i + 1, 10 * i + 2]) for i in range(2)]
     head0, head1 = seqs[0].block_table[0], seqs[1].block_table[0]
     bm.free(seqs[0])
     bm.free(seqs[1])
@@ -231,10 +230,7 @@ def test_cached_free_blocks_are_evicted_least_recently_freed_first():
 
 def test_sharing_a_free_cached_block_counts_against_capacity():
     bm = BlockManager(num_blocks=3, block_size=2, enable_prefix_caching=True)
-    a = seq(0, [1, 2, 3])
-    bm.allocate(a, 3)
-    a.num_computed_tokens = 3
-    bm.cache_full_blocks(a, 0)
+    a = prefilled(bm, 0, [1, 2, 3])
     bm.free(a)
     b = seq(1, [1, 2, 5, 6, 7, 8, 9])
     cached = bm.cached_prefix(b)
@@ -244,10 +240,7 @@ def test_sharing_a_free_cached_block_counts_against_capacity():
 
 def test_reset_prefix_cache():
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
-    a = seq(0, [1, 2, 3])
-    bm.allocate(a, 3)
-    a.num_computed_tokens = 3
-    bm.cache_full_blocks(a, 0)
+    a = prefilled(bm, 0, [1, 2, 3])
     with pytest.raises(RuntimeError, match="2 KV blocks are held"):
         bm.reset_prefix_cache()
     bm.free(a)

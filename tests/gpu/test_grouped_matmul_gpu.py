@@ -93,23 +93,10 @@ def test_moe_experts_layouts_equal_alone_with_the_grouped_kernel():
 def test_moe_experts_backward_with_the_grouped_kernel():
     """Kernel values forward, torch's per-expert BF16 GEMMs backward: gradients match the per-expert
     path's."""
-    from onepath.models.moe import experts_contiguous
-    from tests.gpu.test_moe_gpu import SHAPE, moe_model
+    from tests.gpu.test_moe_gpu import grads_vs_loop, moe_model
 
     block = moe_model("consistent").model.layers[0].mlp
-    experts = block.experts
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    x = torch.randn(200, SHAPE["hidden_size"], generator=gen, device="cuda").bfloat16()
-    with torch.no_grad():
-        _, chosen = block.gate(x)
-    grads = []
-    per_expert = lambda x: experts_contiguous(experts.mlp, x, chosen, experts.num_experts)
-    for run in (lambda x: experts(x, chosen), per_expert):
-        experts.zero_grad()
-        leaf = x.clone().requires_grad_()
-        run(leaf).square().sum().backward()
-        grads.append([leaf.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()])
-    for g, r in zip(*grads):
+    for g, r in zip(*grads_vs_loop(block, torch.Generator(device="cuda").manual_seed(2))):
         # BF16 gradients summed in another order: compare by relative norm (exact zeros of one side
         # may be a cancellation residue on the other)
         assert float((g.float() - r.float()).norm() / r.float().norm()) < 1e-2

@@ -10,7 +10,7 @@ from onepath.models.moe import experts_contiguous
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import linear as L
 from tests.gpu import test_engine_gpu as dense
-from tests.gpu.test_moe_gpu import SHAPE, moe_model
+from tests.gpu.test_moe_gpu import SHAPE, grads_vs_loop, moe_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")]
@@ -80,17 +80,7 @@ def test_baseline_moe_experts_match_the_per_expert_loop_gpu(grouped_mm_calls):
                 assert len(grouped_mm_calls) == 2 and got.dtype == torch.float32, (tokens, layout)
                 torch.testing.assert_close(got, loop, **BF16)
     # backward: gradients of the grouped forward vs the per-expert loop's
-    x = torch.randn(200, SHAPE["hidden_size"], generator=gen, device="cuda").bfloat16()
-    with torch.no_grad():
-        _, chosen = block.gate(x)
-    grads = []
-    loop = lambda x: experts_contiguous(experts.mlp, x, chosen, experts.num_experts)
-    for run in (lambda x: experts(x, chosen), loop):
-        experts.zero_grad()
-        leaf = x.clone().requires_grad_()
-        run(leaf).square().sum().backward()
-        grads.append((leaf.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()))
-    for a, b in zip(*grads):
+    for a, b in zip(*grads_vs_loop(block, gen)):
         torch.testing.assert_close(a, b, **BF16)
 
 

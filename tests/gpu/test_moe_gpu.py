@@ -26,6 +26,25 @@ def moe_model(mode, seed=0):
     return model
 
 
+def grads_vs_loop(block, gen):
+    """Gradients (input, gate_up_proj, down_proj) of sum(y^2) over 200 random tokens: through the
+    block's experts as they run, then through the per-expert loop."""
+    from onepath.models.moe import experts_contiguous
+
+    experts = block.experts
+    x = torch.randn(200, SHAPE["hidden_size"], generator=gen, device="cuda").bfloat16()
+    with torch.no_grad():
+        _, chosen = block.gate(x)
+    grads = []
+    loop = lambda x: experts_contiguous(experts.mlp, x, chosen, experts.num_experts)
+    for run in (lambda x: experts(x, chosen), loop):
+        experts.zero_grad()
+        leaf = x.clone().requires_grad_()
+        run(leaf).square().sum().backward()
+        grads.append((leaf.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()))
+    return grads
+
+
 @pytest.fixture(autouse=True)
 def moe(monkeypatch):
     monkeypatch.setattr(dense, "model", moe_model)

@@ -1,5 +1,3 @@
-import math
-
 import pytest
 import torch
 
@@ -7,6 +5,7 @@ from onepath.models.batch import ForwardBatch, SeqChunk
 from onepath.numerics.quant import FP8Tensor, quantize_fp8
 from onepath.numerics.spec import FP8_KV
 from onepath.ops import attention as A
+from tests.ops.test_attention_interpret import causal_reference, chunked
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 24, 16   # GQA group of 3; head_dim not a power of two
 SCALE = HEAD_DIM ** -0.5
@@ -60,22 +59,6 @@ def _phases(spec, q, k, v, sizes, gen, window=None):
     return torch.cat(outs)
 
 
-def _chunked(n, size):
-    return [size] * (n // size) + ([n % size] if n % size else [])
-
-
-def _plain(q, k, v, window=None):
-    """Causal GQA attention of one whole sequence in float64."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
-    i, j = torch.arange(q.shape[0])[:, None], torch.arange(q.shape[0])[None, :]
-    allowed = (j <= i) & ((j > i - window) if window else True)
-    weights = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
-    return torch.einsum("hqk,khd->qhd", weights, v)
-
-
 def _batch_drift(spec, gen, trials, decode_share):
     """Largest |probe inside a batch - probe alone| over random batches of 2..16 other sequences of
     1..70 tokens, the probe at a random index. Each sequence (the probe too) is a decode step (one token
@@ -110,7 +93,7 @@ def test_batch_invariant_with_negative_control(consistent, baseline, gen):
 def test_phase_consistent_with_negative_control(consistent, baseline, gen, window):
     n = 70   # spans several KV tiles and blocks, ends mid-block
     q, k, v = _qkv(n, gen)
-    phases = {"decode": [45] + [1] * (n - 45), **{f"chunk {c}": _chunked(n, c) for c in (1, 7, 64)}}
+    phases = {"decode": [45] + [1] * (n - 45), **{f"chunk {c}": chunked(n, c) for c in (1, 7, 64)}}
     prefill = _phases(consistent, q, k, v, [n], gen, window)
     for name, sizes in phases.items():
         assert torch.equal(_phases(consistent, q, k, v, sizes, gen, window), prefill), f"{name} (window {window})"
@@ -125,7 +108,7 @@ def test_values_close_to_float64_reference(consistent, gen, window):
     outs = _one_step_batch(consistent, seqs, gen, window)
     for (q, k, v, start), out in zip(seqs, outs):
         # FP32 dot products of 24 terms and a softmax over <= 70 keys: errors ~1e-6 on O(1) outputs
-        torch.testing.assert_close(out.double(), _plain(q, k, v, window)[start:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.double(), causal_reference(q, k, v, SCALE, window)[start:], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 1, 20])
@@ -135,7 +118,7 @@ def test_baseline_mixed_step_values(baseline, gen, window):
     seqs = [(*_qkv(n, gen), start) for n, start in ((37, 0), (70, 29), (1, 0), (45, 44), (12, 0), (60, 59))]
     outs = _one_step_batch(baseline, seqs, gen, window)
     for (q, k, v, start), out in zip(seqs, outs):
-        torch.testing.assert_close(out.double(), _plain(q, k, v, window)[start:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.double(), causal_reference(q, k, v, SCALE, window)[start:], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 9])
@@ -147,7 +130,7 @@ def test_gradient_is_plain_math(consistent, gen, window):
     A.attention(consistent, q, k, v, *_caches(num_blocks), batch.attn, SCALE, window).backward(g)
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
     bounds = batch.attn.cu_seqlens
-    expected = torch.cat([_plain(q2[s:e], k2[s:e], v2[s:e], window) for s, e in zip(bounds, bounds[1:])])
+    expected = torch.cat([causal_reference(q2[s:e], k2[s:e], v2[s:e], SCALE, window) for s, e in zip(bounds, bounds[1:])])
     expected.backward(g.double())
     for got, want in zip((q.grad, k.grad, v.grad), (q2.grad, k2.grad, v2.grad)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -168,7 +151,7 @@ def test_padded_sdpa_equals_plain_math_and_its_gradient(gen):
     q, k, v = (t.double().requires_grad_() for t in _qkv(sum(lengths), gen))
     out = A.padded_sdpa(q, k, v, batch.attn, SCALE)
     bounds = batch.attn.cu_seqlens
-    expected = torch.cat([_plain(q[s:e], k[s:e], v[s:e], None) for s, e in zip(bounds, bounds[1:])])
+    expected = torch.cat([causal_reference(q[s:e], k[s:e], v[s:e], SCALE, None) for s, e in zip(bounds, bounds[1:])])
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
     g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     got = torch.autograd.grad(out, (q, k, v), g)

@@ -97,6 +97,23 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _tile_offsets(tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  GROUP_M: tl.constexpr, EVEN_M: tl.constexpr):
+    """A tile's coordinates, its rows and columns, and the rows and columns to read."""
+    pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past M are masked (no memory request): reading row 0 in their place made every
+    # program hammer one L2 line at decode (M=1 ran 4x slower than M=64). Columns past N read
+    # column 0; their results are never stored.
+    rows = tl.where(offs_m < M, offs_m, 0)
+    # EVEN_M (every tile full) drops the row mask: a row's values, so its bits, are the same either way.
+    row_ok = (offs_m < M) | EVEN_M
+    cols = tl.where(offs_n < N, offs_n, 0)
+    return pid_m, pid_n, offs_m, offs_n, rows, row_ok, cols
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_ptr,
@@ -114,16 +131,8 @@ def _matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # Rows past M are masked (no memory request): reading row 0 in their place made every
-        # program hammer one L2 line at decode (M=1 ran 4x slower than M=64). Columns past N read
-        # column 0; their results are never stored.
-        rows = tl.where(offs_m < M, offs_m, 0)
-        # EVEN_M (every tile full) drops the row mask: a row's values, so its bits, are the same either way.
-        row_ok = (offs_m < M) | EVEN_M
-        cols = tl.where(offs_n < N, offs_n, 0)
+        pid_m, pid_n, offs_m, offs_n, rows, row_ok, cols = _tile_offsets(
+            tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, EVEN_M)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # One ascending walk over K per tile, one accumulator: the reduction order of a row.

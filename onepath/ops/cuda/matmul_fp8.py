@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from onepath.numerics.quant import FP8Tensor
-from onepath.ops.cuda.matmul import TileConfig, _num_sms, _tile_coords, first_filling
+from onepath.ops.cuda.matmul import TileConfig, _num_sms, _tile_offsets, first_filling
 
 # One K step = one scale group: the partial a scale multiplies is exactly one tl.dot.
 BLOCK_K = 128
@@ -51,12 +51,8 @@ def _matmul_fp8_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=True):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.where(offs_m < M, offs_m, 0)
-        row_ok = offs_m < M
-        cols = tl.where(offs_n < N, offs_n, 0)
+        _, _, offs_m, offs_n, rows, row_ok, cols = _tile_offsets(
+            tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, False)
         w_blocks = cols // W_BLOCK_N
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
