@@ -24,7 +24,7 @@ path a stock engine takes); its chunked prefill and decode read the quantised ca
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor   # [B, max_blocks] cache block ids (padding entries are never read)
     slot_mapping: torch.Tensor   # [T] cache slot where each new token's K/V go
     block_size: int
-    padded_rows: tuple | None = None  # padded_sdpa's (sequences, row maps): made by its first layer, kept
+    # tensors derived from the batch alone (padded_sdpa's row maps, the kernel's query blocks): made by the
+    # first layer, kept for the others
+    derived: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -140,7 +142,7 @@ def padded_sdpa(q, k, v, meta: AttentionMetadata, scale, seqs: list[int] | None 
     seqs = list(range(meta.num_seqs)) if seqs is None else seqs
     lengths = [meta.query_len(b) for b in seqs]
     longest, tokens = max(lengths), sum(lengths)
-    if meta.padded_rows is None or meta.padded_rows[0] != seqs:  # made by the first layer, kept for the others
+    if meta.derived.get("padded_rows", (None,))[0] != seqs:
         count = torch.tensor(lengths, device=q.device)
         first = torch.tensor([meta.cu_seqlens[b] for b in seqs], device=q.device)
         packed = torch.cumsum(count, 0) - count  # each sequence's first row among the selected rows
@@ -148,8 +150,8 @@ def padded_sdpa(q, k, v, meta: AttentionMetadata, scale, seqs: list[int] | None 
         src = local + torch.repeat_interleave(first - packed, count, output_size=tokens)
         dst = local + torch.repeat_interleave(torch.arange(len(seqs), device=q.device) * longest - packed, count,
                                               output_size=tokens)
-        meta.padded_rows = (seqs, src, dst)
-    _, src, dst = meta.padded_rows
+        meta.derived["padded_rows"] = (seqs, src, dst)
+    _, src, dst = meta.derived["padded_rows"]
     every_row = tokens == q.shape[0]
 
     def padded(t):
@@ -271,7 +273,7 @@ def attention(spec: ExecutionSpec, q, k, v, k_cache, v_cache, meta: AttentionMet
         from onepath.ops.cuda.attention import paged_attention
         kernel = lambda q, k, v: paged_attention(q, k_cache, v_cache, meta.positions, meta.query_seq, meta.block_tables,
                                                  scale, sliding_window, o.kv_tile, o.kv_split,
-                                                 max_context=max(meta.context_lens))
+                                                 max_context=max(meta.context_lens), derived=meta.derived)
     elif spec.mode == "consistent":
         kernel = lambda q, k, v: consistent(q, k_cache, v_cache, meta, scale, sliding_window, o.kv_tile, o.row_chunk)
     elif spec.device == "cuda" and meta.num_seqs == q.shape[0]:

@@ -228,9 +228,26 @@ def check_fp8_kv():
         torch.testing.assert_close(alone, unquantised, atol=0.1, rtol=0.1)
 
 
+def check_derived_query_blocks():
+    """The query blocks a batch's first layer computes are kept in `derived` and reused by the next call
+    (same bits); planted wrong blocks in `derived` would be read (the reuse is real)."""
+    gen = torch.Generator().manual_seed(5)
+    seqs = [(*_seq(n, gen), start) for n, start in ((40, 0), (17, 9), (33, 32))]
+    derived = {}
+    first = _batch(_attn(derived=derived), seqs, gen)
+    (key, starts), = derived.items()
+    assert key[0] == "query_blocks" and starts.dtype == torch.int64
+    again = _batch(_attn(derived=derived), seqs, gen)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    derived[key] = starts[:1]  # one program only: every other query block left unwritten
+    planted = _batch(_attn(derived=derived), seqs, gen)
+    assert not all(torch.equal(a, b) for a, b in zip(first, planted))
+
+
 # ---- pytest entry ----
 
-CHECKS = ["check_reference", "check_batch_invariance", "check_phases", "check_control", "check_fp8_kv"]
+CHECKS = ["check_reference", "check_batch_invariance", "check_phases", "check_control", "check_fp8_kv",
+          "check_derived_query_blocks"]
 
 
 @pytest.mark.parametrize("check", CHECKS)

@@ -247,7 +247,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
                     query_seq: torch.Tensor, block_tables: torch.Tensor, scale: float,
                     sliding_window: int | None = None, kv_tile: int = 32, kv_split: int = 256,
                     split_kv: bool | None = None, max_context: int | None = None,
-                    num_stages: int = NUM_STAGES) -> torch.Tensor:
+                    num_stages: int = NUM_STAGES, derived: dict | None = None) -> torch.Tensor:
     """Causal attention of each query over its own sequence's keys in a paged KV cache.
 
     q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (this step's K/V already written), of
@@ -259,7 +259,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     kv_tile and kv_split (keys per tile, keys per split) fix the reduction tree: both sides must agree.
     split_kv picks the launch (None: split-KV when the in-register grid leaves the SMs short of programs);
     max_context (keys, default the block tables' capacity) bounds the split-KV partial buffer;
-    num_stages is the loads' software pipelining depth. Launch and pipelining move no bit.
+    num_stages is the loads' software pipelining depth. Launch and pipelining move no bit. derived: a dict
+    kept with the batch (AttentionMetadata.derived): the query blocks, a function of positions and
+    query_seq alone, are computed by the first layer and reused by the others (a dozen small kernels less
+    per layer).
     Returns [T, H, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -305,7 +308,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     window = sliding_window or NO_WINDOW
     positions = positions.contiguous()
     query_seq = query_seq.contiguous()
-    starts = _query_blocks(positions, query_seq, block_q, block_tables.shape[0])
+    key = ("query_blocks", block_q)
+    starts = derived.get(key) if derived is not None else None
+    if starts is None:
+        starts = _query_blocks(positions, query_seq, block_q, block_tables.shape[0])
+        if derived is not None:
+            derived[key] = starts
     max_context = max_context or block_tables.shape[1] * block_size
     num_splits = triton.cdiv(max_context, kv_split)
     if split_kv is None:
