@@ -109,6 +109,8 @@ class OpSpec:
     reduce_tile: int = 16      # width of one tile of an ordered reduction
     kv_tile: int = 16          # keys per attention tile, absolute positions [i*kv_tile, (i+1)*kv_tile)
     kv_split: int = 256        # keys per split-KV partial (GPU), absolute positions, merged in ascending order
+    q_rows: int | None = None  # attention (GPU): rows (query tokens x group heads) per program, so every
+                               # dot's M; None = the kernel's 64
     weight: QuantSpec | None = None
     act: QuantSpec | None = None
     kv: QuantSpec | None = None
@@ -130,6 +132,8 @@ class OpSpec:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"{name} {v} must be a power of two >= 1")
+        if self.q_rows is not None and (self.q_rows < 16 or self.q_rows & (self.q_rows - 1)):
+            raise ValueError(f"q_rows {self.q_rows} must be a power of two >= 16 (a dot's M), or None for 64")
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +188,12 @@ class ExecutionSpec:
                                  "quantised already: combine presets that quantise different tensors")
             ops[name] = replace(ops[name], **fields)
         return replace(self, ops=ops)
+
+    def with_op(self, name: str, **fields) -> "ExecutionSpec":
+        """This spec with ops[name]'s fields replaced, e.g. with_op("attention", q_rows=16)."""
+        if name not in OPS:
+            raise ValueError(f"op {name!r} is unknown: the operators are {OPS}")
+        return replace(self, ops={**self.ops, name: replace(self.ops[name], **fields)})
 
     def op(self, name: str) -> OpSpec:
         return self.ops[name]

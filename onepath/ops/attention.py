@@ -273,7 +273,8 @@ def attention(spec: ExecutionSpec, q, k, v, k_cache, v_cache, meta: AttentionMet
         from onepath.ops.cuda.attention import paged_attention
         kernel = lambda q, k, v: paged_attention(q, k_cache, v_cache, meta.positions, meta.query_seq, meta.block_tables,
                                                  scale, sliding_window, o.kv_tile, o.kv_split,
-                                                 max_context=max(meta.context_lens), derived=meta.derived)
+                                                 max_context=max(meta.context_lens), derived=meta.derived,
+                                                 block_m=o.q_rows)
     elif spec.mode == "consistent":
         kernel = lambda q, k, v: consistent(q, k_cache, v_cache, meta, scale, sliding_window, o.kv_tile, o.row_chunk)
     elif spec.device == "cuda" and meta.num_seqs == q.shape[0]:

@@ -1,10 +1,13 @@
 """The Triton paged attention kernel on the GPU (BF16, paged cache, non-contiguous random block tables):
 a probe's bits alone == inside batches of 2..32 sequences of 1..3000 tokens; prefill == chunked prefill
 (7, 64, 512) == decode token by token; in-register == split-KV launch; sliding window; run-to-run
-determinism; values within 1e-2 + 1e-2|ref| of an FP32 reference. Negative controls: SDPA flash's
+determinism, with the kernel's 64 rows per program and the spec's alternative 16 (attention.q_rows);
+values within 1e-2 + 1e-2|ref| of an FP32 reference. Negative controls: SDPA flash's
 prefill last row differs from its decode, and a split-KV whose split count follows the batch differs
 from itself."""
 import math
+import sys
+from functools import partial
 
 import pytest
 import torch
@@ -68,8 +71,13 @@ def _random_seq(shape, gen, cuda_gen):
     return (*_seq(n, shape, cuda_gen), start)
 
 
+ROWS = [None, 16]  # the spec's attention.q_rows: the kernel's 64 (wgmma) and 16 (mma.sync)
+
+
+@pytest.mark.parametrize("rows", ROWS, ids=lambda r: f"rows{r or 64}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"H{s[0]}-Hkv{s[1]}-D{s[2]}")
-def test_alone_equals_batch(shape):
+def test_alone_equals_batch(shape, rows, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "attn", partial(attn, block_m=rows))
     gen, cuda_gen = torch.Generator().manual_seed(0), torch.Generator(DEVICE).manual_seed(0)
     for trial in range(TRIALS):
         window = WINDOWS[trial]
@@ -89,9 +97,11 @@ def test_alone_equals_batch(shape):
             assert torch.equal(_batch(batch, gen, window, split_kv=True)[at], alone)
 
 
+@pytest.mark.parametrize("rows", ROWS, ids=lambda r: f"rows{r or 64}")
 @pytest.mark.parametrize("window", [None, 200])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"H{s[0]}-Hkv{s[1]}-D{s[2]}")
-def test_prefill_equals_chunks_equals_decode(shape, window):
+def test_prefill_equals_chunks_equals_decode(shape, window, rows, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "attn", partial(attn, block_m=rows))
     gen, cuda_gen = torch.Generator().manual_seed(1), torch.Generator(DEVICE).manual_seed(1)
     q, k, v = _seq(PHASE_LEN, shape, cuda_gen)
     scale = shape[2] ** -0.5

@@ -104,3 +104,14 @@ def test_quantised_tensors_only_where_an_op_has_them():
         ExecutionSpec(ops={"linear": OpSpec(kv=FP8_KV)})
     with pytest.raises(ValueError, match="router_placement 'before_combine' is unknown"):
         OpSpec(router_placement="before_combine")
+
+
+def test_attention_rows_are_part_of_the_contract():
+    spec = ExecutionSpec.default("consistent", "cuda")
+    rows16 = spec.with_op("attention", q_rows=16)
+    assert rows16.op("attention").q_rows == 16 and spec.op("attention").q_rows is None
+    assert rows16.hash() != spec.hash() and rows16.op("linear") == spec.op("linear")
+    with pytest.raises(ValueError, match="q_rows 24 must be a power of two >= 16"):
+        spec.with_op("attention", q_rows=24)
+    with pytest.raises(ValueError, match="op 'attn' is unknown"):
+        spec.with_op("attn", q_rows=16)

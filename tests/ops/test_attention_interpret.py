@@ -6,6 +6,7 @@ because TRITON_INTERPRET must be set before triton is imported. The helpers buil
 tests/gpu/test_attention_gpu.py too."""
 import copy
 import math
+from functools import partial
 import os
 import subprocess
 import sys
@@ -115,6 +116,10 @@ def _attn(**fixed):
     return lambda *a, **kw: paged_attention(*a, kv_tile=KV_TILE, kv_split=KV_SPLIT, **fixed, **kw)
 
 
+def _attn_rows(rows, **fixed):
+    return _attn(block_m=rows, **fixed)
+
+
 def _fill(seqs, gen, kv=None):
     """seqs: (q, k, v, start); tokens start.. are this step's chunk over the cached prefix.
     Returns the cache holding every sequence's K/V and the chunks (q, start, table)."""
@@ -155,7 +160,8 @@ def check_reference():
                 torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def check_batch_invariance():
+def check_batch_invariance(rows=None):
+    _attn = partial(_attn_rows, rows)
     gen = torch.Generator().manual_seed(1)
     for trial in range(4):
         window = (None, 7)[trial % 2]
@@ -174,7 +180,8 @@ def check_batch_invariance():
             assert torch.equal(_batch(_attn(split_kv=split), batch, gen, window)[at], alone[False]), (trial, split)
 
 
-def check_phases():
+def check_phases(rows=None):
+    _attn = partial(_attn_rows, rows)
     gen = torch.Generator().manual_seed(2)
     for window in (None, 9):
         q, k, v = _seq(40, gen)
@@ -191,6 +198,15 @@ def check_phases():
         torch.testing.assert_close(first.double(), causal_reference(q, k, v, SCALE, window), atol=1e-5, rtol=1e-5)
         for key, out in runs.items():
             assert torch.equal(out, first), (window, key)
+
+
+def check_batch_invariance_16_rows():
+    """The spec's attention.q_rows = 16 (tl.dot with M = 16): the same guarantees."""
+    check_batch_invariance(16)
+
+
+def check_phases_16_rows():
+    check_phases(16)
 
 
 def check_control():
@@ -247,7 +263,7 @@ def check_derived_query_blocks():
 # ---- pytest entry ----
 
 CHECKS = ["check_reference", "check_batch_invariance", "check_phases", "check_control", "check_fp8_kv",
-          "check_derived_query_blocks"]
+          "check_derived_query_blocks", "check_batch_invariance_16_rows", "check_phases_16_rows"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -258,3 +274,30 @@ def test_interpreted(check):
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+
+
+@pytest.mark.parametrize("rows", [16, 64])
+def test_kernel_builds_for_sm90(rows):
+    """The launches the spec can ask for build for the H200 (the Triton wheel's ptxas, no GPU): BF16,
+    Qwen3's GQA group of 2 and head_dim 128, kv_tile 32, within the 227 KiB of shared memory; 64 rows
+    run on wgmma, 16 on mma.sync (Hopper's wgmma takes M >= 64)."""
+    from onepath.ops.cuda import attention as A
+    from tests.interpret import SM90_SHARED_BYTES, compile_sm90
+
+    ptrs = ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
+    ints = ("num_tokens", "window", "num_splits", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb",
+            "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_table", "stride_ksb",
+            "stride_kss", "stride_ksh", "stride_vsb", "stride_vss", "stride_vsh")
+    sig = {**{p: "*bf16" for p in ptrs}, "ks_ptr": "*bf16", "vs_ptr": "*bf16", "pos_ptr": "*i64", "seq_ptr": "*i64",
+           "table_ptr": "*i32", "starts_ptr": "*i64", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
+           "part_l_ptr": "*fp32", "qk_scale": "fp32", **{n: "i32" for n in ints}}
+    bad = []
+    for split in (False, True):
+        consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=32, SPLIT_TILES=8,
+                      BLOCK_M=rows, BLOCK_Q=min(rows // 2, 32), SPLIT=split, FP8_KV=False)
+        config = type("Launch", (), dict(num_warps=A.NUM_WARPS, num_stages=A.NUM_STAGES))
+        ptx, shared = compile_sm90(A._paged_attention_kernel, sig, consts, ptrs + ("stride_qt", "stride_ot"), config)
+        mma = "wgmma.mma_async" in ptx if rows >= 64 else ("mma.sync" in ptx and "wgmma" not in ptx)
+        if shared > SM90_SHARED_BYTES or not mma:
+            bad.append((split, shared, "wgmma" in ptx, "mma.sync" in ptx))
+    assert not bad, f"(split, shared bytes, wgmma, mma.sync): {bad}"

@@ -44,6 +44,8 @@ import triton.language as tl
 from onepath.numerics.quant import FP8Tensor
 
 # Rows (query tokens x group heads) per program: one shape for every launch, so every dot is the same.
+# The spec may set another (OpSpec.q_rows): fewer rows waste less of a decode program (one token, its
+# group's heads), at the price of more programs re-reading K/V in prefill; 64 is Hopper's wgmma M.
 BLOCK_M = 64
 # Fixes the MMA layout, hence the order of a row's max and sum inside a tile: one value for both launches.
 NUM_WARPS = 4
@@ -247,7 +249,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
                     query_seq: torch.Tensor, block_tables: torch.Tensor, scale: float,
                     sliding_window: int | None = None, kv_tile: int = 32, kv_split: int = 256,
                     split_kv: bool | None = None, max_context: int | None = None,
-                    num_stages: int = NUM_STAGES, derived: dict | None = None) -> torch.Tensor:
+                    num_stages: int = NUM_STAGES, derived: dict | None = None,
+                    block_m: int | None = None) -> torch.Tensor:
     """Causal attention of each query over its own sequence's keys in a paged KV cache.
 
     q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (this step's K/V already written), of
@@ -256,7 +259,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     query_seq [T] the query's row in block_tables [B, max_blocks]; a sequence's queries are contiguous
     in T at consecutive positions (an engine chunk, a training sequence); queries that are not are
     left unwritten. Key at position j lives at slot block_tables[seq, j // block_size] * block_size + j % block_size.
-    kv_tile and kv_split (keys per tile, keys per split) fix the reduction tree: both sides must agree.
+    kv_tile and kv_split (keys per tile, keys per split) fix the reduction tree, block_m (rows per program,
+    default BLOCK_M; the spec's attention.q_rows) every dot's shape: both sides must agree on all three.
     split_kv picks the launch (None: split-KV when the in-register grid leaves the SMs short of programs);
     max_context (keys, default the block tables' capacity) bounds the split-KV partial buffer;
     num_stages is the loads' software pipelining depth. Launch and pipelining move no bit. derived: a dict
@@ -302,7 +306,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     q = q if q.stride(-1) == 1 else q.contiguous()
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_m = max(BLOCK_M, group_pad)
+    if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
+        raise ValueError(f"paged_attention: block_m {block_m} must be a power of two >= 16 (a tl.dot dimension)")
+    block_m = max(block_m or BLOCK_M, group_pad)
     block_q = min(block_m // group_pad, kv_tile)
     d_pad = max(16, triton.next_power_of_2(head_dim))
     window = sliding_window or NO_WINDOW
