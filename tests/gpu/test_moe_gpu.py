@@ -6,6 +6,7 @@ give equal rows. Baseline negative controls."""
 import pytest
 import torch
 
+from onepath.consistency.diff import is_exact
 from onepath.models import build_decoder
 from onepath.models.config import ModelConfig
 from onepath.numerics.spec import ExecutionSpec
@@ -20,8 +21,9 @@ SHAPE = dict(vocab_size=1000, hidden_size=512, intermediate_size=1024, moe_inter
              eos_token_id=2)
 
 
-def moe_model(mode, seed=0):
-    model = build_decoder(ModelConfig(**SHAPE), Ops(ExecutionSpec.default(mode, "cuda")), max_positions=1024)
+def moe_model(mode, seed=0, quant=None):
+    spec = ExecutionSpec.default(mode, "cuda", quant=quant)
+    model = build_decoder(ModelConfig(**SHAPE), Ops(spec), max_positions=1024)
     model.init_weights(seed, std=0.05)
     return model
 
@@ -56,6 +58,14 @@ def test_alone_equals_batch_moe_gpu():
 
 def test_negative_control_baseline_moe_gpu():
     assert not all(dense.alone_vs_batches("baseline"))
+
+
+def test_fp8_experts_alone_equals_batch_and_trainer_equals_engine_moe_gpu(monkeypatch):
+    """Block-FP8 W8A8 everywhere, the experts included (per-token activation groups, the same in the
+    engine's masked and the trainer's contiguous layout): alone == batch, trainer == engine over updates."""
+    monkeypatch.setattr(dense, "model", lambda mode, seed=0: moe_model(mode, seed, quant="fp8"))
+    assert all(dense.alone_vs_batches("consistent"))
+    assert all(is_exact(d) for d in dense.trainer_diffs("consistent"))
 
 
 def test_chunked_prefill_and_preemption_moe_gpu():
