@@ -29,6 +29,7 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 from queue import Empty
 
 import torch
@@ -175,9 +176,12 @@ def pseudo_rewards(completions: list[list[int]]) -> torch.Tensor:
 
 
 def run_pairing(rollout: str, trainer: str, mode: str, device: str, steps: int, prompts_per_step: int,
-                group: int = 4, model: str = "dense", keep_weights: bool = False) -> list[dict]:
+                group: int = 4, model: str = "dense", keep_weights: bool = False,
+                progress: str | None = None) -> list[dict]:
     """`steps` RL steps; each step's report per rank. Rank 0's carries the digest of the trained
-    weights and with keep_weights, at the last step, the weights themselves (flat FP32, numpy)."""
+    weights and with keep_weights, at the last step, the weights themselves (flat FP32, numpy). With a
+    `progress` path, rank 0 appends each step's report to it as a JSON line as soon as the step ends
+    (a run cut short keeps its finished steps)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if "ep" in (rollout, trainer) and model != "moe":
         raise ValueError(f"layout ep (rollout={rollout}, trainer={trainer}) splits experts: use --model moe")
@@ -239,6 +243,11 @@ def run_pairing(rollout: str, trainer: str, mode: str, device: str, steps: int, 
                                          "gen_seconds": seconds, **{k: float(v) for k, v in metrics.items()}})
         history.append({"step": step, "ranks": reports})
         if rank == 0:  # progress: a run that stalls shows where
+            if progress:
+                line = {"pairing": f"rollout={rollout},trainer={trainer}", "step": step,
+                        "ranks": [{k: v for k, v in r.items() if k != "weights_vector"} for r in reports]}
+                with open(progress, "a") as f:
+                    f.write(json.dumps(line) + "\n")
             exact = all(r["exact"] for r in reports if r["trains"])
             print(f"rollout={rollout},trainer={trainer} step {step}: generated "
                   f"{sum(r['generated'] for r in reports)} tokens in {max(r['gen_seconds'] for r in reports):.1f} s, "
@@ -331,7 +340,8 @@ def digest(weights: torch.Tensor | None) -> str | None:
 
 
 def worker(rank: int, world: int, device: str, mode: str, steps: int, prompts_per_step: int, port: int, queue,
-           model: str = "dense", layouts: list[tuple[str, str]] | None = None, keep_weights: bool = False):
+           model: str = "dense", layouts: list[tuple[str, str]] | None = None, keep_weights: bool = False,
+           progress: str | None = None):
     os.environ.update(NO_MULTICAST)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cuda":
@@ -346,7 +356,8 @@ def worker(rank: int, world: int, device: str, mode: str, steps: int, prompts_pe
         for rollout, trainer in layouts or pairings(model):
             results[f"rollout={rollout},trainer={trainer}"] = run_pairing(rollout, trainer, mode, device, steps,
                                                                           prompts_per_step, model=model,
-                                                                          keep_weights=keep_weights)
+                                                                          keep_weights=keep_weights,
+                                                                          progress=progress)
         if rank == 0:
             queue.put(results)
         # nobody leaves while another rank still talks to it (gloo aborts a process whose peer vanished)
@@ -363,15 +374,17 @@ def free_port() -> int:
 
 def run(world: int = 2, device: str = "cpu", mode: str = "consistent", steps: int = 2,
         prompts_per_step: int = 4, port: int | None = None, model: str = "dense",
-        layouts: list[tuple[str, str]] | None = None, keep_weights: bool = False) -> dict:
+        layouts: list[tuple[str, str]] | None = None, keep_weights: bool = False,
+        progress: str | None = None) -> dict:
     """Each (rollout, trainer) layout pair (default: every pairing for `model`) on `world` processes;
-    returns the per-step reports of each."""
+    returns the per-step reports of each (and appends them to `progress` as they end, see run_pairing)."""
     os.environ.update(NO_MULTICAST)
     port = port or free_port()
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     workers = torch.multiprocessing.start_processes(
-        worker, args=(world, device, mode, steps, prompts_per_step, port, queue, model, layouts, keep_weights),
+        worker, args=(world, device, mode, steps, prompts_per_step, port, queue, model, layouts, keep_weights,
+                      progress),
         nprocs=world, join=False, start_method="spawn")
     return collect(workers, queue)
 
@@ -407,7 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     start = time.perf_counter()
-    results = run(args.world, args.device, args.mode, args.steps, args.prompts_per_step, model=args.model)
+    progress = None
+    if args.out:  # each step as it ends, beside the final JSON: a run cut short keeps its finished steps
+        progress = args.out + ".steps.jsonl"
+        Path(progress).unlink(missing_ok=True)
+    results = run(args.world, args.device, args.mode, args.steps, args.prompts_per_step, model=args.model,
+                  progress=progress)
     record = {"command": "python -m onepath.train.distributed " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "world": args.world,
               "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "mode": args.mode,

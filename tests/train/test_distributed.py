@@ -1,18 +1,25 @@
 """Several processes (gloo on the CPU): every pairing of rollout layout (dp replicas, single) and trainer
 layout (fsdp shards, single) keeps diff = 0 over RL steps with weight sync; baseline differs. The MoE
 model adds expert parallelism (ep) on either side, at 2 and 4 processes."""
+import json
+
 import torch
 
 from onepath.train.distributed import all_exact, run
 
 
-def test_every_layout_pairing_keeps_diff_exactly_zero():
-    results = run(world=2, device="cpu", mode="consistent", steps=2, prompts_per_step=4)
+def test_every_layout_pairing_keeps_diff_exactly_zero(tmp_path):
+    progress = tmp_path / "steps.jsonl"
+    results = run(world=2, device="cpu", mode="consistent", steps=2, prompts_per_step=4, progress=str(progress))
     assert len(results) == 4
     for name, history in results.items():
         trainers = [r for step in history for r in step["ranks"] if r["trains"]]
         assert trainers and all(r["rollout_corr/valid_tokens"] > 0 for r in trainers), name
     assert all_exact(results), results
+    # every step was also written as it ended, the same report
+    lines = [json.loads(line) for line in progress.read_text().splitlines()]
+    assert [(line["pairing"], line["step"]) for line in lines] == [(name, s) for name in results for s in range(2)]
+    assert all(line["ranks"] == results[line["pairing"]][line["step"]]["ranks"] for line in lines)
 
 
 def test_negative_control_baseline_layouts_differ():
