@@ -77,7 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="consistent,baseline")
     p.add_argument("--quants", default="none", help="comma list of quant presets, each profiled in every mode "
                                                   "(none: BF16; e.g. fp8, fp8_kv, fp8+fp8_kv)")
-    p.add_argument("--attention-rows", type=int, default=None, help="spec attention.q_rows (default 64)")
+    p.add_argument("--spec", action="append", default=[], metavar="OP.FIELD=VALUE",
+                   help="kernel settings for both modes, e.g. attention.q_rows=16 attention.kv_tile=64")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--prompt", type=int, default=150)
     p.add_argument("--steps", type=int, default=10)
@@ -90,8 +91,7 @@ def main(argv=None) -> int:
                   options=vars(args), modes={})
     for mode, quant in [(m, q) for m in args.modes.split(",") for q in args.quants.split(",")]:
         spec = ExecutionSpec.default(mode, "cuda", quant=None if quant == "none" else quant)
-        if args.attention_rows:
-            spec = spec.with_op("attention", q_rows=args.attention_rows)
+        spec = spec.with_settings(args.spec)
         model = build_decoder(config, Ops(spec), max_positions=args.max_model_len)
         model.init_weights(0)
         name = mode if quant == "none" else f"{mode}+{quant}"

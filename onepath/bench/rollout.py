@@ -61,8 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--quant", default=None, help="low-precision presets for both modes, e.g. fp8+fp8_kv")
-    p.add_argument("--attention-rows", type=int, default=None,
-                   help="the consistent attention kernel's rows per program (spec attention.q_rows; default 64)")
+    p.add_argument("--spec", action="append", default=[], metavar="OP.FIELD=VALUE",
+                   help="kernel settings for both modes, e.g. attention.q_rows=16 attention.kv_tile=64")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/rollout-MODELS-DEVICE.json)")
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default 256)")
@@ -190,8 +190,7 @@ def build_engine(config: ModelConfig, mode: str, state: dict, max_model_len: int
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     spec = ExecutionSpec.default(mode, args.device, quant=args.quant)
-    if args.attention_rows:
-        spec = spec.with_op("attention", q_rows=args.attention_rows)
+    spec = spec.with_settings(args.spec)
     model = build_decoder(config, Ops(spec), max_positions=max_model_len)
     model.load_hf_state_dict(state)
     accepted = inspect.signature(LLMEngine).parameters

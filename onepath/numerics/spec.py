@@ -99,6 +99,10 @@ QUANT_PRESETS = {
 }
 
 
+# OpSpec's integer fields, settable by name (ExecutionSpec.with_settings, the benches' --spec)
+SETTABLE = ("row_chunk", "reduce_tile", "kv_tile", "kv_split", "q_rows")
+
+
 @dataclass(frozen=True, slots=True)
 class OpSpec:
     """How one operator computes: storage dtype, accumulation dtype, the fixed tiles its reductions use,
@@ -194,6 +198,23 @@ class ExecutionSpec:
         if name not in OPS:
             raise ValueError(f"op {name!r} is unknown: the operators are {OPS}")
         return replace(self, ops={**self.ops, name: replace(self.ops[name], **fields)})
+
+    def with_settings(self, settings: list[str]) -> "ExecutionSpec":
+        """This spec with "op.field=value" settings applied (e.g. "attention.q_rows=16",
+        "attention.kv_tile=64"): the integer fields of OpSpec, or null; quantisation is the presets' job."""
+        spec = self
+        for item in settings:
+            key, _, value = item.partition("=")
+            name, _, fname = key.partition(".")
+            try:
+                parsed = None if value.lower() in ("null", "none") else int(value)
+            except ValueError:
+                parsed = ...
+            if fname not in SETTABLE or parsed is ...:
+                raise ValueError(f"spec setting {item!r} is not op.field=value with an integer field "
+                                 f"({', '.join(SETTABLE)}), e.g. attention.q_rows=16")
+            spec = spec.with_op(name, **{fname: parsed})
+        return spec
 
     def op(self, name: str) -> OpSpec:
         return self.ops[name]

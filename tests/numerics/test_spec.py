@@ -115,3 +115,11 @@ def test_attention_rows_are_part_of_the_contract():
         spec.with_op("attention", q_rows=24)
     with pytest.raises(ValueError, match="op 'attn' is unknown"):
         spec.with_op("attn", q_rows=16)
+    # by name, as the benches' --spec takes them
+    assert spec.with_settings(["attention.q_rows=16"]) == rows16
+    both = spec.with_settings(["attention.q_rows=16", "attention.kv_tile=64"])
+    assert both.op("attention").kv_tile == 64
+    assert both.with_settings(["attention.q_rows=null"]).op("attention").q_rows is None
+    for bad in ("attention.q_rows", "attention.dtype=bfloat16", "q_rows=16", "attention.q_rows=many"):
+        with pytest.raises(ValueError, match="is not op.field=value with an integer field"):
+            spec.with_settings([bad])
