@@ -233,11 +233,11 @@ def run_pairing(rollout: str, trainer: str, mode: str, device: str, steps: int, 
             loss, _ = policy_loss(lp, lp.detach(), advantages, mask, 0.2)
             actor.update(loss)
         sync(engine, actor, rollout, trainer, names)
-        weights = trained_weights(actor, trainer, names)
-        kept = {"weights_vector": weights.numpy()} if keep_weights and weights is not None and step == steps - 1 else {}
+        digest, weights = trained_weights(actor, trainer, names, flat=keep_weights and step == steps - 1)
+        kept = {"weights_vector": weights.numpy()} if weights is not None else {}
         reports = [None] * world
         dist.all_gather_object(reports, {"rank": rank, "exact": bool(metrics) and is_exact(metrics),
-                                         "weights": digest(weights), **kept,
+                                         "weights": digest, **kept,
                                          "trains": trains, "generated": sum(len(o.token_ids) for o in local),
                                          "engine_steps": engine_steps,
                                          "gen_seconds": seconds, **{k: float(v) for k, v in metrics.items()}})
@@ -317,26 +317,30 @@ def sync(engine: LLMEngine | None, actor: Actor | None, rollout: str, trainer: s
 
 
 @torch.no_grad()
-def trained_weights(actor: Actor | None, trainer: str, names: list[str]) -> torch.Tensor | None:
-    """The trained weights in `names` order, flattened to FP32 (exact for BF16 and FP32), on rank 0;
-    an ep trainer's experts are gathered from their owners."""
+def trained_weights(actor: Actor | None, trainer: str, names: list[str],
+                    flat: bool = False) -> tuple[str | None, torch.Tensor | None]:
+    """On rank 0: the sha256 of the trained weights' bytes, in `names` order, each tensor in its own dtype
+    (equal digests are bitwise equal weights), and with `flat` the weights flattened to FP32 (exact for
+    BF16 and FP32); (None, None) on the other ranks. An ep trainer's experts are gathered from their owners.
+    The hash reads each tensor once on the host, with no concatenated copy."""
     experts = set(actor.model.expert_slices()) if trainer == "ep" else set()
     params = dict(actor.model.named_parameters()) if actor is not None else {}
-    flat = []
+    rank0 = dist.get_rank() == 0
+    sha, parts = hashlib.sha256(), []
     for name in names:
         tensor = params.get(name)
         if name in experts:
-            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, tensor)
-            tensor = torch.cat(parts)
-        if dist.get_rank() == 0:
-            flat.append(tensor.float().flatten().cpu())
-    return torch.cat(flat) if flat else None
-
-
-def digest(weights: torch.Tensor | None) -> str | None:
-    """sha256 of the weights' bytes: equal digests are bitwise equal weights."""
-    return None if weights is None else hashlib.sha256(weights.numpy().tobytes()).hexdigest()
+            gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, tensor)
+            tensor = torch.cat(gathered)
+        if rank0:
+            host = tensor.detach().contiguous().cpu()
+            sha.update(host.view(torch.uint8).numpy())
+            if flat:
+                parts.append(host.float().flatten())
+    if not rank0:
+        return None, None
+    return sha.hexdigest(), (torch.cat(parts) if flat else None)
 
 
 def worker(rank: int, world: int, device: str, mode: str, steps: int, prompts_per_step: int, port: int, queue,
