@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
 
-from onepath.bench.results import environment, save_json  # noqa: E402
+from onepath.bench.results import environment, kernel_us, save_json  # noqa: E402
 from onepath.ops.cuda.matmul import _num_sms, _tile_coords  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 6144, 2048), (8192, 2048, 8192)]  # (M, N, K)
@@ -286,14 +286,12 @@ def run_variant(qa, qw, v: Variant, out_dtype=torch.bfloat16):
 
 
 def run(args) -> None:
-    import triton.testing
-
     from onepath.numerics.quant import quantize_fp8
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
     from onepath.ops.cuda.matmul import matmul
     from onepath.ops.cuda.matmul_fp8 import matmul_fp8
 
-    t = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=args.rep_ms, return_mode="median") * 1e3
+    t = lambda fn: kernel_us(fn, args.rep_ms)
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = []
     for m, n, k in SHAPES:

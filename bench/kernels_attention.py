@@ -21,19 +21,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
 
-from onepath.bench.results import environment, save_json  # noqa: E402
+from onepath.bench.results import KERNEL_TIMING, environment, kernel_us, save_json  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 DECODE_BATCH = [1, 8, 32, 64, 128, 256]
 DECODE_CONTEXT = [512, 1024, 2048, 4096]
 PREFILL = [(8, 2048), (1, 8192), (32, 512)]
 CEILINGS = {"bf16_gemm_tflops_cublas_8192": 789, "device_copy_tb_s": 4.2}
-
-
-def _time_us(fn, rep_ms):
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3
 
 
 def _paged(lengths, gen):
@@ -104,14 +98,14 @@ def decode(args, A, gen):
             q, k_cache, v_cache, positions, seqs, tables, kd, vd = _inputs(batch, length, 1, gen)
             scale = HEAD_DIM ** -0.5
             qd = q[:, :, None]
-            flash = _time_us(lambda: _flash(qd, kd, vd, False), args.rep_ms)
+            flash = kernel_us(lambda: _flash(qd, kd, vd, False), args.rep_ms)
             ref = _flash(qd, kd, vd, False)[:, :, 0].float()
             moved = 2 * batch * length * KV_HEADS * HEAD_DIM * 2
             for name, kw in _variants(args):
                 for launch, split in (("split-KV", True), ("in-register", False)):
                     fn = lambda: _call(A, kw, q, k_cache, v_cache, positions, seqs, tables, scale,
                                        split_kv=split, max_context=length)
-                    us = _time_us(fn, args.rep_ms)
+                    us = kernel_us(fn, args.rep_ms)
                     err = (fn().float() - ref).abs().max().item()
                     rows.append(dict(batch=batch, context=length, variant=name, launch=launch, us=us,
                                      flash_us=flash, speed_vs_flash=flash / us, gb_s=moved / us * 1e-3,
@@ -131,12 +125,12 @@ def prefill(args, A, gen):
         q, k_cache, v_cache, positions, seqs, tables, kd, vd = _inputs(batch, length, length, gen)
         scale = HEAD_DIM ** -0.5
         qd = q.view(batch, length, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
-        flash = _time_us(lambda: _flash(qd, kd, vd, True), args.rep_ms)
+        flash = kernel_us(lambda: _flash(qd, kd, vd, True), args.rep_ms)
         ref = _flash(qd, kd, vd, True).transpose(1, 2).reshape(-1, HEADS, HEAD_DIM).float()
         flops = 4.0 * batch * length * (length + 1) / 2 * HEADS * HEAD_DIM
         for name, kw in _variants(args):
             fn = lambda: _call(A, kw, q, k_cache, v_cache, positions, seqs, tables, scale, max_context=length)
-            us = _time_us(fn, args.rep_ms)
+            us = kernel_us(fn, args.rep_ms)
             err = (fn().float() - ref).abs().max().item()
             rows.append(dict(batch=batch, length=length, variant=name, us=us, flash_us=flash,
                              speed_vs_flash=flash / us, tflops=flops / us * 1e-6, flash_tflops=flops / flash * 1e-6,
@@ -156,7 +150,7 @@ def run(args) -> dict:
     prefill_rows = prefill(args, A, gen)
     return dict(
         environment("cuda"), sms=torch.cuda.get_device_properties(0).multi_processor_count,
-        command="python " + " ".join(sys.argv), timing="triton.testing.do_bench median, L2 flushed",
+        command="python " + " ".join(sys.argv), timing=KERNEL_TIMING,
         shape=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK, dtype="bfloat16"),
         contract=dict(kv_tile=32, kv_split=inspect.signature(A.paged_attention).parameters["kv_split"].default,
                       num_warps=A.NUM_WARPS, block_m=A.BLOCK_M),

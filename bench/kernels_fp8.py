@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
 
-from onepath.bench.results import environment, save_json  # noqa: E402
+from onepath.bench.results import KERNEL_TIMING, environment, kernel_us, save_json  # noqa: E402
 
 # (name, K, N): square and MLP projections of the target models
 SHAPES = [("square 4096x4096", 4096, 4096), ("mlp 2048->6144", 2048, 6144), ("mlp 4096->11008", 4096, 11008),
@@ -30,11 +30,6 @@ SHAPES = [("square 4096x4096", 4096, 4096), ("mlp 2048->6144", 2048, 6144), ("ml
 TRAIN_MS = [4096, 8192]
 DECODE_MS = [1, 64, 256]
 TARGET_TRAIN = 1.6
-
-
-def _time_us(fn, rep_ms: int) -> float:
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3
 
 
 def run(args) -> dict:
@@ -56,11 +51,11 @@ def run(args) -> dict:
             x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
             qa = quantize_fp8(x, FP8_ACT)
             flops = 2.0 * m * n * k
-            t = dict(bf16_ours=_time_us(lambda: matmul(x, w), args.rep_ms),
-                     bf16_cublas=_time_us(lambda: F.linear(x, w), args.rep_ms),
-                     fp8_gemm=_time_us(lambda: matmul_fp8(qa, qw), args.rep_ms),
-                     fp8_quant_act=_time_us(lambda: quantize_fp8(x, FP8_ACT), args.rep_ms),
-                     fp8_linear=_time_us(lambda: matmul_fp8(quantize_fp8(x, FP8_ACT), qw), args.rep_ms))
+            t = dict(bf16_ours=kernel_us(lambda: matmul(x, w), args.rep_ms),
+                     bf16_cublas=kernel_us(lambda: F.linear(x, w), args.rep_ms),
+                     fp8_gemm=kernel_us(lambda: matmul_fp8(qa, qw), args.rep_ms),
+                     fp8_quant_act=kernel_us(lambda: quantize_fp8(x, FP8_ACT), args.rep_ms),
+                     fp8_linear=kernel_us(lambda: matmul_fp8(quantize_fp8(x, FP8_ACT), qw), args.rep_ms))
             cfg = pick_config(m, n, sms)
             row = dict(shape=name, K=k, N=n, M=m, phase="train" if m in TRAIN_MS else "decode",
                        fp8_config=f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}",
@@ -81,7 +76,7 @@ def run(args) -> dict:
                    meets_target=min(train) >= TARGET_TRAIN)
     print(summary)
     return dict(environment("cuda"), command="python " + " ".join(sys.argv),
-                timing="triton.testing.do_bench median, L2 flushed", rows=rows, summary=summary)
+                timing=KERNEL_TIMING, rows=rows, summary=summary)
 
 
 def main():

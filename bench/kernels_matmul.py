@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
 
-from onepath.bench.results import environment, save_json  # noqa: E402
+from onepath.bench.results import KERNEL_TIMING, environment, kernel_us, save_json  # noqa: E402
 
 # (name, K, N, out_dtype): the MLP and attention projections of the target models, and an LM head.
 SHAPES = [
@@ -50,11 +50,7 @@ GRAPH = False  # --graph: time CUDA-graph replays (no Python launch cost; L2 not
 
 
 def _time_us(fn, rep_ms):
-    import triton.testing
-
-    if GRAPH:
-        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
-    return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3
+    return kernel_us(fn, rep_ms, graph=GRAPH)
 
 
 def _sweep_configs():
@@ -118,7 +114,7 @@ def run(args) -> dict:
         torch.cuda.empty_cache()
     return dict(
         environment("cuda"), sms=sms, command="python " + " ".join(sys.argv),
-        timing="do_bench_cudagraph median (graph replay, L2 not flushed)" if GRAPH else "triton.testing.do_bench median, L2 flushed",
+        timing="do_bench_cudagraph median (graph replay, L2 not flushed)" if GRAPH else KERNEL_TIMING,
         ceilings=CEILINGS, rows=rows, sweep=sweep,
     )
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
 
-from onepath.bench.results import environment, print_table, save_json  # noqa: E402
+from onepath.bench.results import KERNEL_TIMING, environment, kernel_us, print_table, save_json  # noqa: E402
 
 HIDDEN, MOE_INTERMEDIATE, NUM_EXPERTS, TOP_K = 2048, 768, 128, 8
 # (name, N, K, out dtype): the fused gate/up projection and the down projection (FP32 out, as ops.expert_down)
@@ -62,18 +62,16 @@ def stock_us(time_us, fn) -> float | None:
 
 
 def run(args) -> dict:
-    import triton.testing
-
     from onepath.ops.cuda.grouped_matmul import grouped_matmul, pick_grouped_config
     from onepath.ops.cuda.matmul import _num_sms, matmul
 
-    time_us = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=args.rep_ms, return_mode="median") * 1e3
+    time_us = lambda fn: kernel_us(fn, args.rep_ms)
     sms = _num_sms(torch.device("cuda"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     grouped_mm = stock_grouped_mm()
     result = dict(environment("cuda"), command="python bench/kernels_moe.py " + " ".join(sys.argv[1:]),
                   shape=dict(hidden=HIDDEN, moe_intermediate=MOE_INTERMEDIATE, experts=NUM_EXPERTS, top_k=TOP_K),
-                  timing="triton.testing.do_bench median, L2 flushed", target_grouped_over_dense=TARGET, rows=[])
+                  timing=KERNEL_TIMING, target_grouped_over_dense=TARGET, rows=[])
     table = []
     for tokens in args.tokens:
         counts = routed_counts(tokens, gen)

@@ -9,6 +9,27 @@ from pathlib import Path
 import pytest
 
 
+def interpreted_checks(script: str, what: str, checks: list[str]):
+    """The pytest side of an interpreted test file: a module-scoped fixture running the file's checks
+    once in the interpreter subprocess, and a test per check. Use as
+    `interpreted, test_x_interpreted = interpreted_checks(__file__, "x", CHECKS)`."""
+    @pytest.fixture(scope="module")
+    def interpreted():
+        return interpreted_results(script, what)
+
+    @pytest.mark.parametrize("check", checks)
+    def test(interpreted, check):
+        assert interpreted[check]["ok"], f"{check}: {interpreted[check]['detail']}"
+
+    return interpreted, test
+
+
+def print_checks(run_checks) -> None:
+    """The interpreter subprocess's side (`python FILE` with TRITON_INTERPRET=1): the checks' JSON, last line."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    print(json.dumps(run_checks()))
+
+
 def interpreted_results(script: str, what: str) -> dict:
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]

@@ -17,6 +17,19 @@ def environment(device: str) -> dict:
                 cuda=torch.version.cuda, python=platform.python_version(), cpu_count=os.cpu_count())
 
 
+KERNEL_TIMING = "triton.testing.do_bench median, L2 flushed"
+
+
+def kernel_us(fn, rep_ms: int, graph: bool = False) -> float:
+    """fn's median time in microseconds: triton.testing.do_bench (L2 flushed between calls, as a decode
+    step reads each weight from HBM), or with graph the replays of a CUDA graph of fn (no launch cost)."""
+    import triton.testing
+
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median") * 1e3
+    return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3
+
+
 def _version(package: str) -> str | None:
     try:
         return __import__(package).__version__

@@ -124,8 +124,9 @@ class ModelRunner:
                  graph_batch_sizes: list[int] | None = None, record_routing: bool = False):
         """record_routing: keep every MoE router's choices on each sequence (Sequence.routing), by position."""
         self.model, self.ops = model, model.ops
-        self.recorder = RoutingRecorder(model) if record_routing else None
-        if self.recorder is not None and graph_batch_sizes and self.recorder.routers:
+        recorder = RoutingRecorder(model) if record_routing else None
+        self.recorder = recorder if recorder is not None and recorder.routers else None  # a dense model: nothing
+        if self.recorder is not None and graph_batch_sizes:
             raise ValueError("record_routing reads each forward's router choices on the host: turn cuda_graphs off")
         self.block_size = block_size
         # one block past the block manager's: the padding rows of captured graphs write there

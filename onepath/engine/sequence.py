@@ -76,9 +76,9 @@ class Sequence:
             return None
         shape = next(iter(self.routing.values())).shape[1:]
         out = torch.full((self.num_tokens - 1, *shape), -1, dtype=torch.long)
+        # a position recorded twice (recomputed after a preemption) was computed by the same kernels
         for start, choices in sorted(self.routing.items()):
-            n = min(len(choices), out.shape[0] - start)
-            out[start:start + n] = choices[:n]
+            out[start:start + len(choices)] = choices
         return out
 
     def append_token(self, token_id: int, logprob: float) -> None:

@@ -361,7 +361,7 @@ def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 class RoutingRecorder:
     """Records what every Router of `model` chose in the forwards run inside the `with`: after each
-    forward, rows(a, b) is the experts [b - a, sparse layers, k] of that forward's rows a..b-1."""
+    forward, take() gives the experts [rows, sparse layers, k] of that forward's rows."""
 
     def __init__(self, model: nn.Module):
         self.routers = [m for m in model.modules() if isinstance(m, Router)]
@@ -383,7 +383,7 @@ class RoutingRecorder:
         if len(self.choices) != len(self.routers):
             raise RuntimeError(f"recorded {len(self.choices)} router calls for {len(self.routers)} routers: "
                                "take() once after each forward")
-        out = torch.stack(self.choices, 1).cpu() if self.choices else torch.zeros(0, 0, 0, dtype=torch.long)
+        out = torch.stack(self.choices, 1).cpu()
         self.choices = []
         return out
 

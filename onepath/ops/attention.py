@@ -133,26 +133,33 @@ def whole_sequences(meta: AttentionMetadata) -> bool:
     return all(meta.query_len(b) == meta.context_lens[b] for b in range(meta.num_seqs))
 
 
+def padded_rows(meta: AttentionMetadata, seqs: list[int], device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The rows of sequences `seqs` in the batch (src, in order) and in their right-padded [len(seqs),
+    longest] layout (dst), and longest: made by the first layer, kept in meta.derived for the others."""
+    cached = meta.derived.get("padded_rows")
+    if cached is None or cached[0] != seqs:
+        lengths = [meta.query_len(b) for b in seqs]
+        longest, tokens = max(lengths), sum(lengths)
+        count = torch.tensor(lengths, device=device)
+        first = torch.tensor([meta.cu_seqlens[b] for b in seqs], device=device)
+        packed = torch.cumsum(count, 0) - count  # each sequence's first row among the selected rows
+        local = torch.arange(tokens, device=device)
+        src = local + torch.repeat_interleave(first - packed, count, output_size=tokens)
+        dst = local + torch.repeat_interleave(torch.arange(len(seqs), device=device) * longest - packed, count,
+                                              output_size=tokens)
+        cached = meta.derived["padded_rows"] = (seqs, src, dst, longest)
+    return cached[1:]
+
+
 def padded_sdpa(q, k, v, meta: AttentionMetadata, scale, seqs: list[int] | None = None):
     """Causal SDPA over whole sequences in one call (all of the batch's, or those in `seqs`; their rows'
-    outputs, in q's row order): each sequence right-padded with zeros to the longest. A query at
-    position p sees keys 0..p, all its own, so the padding changes no valid row and no mask is needed
-    (the flash kernels stay eligible); the padded rows are dropped. index_copy and index_select move
-    the rows both ways (their backward is the other one: no sort, no loop)."""
+    outputs, in the order of padded_rows' src): each sequence right-padded with zeros to the longest. A
+    query at position p sees keys 0..p, all its own, so the padding changes no valid row and no mask is
+    needed (the flash kernels stay eligible); the padded rows are dropped. index_copy and index_select
+    move the rows both ways (their backward is the other one: no sort, no loop)."""
     seqs = list(range(meta.num_seqs)) if seqs is None else seqs
-    lengths = [meta.query_len(b) for b in seqs]
-    longest, tokens = max(lengths), sum(lengths)
-    if meta.derived.get("padded_rows", (None,))[0] != seqs:
-        count = torch.tensor(lengths, device=q.device)
-        first = torch.tensor([meta.cu_seqlens[b] for b in seqs], device=q.device)
-        packed = torch.cumsum(count, 0) - count  # each sequence's first row among the selected rows
-        local = torch.arange(tokens, device=q.device)
-        src = local + torch.repeat_interleave(first - packed, count, output_size=tokens)
-        dst = local + torch.repeat_interleave(torch.arange(len(seqs), device=q.device) * longest - packed, count,
-                                              output_size=tokens)
-        meta.derived["padded_rows"] = (seqs, src, dst)
-    _, src, dst = meta.derived["padded_rows"]
-    every_row = tokens == q.shape[0]
+    src, dst, longest = padded_rows(meta, seqs, q.device)
+    every_row = src.shape[0] == q.shape[0]
 
     def padded(t):
         rows = t if every_row else t.index_select(0, src)
@@ -188,8 +195,7 @@ def baseline(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale, window):
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=True)
             out[s:e] = o[0].transpose(0, 1)
     if fresh:
-        rows = torch.cat([torch.arange(meta.cu_seqlens[b], meta.cu_seqlens[b + 1]) for b in fresh]).to(q.device)
-        out[rows] = padded_sdpa(q, k, v, meta, scale, fresh)
+        out[padded_rows(meta, fresh, q.device)[0]] = padded_sdpa(q, k, v, meta, scale, fresh)
     if decode:
         rows = [meta.cu_seqlens[b] for b in decode]
         if q.is_cuda:

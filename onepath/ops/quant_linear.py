@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from onepath.numerics.quant import FP8Tensor, NVFP4Tensor, quantize
-from onepath.numerics.spec import ExecutionSpec, OpSpec
+from onepath.numerics.spec import ExecutionSpec, OpSpec, QuantSpec
 from onepath.ops.autograd import capturing
 from onepath.ops.pinned import row_chunks
 
@@ -59,25 +59,25 @@ def check_formats(op: OpSpec, name: str) -> str:
                      "(fp8_e4m3 both), NVFP4 W4A16 (weight nvfp4, act None) or W4A4 (nvfp4 both)")
 
 
-def prepared_weight(weight: torch.Tensor, op: OpSpec, operand_dtype: torch.dtype):
+def prepared_weight(weight: torch.Tensor, q: QuantSpec, operand_dtype: torch.dtype):
     """The weight as the GEMM takes it: an FP8Tensor, or (code * s_blk in operand_dtype, s_dec) for NVFP4;
     from the parameter's cache while its version and storage are unchanged. A stale cache is rewritten
     in place, so a CUDA graph captured on it reads the new weights (refresh_quantized does it eagerly)."""
-    key = (op.weight, operand_dtype, weight._version, weight.data_ptr(), tuple(weight.shape), weight.device)
+    key = (q, operand_dtype, weight._version, weight.data_ptr(), tuple(weight.shape), weight.device)
     use_cache = getattr(weight, "quant_cache", True)
     hit = getattr(weight, "_quantized", None) if use_cache else None
     if hit is not None and (hit[0] == key or capturing(weight)):
         # while capturing, the graph reads the cache's storage; refresh_quantized keeps it current
         return hit[1]
     with torch.no_grad():
-        q = quantize(weight.detach(), op.weight)
-        if isinstance(q, NVFP4Tensor):
-            q = (q.dequantize(operand_dtype, outer=False), torch.reciprocal(q.encode_scale))
-        if hit is not None and hit[0][:2] == key[:2] and _copy_into(hit[1], q):
-            q = hit[1]
+        prepared = quantize(weight.detach(), q)
+        if isinstance(prepared, NVFP4Tensor):
+            prepared = (prepared.dequantize(operand_dtype, outer=False), torch.reciprocal(prepared.encode_scale))
+        if hit is not None and hit[0][:2] == key[:2] and _copy_into(hit[1], prepared):
+            prepared = hit[1]
     if use_cache:
-        weight._quantized = (key, q)
-    return q
+        weight._quantized = (key, prepared)
+    return prepared
 
 
 def _tensors(q) -> list[torch.Tensor]:
@@ -101,14 +101,7 @@ def refresh_quantized(module: torch.nn.Module) -> None:
     for p in module.parameters():
         hit = getattr(p, "_quantized", None)
         if hit is not None:
-            weight_spec, operand_dtype = hit[0][:2]
-            prepared_weight(p, _WeightOnly(weight_spec), operand_dtype)
-
-
-class _WeightOnly:
-    """The part of an OpSpec prepared_weight reads."""
-    def __init__(self, weight):
-        self.weight = weight
+            prepared_weight(p, *hit[0][:2])
 
 
 def quant_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -118,7 +111,7 @@ def quant_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bia
     fmt = check_formats(op, name)
     cuda = spec.mode == "consistent" and spec.device == "cuda"
     operand_dtype = x.dtype if cuda else torch.float32
-    qw = prepared_weight(weight, op, operand_dtype)
+    qw = prepared_weight(weight, op.weight, operand_dtype)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if fmt == "fp8":

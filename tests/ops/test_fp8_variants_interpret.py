@@ -12,12 +12,12 @@ The Gluon variant (gluon_wait1) cannot be interpreted: here it is only built for
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 
 import pytest
-from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_results, patch_fp8_gemm_interpreter
+from tests.interpret import (SM90_SHARED_BYTES, compile_sm90, interpreted_checks, patch_fp8_gemm_interpreter,
+                              print_checks)
 
 SHAPES = [(m, n, k) for m in (1, 37, 130) for n in (72, 200) for k in (200, 384)]  # (M, N, K)
 
@@ -65,14 +65,8 @@ def _variant_names() -> list[str]:
     return [str(v) for v in _interpretable(variants())]
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return interpreted_results(__file__, "fp8 variants")
-
-
-@pytest.mark.parametrize("name", [*_variant_names(), "negative_control_differs"])
-def test_variant_bits_equal_shipped_interpreted(interpreted, name):
-    assert interpreted[name]["ok"], f"{name}: {interpreted[name]['detail']}"
+interpreted, test_variant_bits_equal_shipped_interpreted = interpreted_checks(
+    __file__, "fp8 variants", [*_variant_names(), "negative_control_differs"])
 
 
 def test_every_variant_compiles_for_sm90_on_fp8_wgmma_within_shared_memory():
@@ -127,5 +121,4 @@ def test_gluon_variant_compiles_for_sm90_with_one_wgmma_left_in_flight():
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(_run_checks()))
+    print_checks(_run_checks)

@@ -10,11 +10,9 @@ The bits of Hopper's MMA are tests/gpu/test_grouped_matmul_gpu.py's job.
 """
 from __future__ import annotations
 
-import json
-import os
 
 import pytest
-from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_results
+from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_checks, print_checks
 
 CHECKS = ["values", "rows_equal_dense_alone", "packing_invariant", "configs_agree", "fp32_out_one_rounding",
           "empty_groups", "moe_layouts_equal_alone", "moe_backward"]
@@ -169,14 +167,7 @@ def _check_moe(record, gen):
     record("moe_backward", all(close), f"x, gate_up, down grads close: {close}")
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return interpreted_results(__file__, "grouped matmul")
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_grouped_matmul_interpreted(interpreted, check):
-    assert interpreted[check]["ok"], f"{check}: {interpreted[check]['detail']}"
+interpreted, test_grouped_matmul_interpreted = interpreted_checks(__file__, "grouped matmul", CHECKS)
 
 
 def test_tile_list_and_config_pick():
@@ -218,5 +209,4 @@ def test_every_grouped_config_compiles_for_sm90_on_wgmma_within_shared_memory():
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(_run_checks()))
+    print_checks(_run_checks)

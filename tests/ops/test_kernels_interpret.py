@@ -8,11 +8,7 @@ exp/log and reduction trees are tests/gpu/test_norm_elementwise_logprobs_gpu.py'
 """
 from __future__ import annotations
 
-import json
-import os
-
-import pytest
-from tests.interpret import interpreted_results
+from tests.interpret import interpreted_checks, print_checks
 
 CHECKS = ["rmsnorm_values", "rmsnorm_rows_alone_equal_rows_in_batch", "rmsnorm_residual", "rmsnorm_misaligned_input",
           "silu_mul_values", "silu_mul_rows_alone_equal_rows_in_batch", "rope_equals_reference",
@@ -248,16 +244,8 @@ def _run_checks() -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return interpreted_results(__file__, "kernel")
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_kernels_interpreted(interpreted, check):
-    assert interpreted[check]["ok"], f"{check}: {interpreted[check]['detail']}"
+interpreted, test_kernels_interpreted = interpreted_checks(__file__, "kernel", CHECKS)
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(_run_checks()))
+    print_checks(_run_checks)

@@ -7,11 +7,9 @@ rounding, rows never mixing); the bits of Hopper's MMA are tests/gpu/test_matmul
 """
 from __future__ import annotations
 
-import json
-import os
 
 import pytest
-from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_results
+from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_checks, print_checks
 
 CHECKS = ["values", "rows_alone_equal_rows_in_batch", "configs_agree", "bias_fp32_out", "one_rounding", "leading_dims"]
 DTYPES = ["bfloat16", "float16", "float32"]
@@ -184,16 +182,8 @@ def test_every_config_compiles_for_sm90_on_wgmma_within_shared_memory():
     assert not bad, f"(config, in, out, shared bytes, wgmma, mma.sync) that break the build contract: {bad}"
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return interpreted_results(__file__, "matmul")
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_matmul_interpreted(interpreted, check):
-    assert interpreted[check]["ok"], f"{check}: {interpreted[check]['detail']}"
+interpreted, test_matmul_interpreted = interpreted_checks(__file__, "matmul", CHECKS)
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(_run_checks()))
+    print_checks(_run_checks)

@@ -13,11 +13,7 @@ conversion the codes differ.
 """
 from __future__ import annotations
 
-import json
-import os
-
-import pytest
-from tests.interpret import interpreted_results
+from tests.interpret import interpreted_checks, print_checks
 
 CHECKS = ["random_equal_torch", "adversarial_equal_torch", "rows_alone_equal_rows_in_batch", "strided_input",
           "other_group_size", "rejects_other_rules", "interpreter_cast_is_not_rne"]
@@ -142,16 +138,8 @@ def _run_checks() -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return interpreted_results(__file__, "FP8 quantiser")
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_quant_interpreted(interpreted, check):
-    assert interpreted[check]["ok"], f"{check}: {interpreted[check]['detail']}"
+interpreted, test_quant_interpreted = interpreted_checks(__file__, "FP8 quantiser", CHECKS)
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(_run_checks()))
+    print_checks(_run_checks)

@@ -114,7 +114,7 @@ def test_refresh_rewrites_the_cache_without_a_forward(preset, gen):
 
 def quantize_like(weight, s):
     from onepath.ops.quant_linear import prepared_weight
-    return prepared_weight(torch.nn.Parameter(weight.clone()), s.op("linear"), torch.float32)
+    return prepared_weight(torch.nn.Parameter(weight.clone()), s.op("linear").weight, torch.float32)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

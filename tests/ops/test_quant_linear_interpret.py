@@ -9,11 +9,8 @@ CPU contract's. Hopper's FP8 MMA rounds its own way: the GPU's bits are a GPU te
 """
 from __future__ import annotations
 
-import json
-import os
-
-import pytest
-from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_results, patch_fp8_gemm_interpreter
+from tests.interpret import (SM90_SHARED_BYTES, compile_sm90, interpreted_checks, patch_fp8_gemm_interpreter,
+                              print_checks)
 
 CHECKS = ["equals_cpu_contract", "rows_alone_equal_rows_in_batch", "configs_agree", "bias_bf16_out",
           "cuda_linear_fp8_equals_cpu", "cuda_linear_rows_alone_equal_rows_in_batch"]
@@ -107,16 +104,8 @@ def test_every_fp8_config_compiles_for_sm90_on_fp8_wgmma_within_shared_memory():
     assert not bad, f"(config, shared bytes, fp8 wgmma + fma) that break the build contract: {bad}"
 
 
-@pytest.fixture(scope="module")
-def interpreted():
-    return interpreted_results(__file__, "matmul_fp8")
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_matmul_fp8_interpreted(interpreted, check):
-    assert interpreted[check]["ok"], f"{check}: {interpreted[check]['detail']}"
+interpreted, test_matmul_fp8_interpreted = interpreted_checks(__file__, "matmul_fp8", CHECKS)
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(_run_checks()))
+    print_checks(_run_checks)

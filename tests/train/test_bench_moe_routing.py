@@ -1,16 +1,14 @@
 """bench/moe_routing.py on the CPU: an embedded Qwen3-MoE trained a few steps, its routing agreement
 recorded per step (the GPU run is the same code)."""
-import importlib.util
 import json
 from pathlib import Path
+
+from bench import moe_routing as bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_moe_routing_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("moe_routing", ROOT / "bench" / "moe_routing.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     out = tmp_path / "routing.json"
     code = bench.main(["--config", str(ROOT / "onepath/configs/demo.yaml"), "--steps", "3", "--out", str(out),
                        "--set", "warm_start.steps=5", "--set", "train.prompts_per_step=4", "--set", "rollout.n=2"])

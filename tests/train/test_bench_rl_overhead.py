@@ -1,16 +1,14 @@
 """bench/rl_step_overhead.py on the CPU: it trains both modes per old-log-prob policy and reports
 real step times and their ratio (the GPU numbers come from the same code)."""
-import importlib.util
 import json
 from pathlib import Path
+
+from bench import rl_step_overhead as bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_rl_step_overhead_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("rl_step_overhead", ROOT / "bench" / "rl_step_overhead.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     out = tmp_path / "rl.json"
     code = bench.main(["--config", str(ROOT / "onepath/configs/demo.yaml"), "--device", "cpu", "--steps", "2",
                        "--skip-steps", "1", "--policies", "skip", "--work", str(tmp_path / "runs"), "--out", str(out),
