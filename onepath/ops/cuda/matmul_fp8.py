@@ -26,8 +26,9 @@ BLOCK_K = 128
 # fp8 tiles, largest first (BLOCK_M >= 64: Hopper's wgmma); the pick follows M like matmul.py's,
 # which cannot move a row's bits (each element's MMA chain over K is the same in every tile).
 # 128-row tiles are left out: with a fresh dot per K block, the MMA waits for its result every block,
-# and four warps on a 64x128 tile ran 2.5-3.7x faster than eight on 128x128 at training shapes
-# (bench/fp8_variants.py, bench/results/fp8-variants.json; same bits in every variant).
+# and four warps on a 64x128 tile, one program per tile, ran 3.6-3.9x faster than the persistent
+# 128x128 eight-warp kernel at training shapes (bench/fp8_variants.py, bench/results/fp8-variants.json;
+# same bits in every variant).
 TILES_FP8 = (
     TileConfig(64, 128, num_warps=4, num_stages=4),
     TileConfig(64, 64, num_warps=4, num_stages=4),
