@@ -1,13 +1,14 @@
 """Time onepath.ops.cuda.attention (paged, batch-invariant) against torch SDPA flash on dense K/V.
 
-    python bench/kernels_attention.py [--out bench/results/kernels-attention.json] [--variants]
+    python bench/kernels_attention.py [--out bench/results/kernels-attention.json] [--variants V ...] [--graph]
 
 Decode: B sequences x context L, one query each, Qwen3-0.6B heads (H 16, Hkv 8, D 128), bf16, block 16,
 random non-contiguous block tables; ours with the launch it picks (split-KV at decode) and with the
 in-register launch, vs SDPA flash (Lq = 1) on dense, GQA-expanded K/V (no paging cost, no invariance):
 median microseconds, GB/s of the K/V a step must read. Prefill: B x L causal tokens, ours vs SDPA flash
-(is_causal), TFLOP/s. --variants also times num_warps 8 and kv_tile 64 (other bits: for choosing the
-contract, not interchangeable with the default). Without CUDA it prints why and exits 0.
+(is_causal), TFLOP/s. --variants times other settings (q_rows, kv_tile, kv_split, num_warps give other bits:
+for choosing the contract; num_stages and decode_program move none; "default" decodes on the 16-row decode
+program); --graph times CUDA graph replays. Without CUDA it prints why and exits 0.
 """
 from __future__ import annotations
 
@@ -72,21 +73,35 @@ def _flash(q, k, v, causal):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def _variants(args):
-    base = [("ours", {})]
-    if args.variants:
-        base += [("ours num_warps 8", {"num_warps": 8}), ("ours kv_tile 64", {"kv_tile": 64})]
-    return base
+VARIANT_KEYS = {"q_rows": "block_m", "kv_tile": "kv_tile", "kv_split": "kv_split", "num_warps": "num_warps",
+                "num_stages": "num_stages", "decode_program": "decode_program"}
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """"q_rows=16,kv_tile=64" -> ("q_rows=16,kv_tile=64", paged_attention keywords); "default" -> the defaults.
+    Other kv_tile, kv_split, q_rows or num_warps give other bits: for choosing the contract, not interchangeable
+    with the default; num_stages and decode_program (0: the 64-row program for decode rows too) move no bit."""
+    if text == "default":
+        return text, {}
+    kw = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in VARIANT_KEYS or not value.isdigit():
+            raise SystemExit(f"kernels_attention: variant item {item!r} is not NAME=INT with NAME one of "
+                             f"{', '.join(VARIANT_KEYS)} (e.g. q_rows=16,kv_tile=64)")
+        kw[VARIANT_KEYS[name]] = bool(int(value)) if name == "decode_program" else int(value)
+    return text, kw
 
 
 def _call(A, kw, *a, **call_kw):
-    """paged_attention with a variant's settings (num_warps is a module constant: set, then restore)."""
-    warps = A.NUM_WARPS
-    A.NUM_WARPS = kw.get("num_warps", warps)
-    try:
-        return A.paged_attention(*a, kv_tile=kw.get("kv_tile", 32), **call_kw)
-    finally:
-        A.NUM_WARPS = warps
+    """paged_attention with a variant's settings."""
+    return A.paged_attention(*a, **{"kv_tile": 32, **kw, **call_kw})
+
+
+def _timer(args, fn):
+    """fn's time; with --graph, a CUDA graph of fn with the query blocks computed before (as the engine
+    computes them once per step for all layers), so no launch cost is counted."""
+    return kernel_us(fn, args.rep_ms, graph=args.graph)
 
 
 def decode(args, A, gen):
@@ -101,11 +116,13 @@ def decode(args, A, gen):
             flash = kernel_us(lambda: _flash(qd, kd, vd, False), args.rep_ms)
             ref = _flash(qd, kd, vd, False)[:, :, 0].float()
             moved = 2 * batch * length * KV_HEADS * HEAD_DIM * 2
-            for name, kw in _variants(args):
+            for name, kw in map(parse_variant, args.variants):
                 for launch, split in (("split-KV", True), ("in-register", False)):
+                    derived = {}
                     fn = lambda: _call(A, kw, q, k_cache, v_cache, positions, seqs, tables, scale,
-                                       split_kv=split, max_context=length)
-                    us = kernel_us(fn, args.rep_ms)
+                                       split_kv=split, max_context=length, derived=derived)
+                    fn()
+                    us = _timer(args, fn)
                     err = (fn().float() - ref).abs().max().item()
                     rows.append(dict(batch=batch, context=length, variant=name, launch=launch, us=us,
                                      flash_us=flash, speed_vs_flash=flash / us, gb_s=moved / us * 1e-3,
@@ -128,9 +145,12 @@ def prefill(args, A, gen):
         flash = kernel_us(lambda: _flash(qd, kd, vd, True), args.rep_ms)
         ref = _flash(qd, kd, vd, True).transpose(1, 2).reshape(-1, HEADS, HEAD_DIM).float()
         flops = 4.0 * batch * length * (length + 1) / 2 * HEADS * HEAD_DIM
-        for name, kw in _variants(args):
-            fn = lambda: _call(A, kw, q, k_cache, v_cache, positions, seqs, tables, scale, max_context=length)
-            us = kernel_us(fn, args.rep_ms)
+        for name, kw in map(parse_variant, args.variants):
+            derived = {}
+            fn = lambda: _call(A, kw, q, k_cache, v_cache, positions, seqs, tables, scale, max_context=length,
+                               derived=derived)
+            fn()
+            us = _timer(args, fn)
             err = (fn().float() - ref).abs().max().item()
             rows.append(dict(batch=batch, length=length, variant=name, us=us, flash_us=flash,
                              speed_vs_flash=flash / us, tflops=flops / us * 1e-6, flash_tflops=flops / flash * 1e-6,
@@ -150,7 +170,9 @@ def run(args) -> dict:
     prefill_rows = prefill(args, A, gen)
     return dict(
         environment("cuda"), sms=torch.cuda.get_device_properties(0).multi_processor_count,
-        command="python " + " ".join(sys.argv), timing=KERNEL_TIMING,
+        command="python " + " ".join(sys.argv),
+        timing=("CUDA graph replays (triton.testing.do_bench_cudagraph median, no L2 flush), query blocks "
+                "computed once before capture" if args.graph else KERNEL_TIMING),
         shape=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK, dtype="bfloat16"),
         contract=dict(kv_tile=32, kv_split=inspect.signature(A.paged_attention).parameters["kv_split"].default,
                       num_warps=A.NUM_WARPS, block_m=A.BLOCK_M),
@@ -161,7 +183,11 @@ def run(args) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench/results/kernels-attention.json")
-    p.add_argument("--variants", action="store_true", help="also time num_warps 8 and kv_tile 64")
+    p.add_argument("--variants", nargs="+", default=["default"],
+                   help="settings to time, each 'default' or NAME=INT[,NAME=INT...] with NAME in "
+                        "q_rows, kv_tile, kv_split, num_warps, num_stages, decode_program (e.g. q_rows=16,kv_tile=64; "
+                        "decode_program=0: decode rows on the 64-row program)")
+    p.add_argument("--graph", action="store_true", help="time CUDA graph replays (no launch cost)")
     p.add_argument("--batches", type=int, nargs="+", default=DECODE_BATCH)
     p.add_argument("--contexts", type=int, nargs="+", default=DECODE_CONTEXT)
     p.add_argument("--rep-ms", type=int, default=50, help="do_bench time budget per measurement")

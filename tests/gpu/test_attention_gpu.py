@@ -1,6 +1,7 @@
 """The Triton paged attention kernel on the GPU (BF16, paged cache, non-contiguous random block tables):
 a probe's bits alone == inside batches of 2..32 sequences of 1..3000 tokens; prefill == chunked prefill
-(7, 64, 512) == decode token by token; in-register == split-KV launch; sliding window; run-to-run
+(7, 64, 512) == decode token by token; in-register == split-KV launch; the 16-row one-warp decode
+program == the 64-row program in every phase (negative control: 16 rows on two warps); sliding window; run-to-run
 determinism, with the kernel's 64 rows per program and the spec's alternative 16 (attention.q_rows);
 values within 1e-2 + 1e-2|ref| of an FP32 reference. Negative controls: SDPA flash's
 prefill last row differs from its decode, and a split-KV whose split count follows the batch differs
@@ -121,6 +122,48 @@ def test_prefill_equals_chunks_equals_decode(shape, window, rows, monkeypatch):
     for name, out in runs.items():
         differ = (out != whole).any(dim=(1, 2)).nonzero().flatten().tolist()
         assert not differ, f"{name}: tokens {differ[:10]} differ from the whole prefill"
+
+
+PROGRAM_SHAPES = [*SHAPES, (8, 4, 64), (32, 2, 128), (32, 1, 128)]  # groups 2, 8, 2 (D 64), 16, 32
+
+
+@pytest.mark.parametrize("window", [None, 200])
+@pytest.mark.parametrize("shape", PROGRAM_SHAPES, ids=lambda s: f"H{s[0]}-Hkv{s[1]}-D{s[2]}")
+def test_decode_program_equals_64_row_program(shape, window):
+    """The 16-row one-warp decode program (mma.sync) gives each query the bits of the 64-row four-warp
+    program (wgmma), in every phase and both launches: prefill, chunks and decode run by either program
+    all equal the 64-row whole prefill."""
+    gen, cuda_gen = torch.Generator().manual_seed(3), torch.Generator(DEVICE).manual_seed(3)
+    q, k, v = _seq(PHASE_LEN, shape, cuda_gen)
+
+    def run(sizes, **kw):
+        cache = PagedCache(-(-PHASE_LEN // 16) + 9, shape[1], shape[2], DTYPE, DEVICE, gen)
+        return phases(attn, q, k, v, sizes, cache, shape[2] ** -0.5, sliding_window=window, **kw)
+
+    whole = run([PHASE_LEN], decode_program=False)
+    prefix = 3 * PHASE_LEN // 7
+    for name, sizes in (("prefill", [PHASE_LEN]), ("chunks of 7", chunked(PHASE_LEN, 7)),
+                        ("decode", [1] * PHASE_LEN), (f"prefix {prefix} + decode", [prefix] + [1] * (PHASE_LEN - prefix))):
+        for split in (False, True):
+            for program in ((None, True, False) if name == "decode" else (True,)):
+                out = run(sizes, split_kv=split, decode_program=program)
+                differ = (out != whole).any(dim=(1, 2)).nonzero().flatten().tolist()
+                assert not differ, f"{name}, split {split}, decode program {program}: tokens {differ[:10]} differ"
+
+
+def test_negative_control_16_rows_on_two_warps():
+    """The decode program's equality is a property of its layout, not of any 16-row program: 16 rows on
+    two warps split the key columns between the warps, and decode then differs from the 64-row prefill."""
+    shape = SHAPES[0]
+    gen, cuda_gen = torch.Generator().manual_seed(3), torch.Generator(DEVICE).manual_seed(3)
+    q, k, v = _seq(PHASE_LEN, shape, cuda_gen)
+
+    def run(sizes, **kw):
+        cache = PagedCache(-(-PHASE_LEN // 16) + 9, shape[1], shape[2], DTYPE, DEVICE, gen)
+        return phases(attn, q, k, v, sizes, cache, shape[2] ** -0.5, **kw)
+
+    whole = run([PHASE_LEN], decode_program=False)
+    assert not torch.equal(run([1] * PHASE_LEN, block_m=16, num_warps=2), whole)
 
 
 def _sdpa_flash(q, k, v, causal):

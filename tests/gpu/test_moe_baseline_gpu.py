@@ -79,9 +79,10 @@ def test_baseline_moe_experts_match_the_per_expert_loop_gpu(grouped_mm_calls):
                 got = experts(x, chosen, layout)
                 assert len(grouped_mm_calls) == 2 and got.dtype == torch.float32, (tokens, layout)
                 torch.testing.assert_close(got, loop, **BF16)
-    # backward: gradients of the grouped forward vs the per-expert loop's
+    # backward: gradients of the grouped forward vs the per-expert loop's, BF16 sums in another order
+    # (an element near zero may lose every digit): compared by relative norm, as the consistent grouped GEMM's
     for a, b in zip(*grads_vs_loop(block, gen)):
-        torch.testing.assert_close(a, b, **BF16)
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
 
 
 def test_baseline_moe_engine_generates_with_the_stock_grouped_gemm_gpu(grouped_mm_calls):

@@ -112,7 +112,10 @@ def _seq(n, gen, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM):
 
 
 def _attn(**fixed):
+    """paged_attention with the 64-row program unless `fixed` says otherwise: on the GPU the decode program
+    has its bits, in the interpreter not (check_decode_program)."""
     from onepath.ops.cuda.attention import paged_attention
+    fixed = {"decode_program": False, **fixed}
     return lambda *a, **kw: paged_attention(*a, kv_tile=KV_TILE, kv_split=KV_SPLIT, **fixed, **kw)
 
 
@@ -200,6 +203,33 @@ def check_phases(rows=None):
             assert torch.equal(out, first), (window, key)
 
 
+def check_decode_program():
+    """The 16-row one-warp decode program keeps every phase's bits equal among its runs (both launches),
+    and it is refused where it would not give the default program's bits. That it gives the 64-row
+    program's bits is a property of Hopper's MMA layouts, proved on the H200 by
+    tests/gpu/test_attention_gpu.py: the interpreter's dots are numpy matmuls, whose summation order
+    follows the operand shapes."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = _seq(40, gen)
+    cache = lambda: PagedCache(8, KV_HEADS, HEAD_DIM, torch.float32, "cpu", gen)
+    first = phases(_attn(decode_program=True), q, k, v, [40], cache(), SCALE)
+    torch.testing.assert_close(first.double(), causal_reference(q, k, v, SCALE), atol=1e-5, rtol=1e-5)
+    for sizes in ([40], chunked(40, 7), [1] * 40, [23] + [1] * 17):
+        for split in (False, True):
+            for program in ((None, True) if sizes == [1] * 40 else (True,)):
+                out = phases(_attn(decode_program=program, split_kv=split), q, k, v, sizes, cache(), SCALE)
+                assert torch.equal(out, first), (sizes[:2], split, program)
+    fp8_cache = lambda: PagedCache(8, KV_HEADS, HEAD_DIM, torch.float32, "cpu", gen, kv=FP8_KV)
+    for kw, make in ((dict(block_m=16), cache), (dict(num_warps=8), cache), ({}, fp8_cache)):
+        try:
+            phases(_attn(decode_program=True, **kw), q, k, v, [1] * 3, make(), SCALE)
+        except ValueError as e:
+            assert "decode program" in str(e)
+        else:
+            raise AssertionError(f"decode_program=True with {kw} ({make is fp8_cache and 'FP8' or 'plain'} cache) "
+                                 "was not refused")
+
+
 def check_batch_invariance_16_rows():
     """The spec's attention.q_rows = 16 (tl.dot with M = 16): the same guarantees."""
     check_batch_invariance(16)
@@ -263,7 +293,8 @@ def check_derived_query_blocks():
 # ---- pytest entry ----
 
 CHECKS = ["check_reference", "check_batch_invariance", "check_phases", "check_control", "check_fp8_kv",
-          "check_derived_query_blocks", "check_batch_invariance_16_rows", "check_phases_16_rows"]
+          "check_derived_query_blocks", "check_decode_program", "check_batch_invariance_16_rows",
+          "check_phases_16_rows"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -276,14 +307,17 @@ def test_interpreted(check):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
 
 
-@pytest.mark.parametrize("rows", [16, 64])
-def test_kernel_builds_for_sm90(rows):
-    """The launches the spec can ask for build for the H200 (the Triton wheel's ptxas, no GPU): BF16,
+@pytest.mark.parametrize("program", ["64 rows", "16 rows", "decode"])
+def test_kernel_builds_for_sm90(program):
+    """The programs paged_attention launches build for the H200 (the Triton wheel's ptxas, no GPU): BF16,
     Qwen3's GQA group of 2 and head_dim 128, kv_tile 32, within the 227 KiB of shared memory; 64 rows
-    run on wgmma, 16 on mma.sync (Hopper's wgmma takes M >= 64)."""
+    run on wgmma, 16 on mma.sync (Hopper's wgmma takes M >= 64): the spec's 16 rows on 4 warps and the
+    decode program's 16 rows on one."""
     from onepath.ops.cuda import attention as A
     from tests.interpret import SM90_SHARED_BYTES, compile_sm90
 
+    rows, warps, stages = {"64 rows": (64, A.NUM_WARPS, A.NUM_STAGES), "16 rows": (16, A.NUM_WARPS, A.NUM_STAGES),
+                           "decode": (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES)}[program]
     ptrs = ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
     ints = ("num_tokens", "window", "num_splits", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb",
             "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_table", "stride_ksb",
@@ -295,7 +329,7 @@ def test_kernel_builds_for_sm90(rows):
     for split in (False, True):
         consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=32, SPLIT_TILES=8,
                       BLOCK_M=rows, BLOCK_Q=min(rows // 2, 32), SPLIT=split, FP8_KV=False)
-        config = type("Launch", (), dict(num_warps=A.NUM_WARPS, num_stages=A.NUM_STAGES))
+        config = type("Launch", (), dict(num_warps=warps, num_stages=stages))
         ptx, shared = compile_sm90(A._paged_attention_kernel, sig, consts, ptrs + ("stride_qt", "stride_ot"), config)
         mma = "wgmma.mma_async" in ptx if rows >= 64 else ("mma.sync" in ptx and "wgmma" not in ptx)
         if shared > SM90_SHARED_BYTES or not mma:

@@ -30,6 +30,19 @@ them) and split-KV (grid [query blocks, Hkv, splits]; one split per program writ
 the SMs when few queries cover long contexts (decode); the choice is speed only, and
 tests/gpu/test_attention_gpu.py proves both launches give the same bits.
 
+Two program shapes, same bits: the 64-row program (4 warps, Hopper's wgmma) and the decode program
+(DECODE_BLOCK_M = 16 rows, one warp, mma.sync). wgmma gives each of its 4 warps 16 whole rows with the
+accumulator layout mma.sync gives one warp holding 16 rows: a row meets the same MMA chain and the same
+in-thread and in-quad order of its max and sum in both, so its bits do not depend on which program
+holds it (tests/gpu/test_attention_gpu.py; a 16-row program of TWO warps splits the key columns between
+them and gives other bits: the test's negative control). A decode program wastes 14 of its 16 rows
+instead of 62 of 64, and ran 1.6x faster at batch 256 (bench/results/kernels-attention-warps.json); a
+launch of one query per sequence takes it, any other the 64-row one. Not over an FP8 cache: there
+every one-warp program gave other bits than the 64-row one on the H200, on 194 of 700 tokens at every
+pipeline depth (bench/attention_program_bits.py --fp8-kv, bench/results/attention-fp8-kv-program-
+bits.log; the same PTX conversions in both, so the cause is elsewhere and not established), so FP8_KV
+launches keep the 64-row program.
+
 FP8 KV cache (FP8_KV constexpr): the caches are FP8Tensors (float8_e4m3fn codes, FP32 scales per token
 and head). Each K/V tile is loaded as codes and scales and dequantised in registers as ops/attention.py's
 `_load` does, (code.to(fp32) * scale).to(q's dtype), before the dots: the same bits as this kernel
@@ -50,6 +63,8 @@ BLOCK_M = 64
 # Fixes the MMA layout, hence the order of a row's max and sum inside a tile: one value for both launches.
 NUM_WARPS = 4
 NUM_STAGES = 3
+# The decode program: rows, warps, pipeline stages (its bits are the 64-row program's, see above).
+DECODE_BLOCK_M, DECODE_NUM_WARPS, DECODE_NUM_STAGES = 16, 1, 2
 # split-KV launch when the in-register grid would give fewer than this many programs per SM.
 SPLIT_BELOW_PROGRAMS_PER_SM = 4
 # "No window": a lower key bound below every position.
@@ -250,7 +265,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
                     sliding_window: int | None = None, kv_tile: int = 32, kv_split: int = 256,
                     split_kv: bool | None = None, max_context: int | None = None,
                     num_stages: int = NUM_STAGES, derived: dict | None = None,
-                    block_m: int | None = None) -> torch.Tensor:
+                    block_m: int | None = None, num_warps: int = NUM_WARPS,
+                    decode_program: bool | None = None) -> torch.Tensor:
     """Causal attention of each query over its own sequence's keys in a paged KV cache.
 
     q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (this step's K/V already written), of
@@ -263,7 +279,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     default BLOCK_M; the spec's attention.q_rows) every dot's shape: both sides must agree on all three.
     split_kv picks the launch (None: split-KV when the in-register grid leaves the SMs short of programs);
     max_context (keys, default the block tables' capacity) bounds the split-KV partial buffer;
-    num_stages is the loads' software pipelining depth. Launch and pipelining move no bit. derived: a dict
+    num_stages is the loads' software pipelining depth. Launch and pipelining move no bit; num_warps
+    (default NUM_WARPS) fixes the MMA layout, so both sides must agree on it too. decode_program picks the
+    16-row one-warp program, which gives the 64-row program's bits (None: when the launch holds one query
+    per sequence, T <= block_tables' rows, and block_m and num_warps are the defaults). derived: a dict
     kept with the batch (AttentionMetadata.derived): the query blocks, a function of positions and
     query_seq alone, are computed by the first layer and reused by the others (a dozen small kernels less
     per layer).
@@ -308,6 +327,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     group_pad = triton.next_power_of_2(group)
     if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
         raise ValueError(f"paged_attention: block_m {block_m} must be a power of two >= 16 (a tl.dot dimension)")
+    default_program = ((block_m or BLOCK_M) == BLOCK_M and num_warps == NUM_WARPS
+                       and group_pad <= 2 * DECODE_BLOCK_M and not fp8_kv)
+    if decode_program is None:
+        decode_program = default_program and num_tokens <= block_tables.shape[0]
+    elif decode_program and not default_program:
+        raise ValueError(f"paged_attention: the decode program gives the bits of the default {BLOCK_M}-row "
+                         f"{NUM_WARPS}-warp program over a cache of q's dtype only; got block_m {block_m}, "
+                         f"num_warps {num_warps}, {group} query heads per KV head (at most {2 * DECODE_BLOCK_M}), "
+                         f"{'an FP8' if fp8_kv else 'a plain'} cache")
+    if decode_program:
+        block_m, num_warps, num_stages = max(DECODE_BLOCK_M, group_pad), DECODE_NUM_WARPS, DECODE_NUM_STAGES
     block_m = max(block_m or BLOCK_M, group_pad)
     block_q = min(block_m // group_pad, kv_tile)
     d_pad = max(16, triton.next_power_of_2(head_dim))
@@ -332,7 +362,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
         part_acc = torch.empty((num_tokens, num_heads, num_splits, d_pad), device=q.device, dtype=torch.float32)
     else:
         part_m = part_l = part_acc = None
-    common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=NUM_WARPS,
+    common = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, num_warps=num_warps,
                   enable_fp_fusion=False)
     _paged_attention_kernel[(starts.shape[0], num_kv_heads, num_splits if split else 1)](
         q, k_cache, v_cache, k_scales, v_scales, out, positions, query_seq, block_tables, starts,

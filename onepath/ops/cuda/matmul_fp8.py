@@ -27,10 +27,12 @@ BLOCK_K = 128
 # which cannot move a row's bits (each element's MMA chain over K is the same in every tile).
 # 128-row tiles are left out: with a fresh dot per K block, the MMA waits for its result every block,
 # and four warps on a 64x128 tile, one program per tile, ran 3.6-3.9x faster than the persistent
-# 128x128 eight-warp kernel at training shapes (bench/fp8_variants.py, bench/results/fp8-variants.json;
-# same bits in every variant).
+# 128x128 eight-warp kernel at training shapes (bench/fp8_variants.py,
+# bench/results/fp8-variants-before-tiles.json; same bits in every variant). Three stages on that tile
+# ran 1.03-1.06x faster than four, and a Gluon kernel that promotes block kb-1 while kb's MMA runs
+# 0.38-0.71x as fast as the Triton one (bench/results/fp8-variants.json; same bits).
 TILES_FP8 = (
-    TileConfig(64, 128, num_warps=4, num_stages=4),
+    TileConfig(64, 128, num_warps=4, num_stages=3),
     TileConfig(64, 64, num_warps=4, num_stages=4),
 )
 
