@@ -21,3 +21,15 @@ class DecodeBaselineAttentionOps(Ops):
         decode = all(meta.query_len(b) == 1 < meta.context_lens[b] for b in range(meta.num_seqs))
         ops = Ops(self.spec.with_mode("baseline")) if decode else super()
         return ops.attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+
+
+class SplitKExpertsAboveTwoRowsOps(Ops):
+    """An MoE expert's down projection that reduces K in two halves when more than two of its rows are
+    occupied (a masked chunk's padding rows are zeros): visible only inside the experts, whose occupancy
+    follows the routing of the whole launch."""
+
+    def expert_down(self, x, weight):
+        if int(x.ne(0).any(dim=-1).sum()) <= 2:
+            return super().expert_down(x, weight)
+        h = x.shape[-1] // 2
+        return super().expert_down(x[..., :h], weight[:, :h]) + super().expert_down(x[..., h:], weight[:, h:])

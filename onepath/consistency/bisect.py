@@ -106,10 +106,13 @@ class BisectReport:
                   f"max |d| {f.max_abs:.3g}, max {f.max_ulp} ULP",
                   f"  sites that differ: {len(later)} of {len(self.sites)}"
                   + (f" (layers {layers[0]}..{layers[-1]})" if layers else "")]
+        alone = ("reproduces alone" if self.reproduces else "does NOT reproduce alone: the output depends on more "
+                 "than the inputs (a non-deterministic kernel, global state)")
         if self.repro:
-            alone = ("reproduces alone" if self.reproduces else "does NOT reproduce alone: the output depends on more "
-                     "than the inputs (a non-deterministic kernel, global state)")
             lines.append(f"  repro: python {self.repro}  ({alone})")
+        elif self.reproduces is not None:
+            lines.append(f"  a module-level site: no repro script (it needs the module's weights); rerun on the "
+                         f"captured inputs: {alone}")
         return "\n".join(lines)
 
 
@@ -190,17 +193,19 @@ def bisect(a: Side, b: Side, probe: list[int], out_dir: str | Path | None = None
             # a second run captures this one launch's inputs: capturing all would copy every KV cache
             call = trace(side.model, seqs, side.layout, block_size, capture={index}).captured[index]
             calls[key] = (side, call, [launch[p][1] for p in shared])
-        report.repro = str(write_repro(Path(out_dir), first, shared, calls))
-        report.reproduces = _rerun(first.op, calls)
+        if not any(isinstance(call.ops, torch.nn.Module) for _, call, _ in calls.values()):
+            # a module-level site (MoE experts) needs its module's weights: no standalone script, the rerun only
+            report.repro = str(write_repro(Path(out_dir), first, shared, calls))
+        report.reproduces = _rerun(calls)
     return report
 
 
 @torch.no_grad()
-def _rerun(op: str, calls: dict) -> bool:
+def _rerun(calls: dict) -> bool:
     """Does the op, called alone on each side's captured inputs, still give the probe's rows different bits?"""
     outs = []
     for _, call, rows in calls.values():
-        out = getattr(call.ops, op)(**{k: snapshot(v) for k, v in call.inputs.items()})
+        out = call.function()(**{k: snapshot(v) for k, v in call.inputs.items()})
         outs.append([o[rows] for o in (out if isinstance(out, tuple) else (out,))])
     return any(x.shape != y.shape or bool(differs(x, y).any()) for x, y in zip(*outs))
 

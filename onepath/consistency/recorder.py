@@ -15,7 +15,10 @@ teacher-forces: `token_logprobs` of each row's next token (its own token on a se
 Alignment rule. Every pass makes the same sequence of ops calls (the model has no data-dependent
 branch): the k-th body call of a pass, then the k-th head call (lm_head, token_logprobs), is *site*
 k, named by op and module. Every site's output has one row per token of its launch (dim 0): the
-pass's tokens for body sites, the rows that need logits for head sites. A token is (sequence,
+pass's tokens for body sites, the rows that need logits for head sites. A mixture-of-experts layer's
+experts (`models.moe.Experts`) run their ops over (token, expert) pairs, as many calls as the routing
+has experts in use: they are one site instead, op "experts", whose output is the module's, one row
+[k, H] per token; the ops calls inside it are not recorded. A token is (sequence,
 position); its value at site k is the row of the launch that computed it. Two sides are compared at
 site k over the positions of one sequence that both computed there, whatever the passes, batch
 neighbours or row offsets that held them.
@@ -33,6 +36,10 @@ import torch
 from onepath.models.batch import ForwardBatch, SeqChunk
 from onepath.models.dense import DenseDecoder
 from onepath.models.kv_cache import KVCache
+from onepath.models.moe import Experts
+
+# Modules recorded as one site (their output, one row per token): their ops calls are per pair, not token.
+MODULE_SITES = (Experts,)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -47,9 +54,13 @@ class Call:
     index: int
     op: str
     module: str
-    ops: object                              # the backend that ran it
+    ops: object                              # the backend that ran it (a module-level site: the module)
     outputs: tuple[torch.Tensor, ...] | None
     inputs: dict | None = None               # bound arguments cloned before the call (captured calls only)
+
+    def function(self):
+        """What ran: the backend's op, or a module-level site's module."""
+        return self.ops if isinstance(self.ops, torch.nn.Module) else getattr(self.ops, self.op)
 
 
 class Recorder:
@@ -59,18 +70,28 @@ class Recorder:
 
     @contextmanager
     def installed(self, model: torch.nn.Module):
-        swapped = [(name, m, m.ops) for name, m in model.named_modules() if "ops" in vars(m)]
+        whole = [(name, m) for name, m in model.named_modules() if isinstance(m, MODULE_SITES)]
+        inside = {id(sub) for _, m in whole for sub in m.modules()}
+        swapped = [(name, m, m.ops) for name, m in model.named_modules() if "ops" in vars(m) and id(m) not in inside]
         for name, m, ops in swapped:
             m.ops = RecordingOps(ops, self, name)
+        originals = [(m, m.forward) for _, m in whole]
+        for name, m in whole:
+            # an instance attribute shadows the class's forward; nn.Module.__call__ runs it with the hooks
+            m.forward = lambda *args, _m=m, _forward=m.forward, _name=name, **kwargs: self.call(
+                _m, type(_m).__name__.lower(), _name, args, kwargs, _forward)
         try:
             yield self
         finally:
             for _, m, ops in swapped:
                 m.ops = ops
+            for m, _ in originals:
+                del m.forward
 
-    def call(self, inner, op: str, module: str, args, kwargs):
+    def call(self, inner, op: str, module: str, args, kwargs, method=None):
+        """Run inner's op (or, for a module-level site, `method`, the module's own forward) and record it."""
         index = len(self.calls)
-        method = getattr(inner, op)
+        method = method or getattr(inner, op)
         inputs = None
         if index in self.capture:
             # cloned before the call: attention writes this step's K/V into the caches it is given

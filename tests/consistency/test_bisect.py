@@ -20,8 +20,8 @@ from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.checkpoint import save_checkpoint
 from onepath.models.dense import DenseDecoder
 from onepath.numerics.spec import ExecutionSpec
-from tests.tiny import random_prompts, tiny_config, tiny_model
-from tests.planted import DecodeBaselineAttentionOps, SplitKAboveEightOps
+from tests.tiny import random_prompts, tiny_config, tiny_model, tiny_moe_model
+from tests.planted import DecodeBaselineAttentionOps, SplitKAboveEightOps, SplitKExpertsAboveTwoRowsOps
 
 PROBE = [5, 9, 14, 3, 22, 41]
 OTHERS = [[7, 8, 9, 10], [30, 31, 32, 33, 34, 35, 36]]
@@ -105,6 +105,40 @@ def test_engine_side_replays_the_engine_log_probs_bitwise():
     rows = t.rows[-1][0]
     assert rows.positions == list(range(len(prompt) - 1, len(seq)))
     assert torch.equal(rows.values[0][:-1], torch.tensor(out.logprobs))
+
+
+def test_moe_experts_are_one_site_per_layer_and_the_engine_side_agrees():
+    """An MoE's experts run ops over (token, expert) pairs: each layer's experts are one site, their
+    [T, k, H] output; the consistent trainer and engine sides agree on every site, experts included."""
+    model = tiny_moe_model("consistent")
+    gen = torch.Generator().manual_seed(6)
+    probe, others = random_prompts(gen, 1, low=20, high=30)[0], random_prompts(gen, 3)
+    report = bisect(Side(model), Side(model, Layout(prefill=9, head="last"), others, 1), probe)
+    experts = [s for s in report.sites if s.op == "experts"]
+    assert [s.module for s in experts] == [f"model.layers.{i}.mlp.experts" for i in range(model.config.num_hidden_layers)]
+    assert all(s.elements > 0 and s.shape[1:] == [model.config.num_experts_per_tok, model.config.hidden_size]
+               for s in experts)
+    assert report.first is None, report.format()
+
+
+def test_planted_expert_defect_is_named_at_the_experts_and_reruns_alone(tmp_path):
+    """A defect inside the experts (split-K once an expert has more than two rows) shows first at the
+    layer's experts site, after every site before it agreed; no repro script (the site needs the
+    module's weights), but the rerun on the captured inputs still differs."""
+    model = tiny_moe_model("consistent")
+    model.ops = SplitKExpertsAboveTwoRowsOps(model.ops.spec)
+    for m in model.modules():
+        if "ops" in vars(m):
+            m.ops = model.ops
+    gen = torch.Generator().manual_seed(7)
+    probe, others = random_prompts(gen, 1, low=6, high=6)[0], random_prompts(gen, 6, low=20, high=30)
+    report = bisect(Side(model), Side(model, others=others, at=3), probe, tmp_path / "repro")
+    assert report.first is not None and report.first.op == "experts", report.format()
+    assert report.first.module.endswith(".mlp.experts")
+    assert all(s.differing == 0 for s in report.sites[:report.first.site])
+    assert report.repro is None and report.reproduces
+    assert "module-level site" in report.format()
+    assert bisect(Side(model), Side(model), probe).first is None
 
 
 def test_ulp_distance():
