@@ -54,10 +54,14 @@ def _time_us(fn, rep_ms):
 
 
 def _sweep_configs():
+    """The shipped tiles, other wgmma tiles (narrower N: more programs at decode, where N / BLOCK_N programs
+    are all there are), and mma.sync tiles whose warps hold 16 whole rows (as the attention's decode program,
+    which keeps the 64-row program's bits): the sweep's same_bits_as_default says whether each may join."""
     from onepath.ops.cuda.matmul import TILES_16BIT, TileConfig
 
     extra = [TileConfig(128, 64, 4, 4), TileConfig(64, 256, 8, 3), TileConfig(128, 256, 8, 4),
-             TileConfig(128, 128, 4, 4), TileConfig(64, 64, 4, 6), TileConfig(64, 32, 4, 8)]
+             TileConfig(128, 128, 4, 4), TileConfig(64, 64, 4, 6), TileConfig(64, 32, 4, 8),
+             TileConfig(64, 16, 4, 8), TileConfig(16, 32, 1, 6), TileConfig(16, 64, 1, 4), TileConfig(32, 32, 2, 6)]
     base = [*TILES_16BIT, *extra]
     return base + [TileConfig(c.block_m, c.block_n, c.num_warps, c.num_stages, c.group_m, tma=True) for c in base]
 
