@@ -88,6 +88,16 @@ class DecodeGraphs:
 
     def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Logits [len(chunks), vocab] of one decode token per chunk."""
+        size = self.stage(chunks)
+        if size not in self.graphs:
+            return self.forward(size)[:len(chunks)]
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:len(chunks)]
+
+    def stage(self, chunks: list[SeqChunk]) -> int:
+        """Copy one decode token per chunk into the static buffers, padded to the smallest captured batch
+        size that holds them (returned): one pinned host buffer, one copy."""
         n = len(chunks)
         size = next(b for b in self.batch_sizes if b >= n)
         bs, pad = self.block_size, size - n
@@ -112,11 +122,7 @@ class DecodeGraphs:
         self.positions[:size].copy_(staged[size:2 * size])
         self.slot_mapping[:size].copy_(staged[2 * size:3 * size])
         self.block_tables[:size, :width].copy_(staged[3 * size:].view(size, width))
-        if size not in self.graphs:
-            return self.forward(size)[:n]
-        graph, logits = self.graphs[size]
-        graph.replay()
-        return logits[:n]
+        return size
 
 
 class ModelRunner:
@@ -139,10 +145,19 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.cache, num_blocks, max_model_len, graph_batch_sizes)
         self.replayed_graph = False  # how the last step ran
 
+    @staticmethod
+    def chunks(scheduled: list[ScheduledSeq]) -> list[SeqChunk]:
+        return [SeqChunk(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start, s.seq.block_table)
+                for s in scheduled]
+
+    @staticmethod
+    def sample_keys(seqs: list[Sequence]) -> list[int]:
+        """Each sequence's key for the token it samples now (at position num_tokens)."""
+        return [sample_key(s.params.seed, s.request_id, s.num_tokens) for s in seqs]
+
     @torch.no_grad()
     def run(self, scheduled: list[ScheduledSeq]) -> dict[int, tuple[int, float]]:
-        chunks = [SeqChunk(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start, s.seq.block_table)
-                  for s in scheduled]
+        chunks = self.chunks(scheduled)
         if self.graphs is not None and 0 < len(scheduled) <= self.graphs.max_batch \
                 and all(s.num_tokens == 1 and s.samples for s in scheduled):
             self.replayed_graph = True
@@ -174,7 +189,6 @@ class ModelRunner:
         filtered = any(s.params.top_k or s.params.top_p < 1.0 for s in seqs)  # else no mask (and no sync)
         keep = self.ops.sampling_mask(logits, temperature, top_k, top_p) if filtered else None
         probs = self.ops.probs(logits, temperature, keep)
-        keys = [sample_key(s.params.seed, s.request_id, s.num_tokens) for s in seqs]
-        tokens = self.ops.sample(probs, keys)
+        tokens = self.ops.sample(probs, self.sample_keys(seqs))
         logprobs, _ = self.ops.token_logprobs(logits, tokens, temperature, keep)
         return {s.request_id: (t, lp) for s, t, lp in zip(seqs, tokens.tolist(), logprobs.tolist())}
