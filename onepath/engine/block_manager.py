@@ -82,10 +82,12 @@ class BlockManager:
         if cached and (seq.block_table or seq.num_computed_tokens):
             raise RuntimeError(f"request {seq.request_id} already holds {len(seq.block_table)} blocks: only a "
                                "sequence without blocks can share cached ones")
+        needed = self.blocks_needed(seq, num_new_tokens, cached)
+        if not needed and not cached:
+            return  # a decode token inside the last block: most steps of most sequences
         if not self.can_allocate(seq, num_new_tokens, cached):
-            raise RuntimeError(f"request {seq.request_id} needs {self.blocks_needed(seq, num_new_tokens, cached)} "
-                               f"more KV blocks for {num_new_tokens} new tokens but {len(self.free_block_ids)} are "
-                               "free: check can_allocate first")
+            raise RuntimeError(f"request {seq.request_id} needs {needed} more KV blocks for {num_new_tokens} new "
+                               f"tokens but {len(self.free_block_ids)} are free: check can_allocate first")
         if cached:
             for block_id in cached:
                 if self.ref_counts[block_id] == 0:
@@ -95,7 +97,7 @@ class BlockManager:
             seq.block_table.extend(cached)
             seq.num_computed_tokens = len(cached) * self.block_size
             self.num_cached_tokens_hit += seq.num_computed_tokens
-        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+        for _ in range(needed):
             block_id, _ = self.free_block_ids.popitem(last=False)
             self.evict(block_id)
             self.ref_counts[block_id] = 1

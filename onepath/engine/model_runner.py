@@ -25,7 +25,7 @@ from onepath.models.dense import DenseDecoder
 from onepath.models.moe import RoutingRecorder
 from onepath.models.kv_cache import KVCache
 from onepath.ops.attention import AttentionMetadata
-from onepath.ops.sampling import sample_key
+from onepath.ops.sampling import position_key
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -153,7 +153,7 @@ class ModelRunner:
     @staticmethod
     def sample_keys(seqs: list[Sequence]) -> list[int]:
         """Each sequence's key for the token it samples now (at position num_tokens)."""
-        return [sample_key(s.params.seed, s.request_id, s.num_tokens) for s in seqs]
+        return [position_key(s.request_key, s.num_tokens) for s in seqs]
 
     @torch.no_grad()
     def run(self, scheduled: list[ScheduledSeq]) -> dict[int, tuple[int, float]]:

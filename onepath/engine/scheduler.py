@@ -8,7 +8,7 @@ from onepath.engine.block_manager import BlockManager
 from onepath.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int
@@ -89,6 +89,12 @@ class Scheduler:
             # victims come off the end of running, so the first preempted one ends the pass
             if budget == 0 or seq.status is not SequenceStatus.RUNNING:
                 break
+            computed = seq.num_computed_tokens
+            if computed + 1 == len(seq.token_ids) and computed < len(seq.block_table) * self.block_manager.block_size:
+                # a decode token whose slot is in a block the sequence holds: nothing to chunk or allocate
+                scheduled.append(ScheduledSeq(seq, 1))
+                budget -= 1
+                continue
             num_tokens = self.chunk(seq, budget)
             while not self.block_manager.can_allocate(seq, num_tokens):
                 victim = self.running.pop()

@@ -6,6 +6,7 @@ from enum import Enum, auto
 import torch
 
 from onepath.engine.sampling_params import SamplingParams
+from onepath.ops.sampling import request_key
 
 
 class SequenceStatus(Enum):
@@ -25,6 +26,7 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.params = params
+        self.request_key = request_key(params.seed, request_id)  # sampling keys: one mix per token from here
         self.eos_token_ids = tuple(eos_token_ids)
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # prefix-cache keys of the full blocks of token_ids, filled lazily

@@ -22,8 +22,18 @@ def _mix(z: int) -> int:
     return z ^ (z >> 31)
 
 
+def request_key(seed: int, request_id: int) -> int:
+    """The part of every sample_key of one request that does not depend on the position."""
+    return _mix(_mix(seed & MASK64) ^ (request_id & MASK64))
+
+
+def position_key(request: int, position: int) -> int:
+    """sample_key from its request_key: one mix per sampled token."""
+    return _mix(request ^ (position & MASK64)) >> 1
+
+
 def sample_key(seed: int, request_id: int, position: int) -> int:
-    return _mix(_mix(_mix(seed & MASK64) ^ (request_id & MASK64)) ^ (position & MASK64)) >> 1
+    return position_key(request_key(seed, request_id), position)
 
 
 def _signed(c: int) -> int:

@@ -301,3 +301,16 @@ def test_short_prefill_chunks_end_on_the_alignment():
         ends.append(s.start + s.num_tokens)
         sched.postprocess([s], {0: (5, -1.0)} if s.samples else {})
     assert ends == [32, 64, 100]   # the last chunk reaches the end of the prompt: no cut
+
+
+def test_runner_sampling_keys_are_sample_key_of_seed_request_and_position():
+    """The runner derives keys from each sequence's cached request key: the same keys as
+    sample_key(seed, request id, position), for any seed and id (negative, past 64 bits)."""
+    from onepath.engine.model_runner import ModelRunner
+    from onepath.ops.sampling import sample_key
+
+    seqs = [Sequence(rid, list(range(3, 3 + n)), SamplingParams(seed=seed))
+            for rid, n, seed in ((0, 1, 0), (7, 5, -3), (2 ** 70 + 5, 17, 2 ** 66 + 1), (-9, 2, 12345))]
+    seqs[1].append_token(11, -0.5)
+    assert ModelRunner.sample_keys(seqs) == [sample_key(s.params.seed, s.request_id, s.num_tokens) for s in seqs]
+    assert len(set(ModelRunner.sample_keys(seqs))) == len(seqs)
