@@ -25,6 +25,7 @@ from onepath.models.dense import DenseDecoder
 from onepath.models.moe import RoutingRecorder
 from onepath.models.kv_cache import KVCache
 from onepath.ops.attention import AttentionMetadata
+from onepath.ops.host import to_device
 from onepath.ops.sampling import position_key
 
 
@@ -183,9 +184,9 @@ class ModelRunner:
         """Draw each sequence's next token and its log-probability under the distribution it was drawn
         from: softmax(logits / temperature) restricted to top-k / top-p and renormalised."""
         device = logits.device
-        temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=device)
-        top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.long, device=device)
-        top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=device)
+        temperature = to_device([s.params.temperature for s in seqs], torch.float32, device)
+        top_k = to_device([s.params.top_k for s in seqs], torch.long, device)
+        top_p = to_device([s.params.top_p for s in seqs], torch.float32, device)
         filtered = any(s.params.top_k or s.params.top_p < 1.0 for s in seqs)  # else no mask (and no sync)
         keep = self.ops.sampling_mask(logits, temperature, top_k, top_p) if filtered else None
         probs = self.ops.probs(logits, temperature, keep)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from onepath.ops.attention import AttentionMetadata
+from onepath.ops.host import to_device
 
 
 @dataclass(slots=True)
@@ -29,7 +30,7 @@ class ForwardBatch:
         return self.attn.positions
 
     def last_token_rows(self) -> torch.Tensor:
-        return torch.tensor(self.attn.cu_seqlens[1:], dtype=torch.long, device=self.input_ids.device) - 1
+        return to_device(self.attn.cu_seqlens[1:], torch.long, self.input_ids.device) - 1
 
     @classmethod
     def build(cls, chunks: list[SeqChunk], block_size: int, device: str | torch.device = "cpu") -> "ForwardBatch":
@@ -49,9 +50,9 @@ class ForwardBatch:
         tables = torch.zeros((len(chunks), width), dtype=torch.long)
         for b, c in enumerate(chunks):
             tables[b, :len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.long)
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)
+        as_tensor = lambda values: to_device(values, torch.long, device)
         attn = AttentionMetadata(positions=as_tensor(positions), query_seq=as_tensor(query_seq), cu_seqlens=cu,
-                                 context_lens=ctx, block_tables=tables.to(device),
+                                 context_lens=ctx, block_tables=as_tensor(tables),
                                  slot_mapping=as_tensor(slots), block_size=block_size)
         return cls(as_tensor(ids), attn)
 

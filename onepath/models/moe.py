@@ -47,6 +47,7 @@ from onepath.models.config import ModelConfig
 from onepath.models.dense import MLP, DenseDecoder, Linear
 from onepath.models.kv_cache import KVCache
 from onepath.ops import Ops
+from onepath.ops.host import to_device
 
 CAPACITY = 16           # rows per expert chunk of the masked layout
 MASKED_MAX_TOKENS = 64  # forwards of at most this many tokens (decode steps) run the masked layout
@@ -97,8 +98,8 @@ def experts_masked(mlp: Callable, x: torch.Tensor, experts: torch.Tensor, num_ex
     order, counts = dispatch(experts, num_experts)
     chunks = [-(-n // capacity) for n in counts]
     exclusive = lambda values: torch.cumsum(values, 0) - values
-    first_pair = exclusive(torch.tensor(counts, device=x.device))
-    first_row = exclusive(torch.tensor(chunks, device=x.device)) * capacity
+    first_pair = exclusive(to_device(counts, torch.int64, x.device))
+    first_row = exclusive(to_device(chunks, torch.int64, x.device)) * capacity
     owner = experts.reshape(-1)[order]
     # the buffer row of each packed pair: its expert's first row plus its rank among the expert's pairs
     row = first_row[owner] + torch.arange(order.numel(), device=x.device) - first_pair[owner]

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from onepath.numerics.quant import FP8Tensor, quantize_fp8
 from onepath.numerics.spec import ExecutionSpec, QuantSpec
 from onepath.ops.autograd import apply_kernel
+from onepath.ops.host import to_device
 from onepath.ops.pinned import pinned_unary, row_chunks, tiled_sum, tree_sum
 
 
@@ -140,8 +141,8 @@ def padded_rows(meta: AttentionMetadata, seqs: list[int], device) -> tuple[torch
     if cached is None or cached[0] != seqs:
         lengths = [meta.query_len(b) for b in seqs]
         longest, tokens = max(lengths), sum(lengths)
-        count = torch.tensor(lengths, device=device)
-        first = torch.tensor([meta.cu_seqlens[b] for b in seqs], device=device)
+        count = to_device(lengths, torch.int64, device)
+        first = to_device([meta.cu_seqlens[b] for b in seqs], torch.int64, device)
         packed = torch.cumsum(count, 0) - count  # each sequence's first row among the selected rows
         local = torch.arange(tokens, device=device)
         src = local + torch.repeat_interleave(first - packed, count, output_size=tokens)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops.autograd import apply_kernel
+from onepath.ops.host import to_device
 from onepath.ops.pinned import row_chunks
 from onepath.ops.quant_linear import quant_linear
 
@@ -85,7 +86,7 @@ def stock_grouped_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def stock_grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """x [M, K] BF16 packed by group, weight [G, N, K] -> [M, N] BF16 by one torch._grouped_mm."""
-    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
+    ends = to_device(list(itertools.accumulate(counts)), torch.int32, x.device)
     return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
 
 

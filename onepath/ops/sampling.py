@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from onepath.ops.host import to_device
 from onepath.ops.pinned import pinned_unary
 
 MASK64 = (1 << 64) - 1
@@ -61,7 +62,7 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 def sample(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
     """probs [N, V] (zeros outside the allowed set), one key per row -> token ids [N] on probs' device."""
     vocab = probs.shape[-1]
-    key_tensor = torch.tensor(keys, dtype=torch.int64, device=probs.device)
+    key_tensor = to_device(keys, torch.int64, probs.device)
     if probs.is_cuda:
         from onepath.ops.cuda.sampling import sample as fused_race
         return fused_race(probs, key_tensor)

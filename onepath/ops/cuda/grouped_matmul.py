@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from onepath.ops.host import to_device
 from onepath.ops.cuda.matmul import BLOCK_K, MAX_TILE_FP32_OUT, TILE_FP32, TILES_16BIT, TileConfig, _num_sms, \
     _tile_coords
 
@@ -124,7 +125,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int], out
                          "elements (32-bit load offsets); split the rows into several calls")
     num_sms = _num_sms(x.device)
     config = config or pick_grouped_config(counts, n, x.dtype, num_sms, out.dtype)
-    tiles = torch.tensor(m_tiles(counts, config.block_m), dtype=torch.int32).to(x.device)
+    tiles = to_device(m_tiles(counts, config.block_m), torch.int32, x.device)
     num_m_tiles = tiles.shape[1]
     grid = (min(num_sms, num_m_tiles * triton.cdiv(n, config.block_n)),)
     _grouped_matmul_kernel[grid](
