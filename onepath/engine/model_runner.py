@@ -116,9 +116,7 @@ class DecodeGraphs:
             host.fromlist(c.block_table)
             host.extend(scratch_row[:width - len(c.block_table)])
         host.extend(scratch_row * pad)
-        staged = torch.frombuffer(host, dtype=torch.long)
-        if staged.device != self.input_ids.device:
-            staged = staged.pin_memory().to(self.input_ids.device, non_blocking=True)
+        staged = to_device(torch.frombuffer(host, dtype=torch.long), torch.long, self.input_ids.device)
         self.input_ids[:size].copy_(staged[:size])
         self.positions[:size].copy_(staged[size:2 * size])
         self.slot_mapping[:size].copy_(staged[2 * size:3 * size])
