@@ -7,7 +7,7 @@ program (the reference) and then, for each (rows, warps) program, as a prefill a
 both launches (in-register, split-KV); each line counts the tokens whose output differs from the
 reference. Qwen3-0.6B heads (16/8, D 128), GQA 8 (32/4) and D 64 (8/4); kv_tile 32 and 64. Programs whose
 warps hold 16 whole rows each (one warp: 16 or 32 rows) keep the bits; two warps split the key columns
-and do not. tests/gpu/test_attention_gpu.py asserts the decode program's case. --fp8-kv runs the same over
+and do not. 128 rows on 8 warps is a prefill candidate (fewer K/V re-reads), not measured yet. tests/gpu/test_attention_gpu.py asserts the decode program's case. --fp8-kv runs the same over
 an FP8 cache (FP8_KV: codes and per-token scales, dequantised in the kernel); --stages adds the one-warp
 programs at other pipeline depths (the reference keeps the 64-row program's).
 """
@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from tests.ops.test_attention_interpret import PagedCache, phases  # noqa: E402
 
 DEVICE, DTYPE, N = "cuda", torch.bfloat16, 700
-PROGRAMS = ((16, 1), (16, 2), (32, 1), (32, 2), (64, 4))
+# (rows, warps); 128 rows on 8 warps (two wgmma warpgroups, 16 whole rows per warp): a prefill candidate
+PROGRAMS = ((16, 1), (16, 2), (32, 1), (32, 2), (64, 4), (128, 8))
 
 
 def main():
