@@ -27,7 +27,6 @@ from onepath.engine.model_runner import DecodeGraphs  # noqa: E402
 from onepath.engine.sampling_params import SamplingParams  # noqa: E402
 from onepath.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from onepath.engine.sequence import Sequence  # noqa: E402
-from onepath.models.batch import SeqChunk  # noqa: E402
 
 BLOCK = 16
 
