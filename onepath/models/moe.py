@@ -47,7 +47,6 @@ from onepath.models.config import ModelConfig
 from onepath.models.dense import MLP, DenseDecoder, Linear
 from onepath.models.kv_cache import KVCache
 from onepath.ops import Ops
-from onepath.ops.host import to_device
 
 CAPACITY = 16           # rows per expert chunk of the masked layout
 MASKED_MAX_TOKENS = 64  # forwards of at most this many tokens (decode steps) run the masked layout
@@ -62,11 +61,13 @@ def slot_sum(x: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def dispatch(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+def dispatch(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The (token, slot) pairs of experts [T, k], flattened, in the order that packs them by expert
-    (token order inside an expert), and each expert's number of pairs."""
+    (token order inside an expert), and each expert's number of pairs, on experts' device: counted by
+    scatter_add, not bincount, whose output size needs the largest id on the host (a sync per layer)."""
     flat = experts.reshape(-1)
-    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts).tolist()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.argsort(flat, stable=True), counts
 
 
 def unpermute(packed: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -78,14 +79,15 @@ def unpermute(packed: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 def experts_contiguous(mlp: Callable, x: torch.Tensor, experts: torch.Tensor, num_experts: int,
                        grouped: Callable | None = None) -> torch.Tensor:
     """Expert outputs [T, k, H] of each token's k experts, the pairs packed by expert, mlp(e, rows)
-    once per expert over its rows; or grouped(rows, counts) once over all of them."""
+    once per expert over its rows; or grouped(rows, counts) once over all of them, the counts left on
+    the device (no host sync)."""
     t, k = experts.shape
     order, counts = dispatch(experts, num_experts)
     rows = x.index_select(0, order // k)
     if grouped is not None:
         packed = grouped(rows, counts)
     else:
-        packed = torch.cat([mlp(e, part) for e, part in enumerate(rows.split(counts)) if part.shape[0]])
+        packed = torch.cat([mlp(e, part) for e, part in enumerate(rows.split(counts.tolist())) if part.shape[0]])
     return unpermute(packed, order).view(t, k, -1)
 
 
@@ -96,10 +98,11 @@ def experts_masked(mlp: Callable, x: torch.Tensor, experts: torch.Tensor, num_ex
     runs over all `capacity` rows of each chunk; or grouped(buffer, rows per expert) once."""
     t, k = experts.shape
     order, counts = dispatch(experts, num_experts)
-    chunks = [-(-n // capacity) for n in counts]
+    chunks = (counts + capacity - 1) // capacity
     exclusive = lambda values: torch.cumsum(values, 0) - values
-    first_pair = exclusive(to_device(counts, torch.int64, x.device))
-    first_row = exclusive(to_device(chunks, torch.int64, x.device)) * capacity
+    first_pair = exclusive(counts)
+    first_row = exclusive(chunks) * capacity
+    chunks = chunks.tolist()  # the buffer's size, on the host; a masked forward holds few tokens
     owner = experts.reshape(-1)[order]
     # the buffer row of each packed pair: its expert's first row plus its rank among the expert's pairs
     row = first_row[owner] + torch.arange(order.numel(), device=x.device) - first_pair[owner]
@@ -157,7 +160,7 @@ def experts_parallel(run: Callable, x: torch.Tensor, experts: torch.Tensor, ep: 
     Every rank of the group must call it at each sparse layer, with or without tokens."""
     t, k = experts.shape
     order, counts = dispatch(experts, ep.num_experts)  # packed by expert, so by owner too
-    send = torch.tensor(counts, device=x.device).view(ep.size, -1)  # [owner, its local expert]
+    send = counts.view(ep.size, -1)  # [owner, its local expert]
     recv = torch.empty_like(send)  # [source rank, my local expert]
     dist.all_to_all_single(recv, send, group=ep.group)
     in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
@@ -202,7 +205,7 @@ class Experts(nn.Module):
         gate, up = self.ops.linear(rows, self.gate_up_proj[expert - self.first]).chunk(2, dim=-1)
         return self.ops.expert_down(self.ops.silu_mul(gate, up), self.down_proj[expert - self.first])
 
-    def grouped_mlp(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def grouped_mlp(self, rows: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
         """Every expert on its rows of rows [n, H], packed by expert (counts[e] rows of global expert
         e, all of them this rank's) -> [n, H] FP32: one grouped GEMM per projection."""
         local = counts[self.first:self.first + self.gate_up_proj.shape[0]]
@@ -262,7 +265,7 @@ class SparseMoeBlock(nn.Module):
 
 class MoeDecoder(DenseDecoder):
     """DenseDecoder whose sparse layers (config.is_sparse_layer) carry a SparseMoeBlock as their MLP."""
-    # the expert dispatch reads per-expert counts on the host: decode runs eagerly
+    # the masked layout and the per-expert loops read the expert counts on the host: decode runs eagerly
     capturable = False
 
     def __init__(self, config: ModelConfig, ops: Ops, max_positions: int | None = None):

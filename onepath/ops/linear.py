@@ -62,7 +62,13 @@ def linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bias: tor
     return apply_kernel(kernel, lambda *t: reference(*t).to(out_dtype), *inputs)
 
 
-def grouped_reference(x, weight, counts: list[int]):
+def host_counts(counts: list[int] | torch.Tensor) -> list[int]:
+    """Group sizes as a list (from a device tensor: a host sync, where a loop over the groups needs one)."""
+    return counts.tolist() if isinstance(counts, torch.Tensor) else counts
+
+
+def grouped_reference(x, weight, counts: list[int] | torch.Tensor):
+    counts = host_counts(counts)
     parts = [F.linear(part, weight[g]) for g, part in enumerate(x.split(counts)) if part.shape[0]]
     return torch.cat(parts) if parts else x.new_empty(0, weight.shape[1])
 
@@ -84,21 +90,26 @@ def stock_grouped_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[0] > 0 and x.shape[-1] % align == 0 and weight.shape[1] % align == 0)
 
 
-def stock_grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def stock_grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
     """x [M, K] BF16 packed by group, weight [G, N, K] -> [M, N] BF16 by one torch._grouped_mm."""
-    ends = to_device(list(itertools.accumulate(counts)), torch.int32, x.device)
+    if isinstance(counts, torch.Tensor):
+        ends = torch.cumsum(counts, 0).to(torch.int32)
+    else:
+        ends = to_device(list(itertools.accumulate(counts)), torch.int32, x.device)
     return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
 
 
-def grouped_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, counts: list[int],
+def grouped_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor,
                    op: str = "linear", out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K], rows packed by group (counts[g] rows each), weight [G, N, K] -> [M, N]: each group's
-    rows through linear() against weight[g], bit for bit, whatever the backend (baseline: close)."""
+    rows through linear() against weight[g], bit for bit, whatever the backend (baseline: close).
+    counts may be a tensor on x's device (the MoE dispatch's): the grouped launches read it there, with
+    no host sync; the per-group loop reads it on the host."""
     out_dtype = out_dtype or x.dtype
     stock = spec.mode == "baseline"
     if not grouped_kernel(spec, op) or (stock and not stock_grouped_fits(x, weight)):
         parts = [linear(spec, part, weight[g], op=op, out_dtype=out_dtype)
-                 for g, part in enumerate(x.split(counts)) if part.shape[0]]
+                 for g, part in enumerate(x.split(host_counts(counts))) if part.shape[0]]
         return torch.cat(parts) if parts else x.new_empty(0, weight.shape[1], dtype=out_dtype)
     reference = lambda x, w: grouped_reference(x, w, counts).to(out_dtype)
     if stock:

@@ -101,3 +101,24 @@ def test_masked_vs_contiguous_layout_moe_gpu():
     # per-expert rows at these shapes did not move with the row count (2026-11-29), see
     # tests/gpu/test_grouped_matmul_gpu.py's stock-path control
     assert all(masked and alone for masked, alone in layouts("consistent"))
+
+
+@pytest.mark.parametrize("mode", ["consistent", "baseline"])
+def test_contiguous_experts_make_no_host_sync(mode):
+    """The dispatch counts experts on the device and both grouped GEMMs (ours, torch._grouped_mm) read
+    the counts there: an MoE layer over more tokens than the masked layout takes makes no host sync
+    (torch's sync debug mode raises on one). Control: reading the counts on the host raises."""
+    block = moe_model(mode).model.layers[0].mlp
+    x = torch.randn(200, SHAPE["hidden_size"], device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    x = x.bfloat16()
+    with torch.no_grad():
+        expected = block(x)  # compiles the kernels, fills the caches
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = block(x)
+            with pytest.raises(RuntimeError):
+                torch.zeros(3, device="cuda").tolist()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, expected)

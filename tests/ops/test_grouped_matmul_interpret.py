@@ -15,7 +15,7 @@ import pytest
 from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_checks, print_checks
 
 CHECKS = ["values", "rows_equal_dense_alone", "packing_invariant", "configs_agree", "fp32_out_one_rounding",
-          "empty_groups", "moe_layouts_equal_alone", "moe_backward"]
+          "empty_groups", "device_counts", "moe_layouts_equal_alone", "moe_backward"]
 COUNTS = [0, 1, 37, 0, 6]
 
 
@@ -116,6 +116,21 @@ def _run_checks() -> dict:
     except ValueError:
         pass
 
+    # group sizes as a tensor (the MoE dispatch's, read on the device): the same tiles, the same bits, in
+    # every config; sizes summing to less than M leave the rows past them unwritten and the others equal
+    sizes = torch.tensor(COUNTS)
+    for name, cfg in configs.items():
+        record("device_counts", torch.equal(grouped_matmul(x, w, sizes, config=cfg), grouped_matmul(x, w, COUNTS, config=cfg)),
+               name)
+    short = grouped_matmul(x, w, torch.tensor([0, 1, 30, 0, 6]))
+    record("device_counts", torch.equal(short[:31], grouped_matmul(x, w, COUNTS)[:31]), "first 31 rows")
+    record("device_counts", torch.equal(short[31:37], grouped_matmul(x[31:37], w[4:], [6])), "group 4's rows")
+    try:
+        grouped_matmul(x, w, torch.tensor([1.0, 2, 3, 4, 5]))
+        record("device_counts", False, "float group sizes were accepted")
+    except ValueError:
+        pass
+
     _check_moe(record, gen)
     return results
 
@@ -178,6 +193,17 @@ def test_tile_list_and_config_pick():
     from onepath.ops.cuda import matmul as mm
 
     assert gm.m_tiles([0, 1, 37, 0, 6], 16) == [[1, 2, 2, 2, 4], [0, 1, 17, 33, 38], [1, 38, 38, 38, 44]]
+    # on the device: the same tiles behind their number, padded to the bound it is given
+    gen = torch.Generator().manual_seed(0)
+    for counts in ([0, 1, 37, 0, 6], [0, 0, 5], [64, 0, 65, 1], *(torch.randint(0, 90, (7,), generator=gen).tolist()
+                                                                   for _ in range(5))):
+        for block_m in (16, 64):
+            listed = gm.m_tiles(counts, block_m)
+            bound = -(-sum(counts) // block_m) + len(counts)
+            tiles = gm.m_tiles_device(torch.tensor(counts), block_m, bound)
+            n = len(listed[0])
+            assert tiles.dtype == torch.int32 and tiles.shape == (1 + 3 * bound,) and n <= bound
+            assert tiles[0] == n and [tiles[1 + j * bound:1 + j * bound + n].tolist() for j in range(3)] == listed
     # decode: small groups stay on 64-row tiles; training: the largest tile once the groups fill it
     assert gm.pick_grouped_config([16] * 128, 1536, torch.bfloat16, 132).block_m == 64
     assert gm.pick_grouped_config([512] * 128, 1536, torch.bfloat16, 132) == mm.TILES_16BIT[0]
@@ -200,7 +226,7 @@ def test_every_grouped_config_compiles_for_sm90_on_wgmma_within_shared_memory():
             consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=mm.BLOCK_K, GROUP_M=cfg.group_m,
                           NUM_SMS=132)
             sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": f"*{out}", "tiles_ptr": "*i32",
-                   **{a: "i32" for a in ("num_m_tiles", "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om")}}
+                   **{a: "i32" for a in ("max_m_tiles", "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om")}}
             aligned = ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om")
             ptx, shared = compile_sm90(gm._grouped_matmul_kernel, sig, consts, aligned, cfg)
             if shared > SM90_SHARED_BYTES or "wgmma.mma_async" not in ptx or "mma.sync" in ptx:

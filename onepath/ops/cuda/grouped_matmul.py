@@ -11,9 +11,11 @@ on how many tokens its expert got. What keeps it: the dense kernel's K walk, unc
 - a tile never straddles two groups: rows past the group's end are masked and never stored.
 
 Rows are packed by group (groups may be empty). The grid is persistent: min(#SMs, #tiles) programs
-walk the (M-tile, N-tile) tiles with stride #SMs, grouped along M for L2 reuse of a weight tile; the
-M-tiles of all groups are listed once on the host from the group sizes (MoE dispatch reads them
-there already), as the (group, first row, end row) of each.
+walk the (M-tile, N-tile) tiles with stride #SMs, grouped along M for L2 reuse of a weight tile. The
+M-tiles of all groups are listed as the (group, first row, end row) of each, behind their number, in
+one int32 tensor the kernel reads: from host group sizes (a list), or from group sizes on the device
+(a tensor, as the MoE dispatch counts them), computed there without a host sync, padded to an upper
+bound of the tile count. The same groups give the same tiles either way, so the same bits.
 """
 from __future__ import annotations
 
@@ -55,15 +57,28 @@ def m_tiles(counts: list[int], block_m: int) -> list[list[int]]:
     return [groups, starts, ends]
 
 
-@triton.jit(do_not_specialize=["num_m_tiles"])
+def m_tiles_device(counts: torch.Tensor, block_m: int, max_tiles: int) -> torch.Tensor:
+    """m_tiles of group sizes on the device, with no host sync: int32 [1 + 3 * max_tiles], the number of
+    tiles, then max_tiles groups, first rows and end rows (entries past the number are never read)."""
+    counts = counts.to(torch.int64)
+    per_group = (counts + block_m - 1) // block_m
+    tile_end, row_end = torch.cumsum(per_group, 0), torch.cumsum(counts, 0)
+    i = torch.arange(max_tiles, device=counts.device)
+    group = torch.searchsorted(tile_end, i, right=True).clamp_(max=counts.numel() - 1)
+    first = (row_end - counts)[group] + (i - (tile_end - per_group)[group]) * block_m
+    return torch.cat([tile_end[-1:], group, first, row_end[group]]).to(torch.int32)
+
+
+@triton.jit(do_not_specialize=["max_m_tiles"])
 def _grouped_matmul_kernel(
     x_ptr, w_ptr, out_ptr, tiles_ptr,
-    num_m_tiles, N, K,
+    max_m_tiles, N, K,
     stride_xm, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):
     start_pid = tl.program_id(axis=0)
+    num_m_tiles = tl.load(tiles_ptr)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_m_tiles * num_pid_n
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -71,9 +86,9 @@ def _grouped_matmul_kernel(
 
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
         pid_m, pid_n = _tile_coords(tile_id, num_m_tiles, num_pid_n, GROUP_M)
-        group = tl.load(tiles_ptr + pid_m)
-        first = tl.load(tiles_ptr + num_m_tiles + pid_m)
-        end = tl.load(tiles_ptr + 2 * num_m_tiles + pid_m)
+        group = tl.load(tiles_ptr + 1 + pid_m)
+        first = tl.load(tiles_ptr + 1 + max_m_tiles + pid_m)
+        end = tl.load(tiles_ptr + 1 + 2 * max_m_tiles + pid_m)
         offs_m = first + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         # Rows past the group's end are masked (no memory request), as the dense kernel's past M;
@@ -97,11 +112,13 @@ def _grouped_matmul_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int], out_dtype: torch.dtype | None = None,
-                   config: TileConfig | None = None) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor,
+                   out_dtype: torch.dtype | None = None, config: TileConfig | None = None) -> torch.Tensor:
     """x [M, K], its rows packed by group (counts[g] rows of group g, in order), weight [G, N, K]:
     [M, N], row r of group g = x[r] @ weight[g]^T with FP32 accumulation, rounded once to out_dtype
-    (default x.dtype). `config` forces a tile config (tests, benchmarks)."""
+    (default x.dtype). counts: a list, or an integer tensor on x's device, read there (no host sync:
+    the caller vouches that they are >= 0 and sum to at most M; rows past them are left unwritten).
+    `config` forces a tile config (tests, benchmarks)."""
     if x.dtype != weight.dtype:
         raise TypeError(f"grouped_matmul: x is {x.dtype} but weight is {weight.dtype}; cast one so they match")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -109,7 +126,12 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int], out
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
         raise ValueError(f"grouped_matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
                          "(expected x [M, K], weight [G, N, K])")
-    if len(counts) != weight.shape[0] or sum(counts) != x.shape[0] or min(counts, default=0) < 0:
+    on_device = isinstance(counts, torch.Tensor)
+    if on_device and (counts.shape != (weight.shape[0],) or counts.device != x.device
+                      or counts.dtype.is_floating_point):
+        raise ValueError(f"grouped_matmul: group sizes {counts.dtype} {tuple(counts.shape)} on {counts.device} must "
+                         f"be integers [{weight.shape[0]}] on x's device {x.device}")
+    if not on_device and (len(counts) != weight.shape[0] or sum(counts) != x.shape[0] or min(counts, default=0) < 0):
         raise ValueError(f"grouped_matmul: group sizes (sum {sum(counts)}, {len(counts)} groups) do not pack "
                          f"x's {x.shape[0]} rows over weight's {weight.shape[0]} groups")
     _, n, k = weight.shape
@@ -124,13 +146,21 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int], out
         raise ValueError(f"grouped_matmul: x {tuple(x.shape)} or one group's weight [{n}, {k}] has >= 2^31 "
                          "elements (32-bit load offsets); split the rows into several calls")
     num_sms = _num_sms(x.device)
-    config = config or pick_grouped_config(counts, n, x.dtype, num_sms, out.dtype)
-    tiles = to_device(m_tiles(counts, config.block_m), torch.int32, x.device)
-    num_m_tiles = tiles.shape[1]
-    grid = (min(num_sms, num_m_tiles * triton.cdiv(n, config.block_n)),)
+    groups = weight.shape[0]
+    # device sizes are not read here: the config (speed only) assumes groups of even size
+    sizes = [triton.cdiv(m, groups)] * groups if on_device else counts
+    config = config or pick_grouped_config(sizes, n, x.dtype, num_sms, out.dtype)
+    if on_device:
+        max_m_tiles = triton.cdiv(m, config.block_m) + groups  # each group ends at most one partial tile
+        tiles = m_tiles_device(counts, config.block_m, max_m_tiles)
+    else:
+        listed = m_tiles(counts, config.block_m)
+        max_m_tiles = len(listed[0])
+        tiles = to_device([max_m_tiles, *listed[0], *listed[1], *listed[2]], torch.int32, x.device)
+    grid = (min(num_sms, max_m_tiles * triton.cdiv(n, config.block_n)),)
     _grouped_matmul_kernel[grid](
         x, weight, out, tiles,
-        num_m_tiles, n, k,
+        max_m_tiles, n, k,
         x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK_K,
         GROUP_M=config.group_m, NUM_SMS=num_sms,
