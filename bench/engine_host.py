@@ -1,4 +1,4 @@
-"""The engine's host work per decode step, without a model: what a GPU waits for between two steps.
+"""The engine's host work per decode step, with no forward: what a GPU waits for between two steps.
 
     python bench/engine_host.py [--batch 256] [--out bench/results/engine-host-cpu.json]
 
@@ -22,31 +22,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
 
 from onepath.bench.results import environment, save_json  # noqa: E402
+from onepath.bench.workloads import model_config  # noqa: E402
 from onepath.engine.block_manager import BlockManager  # noqa: E402
-from onepath.engine.model_runner import DecodeGraphs  # noqa: E402
+from onepath.engine.model_runner import DecodeGraphs, ModelRunner  # noqa: E402
 from onepath.engine.sampling_params import SamplingParams  # noqa: E402
 from onepath.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from onepath.engine.sequence import Sequence  # noqa: E402
+from onepath.models import build_decoder  # noqa: E402
+from onepath.models.kv_cache import KVCache  # noqa: E402
+from onepath.numerics.spec import ExecutionSpec  # noqa: E402
+from onepath.ops import Ops  # noqa: E402
 
 BLOCK = 16
 
 
-class _StageOnly(DecodeGraphs):
-    """DecodeGraphs' static buffers and staging on the CPU, with no model and no graphs."""
-
-    def __init__(self, max_batch: int, max_model_len: int, scratch_block: int):
-        self.block_size, self.max_model_len, self.batch_sizes = BLOCK, max_model_len, [max_batch]
-        self.width = -(-max_model_len // BLOCK)
-        self.scratch_block, self.scratch_slot = scratch_block, scratch_block * BLOCK
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long)
-        self.positions = torch.zeros(max_batch, dtype=torch.long)
-        self.slot_mapping = torch.zeros(max_batch, dtype=torch.long)
-        self.block_tables = torch.zeros(max_batch, self.width, dtype=torch.long)
-
-
 def run(args) -> dict:
-    from onepath.engine.model_runner import ModelRunner
-
     num_blocks = args.batch * -(-args.max_model_len // BLOCK) + 1
     blocks = BlockManager(num_blocks, BLOCK, enable_prefix_caching=True)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=8192,
@@ -55,7 +45,12 @@ def run(args) -> dict:
     for i in range(args.batch):
         prompt = torch.randint(3, 150_000, (args.prompt,), generator=gen).tolist()
         scheduler.add(Sequence(i, prompt, SamplingParams(max_tokens=100_000, ignore_eos=True, seed=1)))
-    stage = _StageOnly(args.batch, args.max_model_len, num_blocks)
+    # the runner's static buffers and staging, on the CPU: a tiny model gives them their device and no
+    # forward runs (nothing reads the one-block cache: staging writes ids and tables only)
+    model = build_decoder(model_config("tiny"), Ops(ExecutionSpec.default("consistent", "cpu")),
+                          max_positions=args.max_model_len)
+    stage = DecodeGraphs(model, KVCache.for_model(model, 1, BLOCK), num_blocks, args.max_model_len, [args.batch],
+                         capture=False)
     phases = {"schedule": [], "chunks": [], "stage": [], "sample_keys": [], "postprocess": []}
     for step in range(args.warmup + args.steps):
         t0 = time.perf_counter()

@@ -64,6 +64,48 @@ def compile_sm90(kernel, sig: dict, consts: dict, aligned, config):
     return compiled.asm["ptx"], compiled.metadata.shared
 
 
+def patch_bf16_rounding() -> None:
+    """Triton 3.6's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even): round as the GPU does."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def convert_rtne(data, src, dst, rounding_mode):
+        if src == tl.float32 and dst == tl.bfloat16:
+            wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(np.shape(data))
+        return convert(data, src, dst, rounding_mode)
+
+    interpreter._convert_float = convert_rtne
+
+
+def patch_gemm_interpreter() -> None:
+    """Make the interpreter's 16/32-bit dot the MMA chain a row sees on Hopper, and round to bf16 as the GPU.
+    The interpreter's dot is numpy's: it reads bf16 as raw uint16 (Triton 3.6), and OpenBLAS's sgemm gives
+    a row different bits by its position in the block (FMA or not by micro-tile). This row-independent
+    model replaces it: exact products in fp64, each K block rounded once to fp32 and added to the
+    accumulator. Call it in the interpreted subprocess, before the kernels run."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def f64(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32) \
+                .reshape(h.data.shape).astype(np.float64)
+        return h.data.astype(np.float64)
+
+    def create_dot(self, a, b, d, *rest):
+        block = np.matmul(f64(a), f64(b)).astype(np.float32)
+        return interpreter.TensorHandle(block + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+    patch_bf16_rounding()
+
+
 def patch_fp8_gemm_interpreter() -> None:
     """Make Triton's CPU interpreter compute the block-FP8 GEMM as Hopper does where it matters to bits:
     a dot's partial summed exactly (float64, then rounded once to FP32: e4m3 products are exact), tl.fma

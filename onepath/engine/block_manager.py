@@ -58,6 +58,11 @@ class BlockManager:
         total = self.num_blocks_for(seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens)
         return max(0, total - len(seq.block_table) - len(cached))
 
+    def holds_next_slot(self, seq: Sequence) -> bool:
+        """Whether the slot of seq's next computed token is in a block seq holds (a decode token then
+        needs no allocation: most steps of most sequences)."""
+        return seq.num_computed_tokens < len(seq.block_table) * self.block_size
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: tuple[int, ...] = ()) -> bool:
         # sharing a cached block that is free takes it off the free list too
         revived = sum(1 for b in cached if self.ref_counts[b] == 0)

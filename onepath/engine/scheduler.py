@@ -89,8 +89,7 @@ class Scheduler:
             # victims come off the end of running, so the first preempted one ends the pass
             if budget == 0 or seq.status is not SequenceStatus.RUNNING:
                 break
-            computed = seq.num_computed_tokens
-            if computed + 1 == len(seq.token_ids) and computed < len(seq.block_table) * self.block_manager.block_size:
+            if seq.num_uncomputed_tokens == 1 and self.block_manager.holds_next_slot(seq):
                 # a decode token whose slot is in a block the sequence holds: nothing to chunk or allocate
                 scheduled.append(ScheduledSeq(seq, 1))
                 budget -= 1

@@ -98,11 +98,11 @@ def experts_masked(mlp: Callable, x: torch.Tensor, experts: torch.Tensor, num_ex
     runs over all `capacity` rows of each chunk; or grouped(buffer, rows per expert) once."""
     t, k = experts.shape
     order, counts = dispatch(experts, num_experts)
-    chunks = (counts + capacity - 1) // capacity
+    chunk_counts = (counts + capacity - 1) // capacity
     exclusive = lambda values: torch.cumsum(values, 0) - values
     first_pair = exclusive(counts)
-    first_row = exclusive(chunks) * capacity
-    chunks = chunks.tolist()  # the buffer's size, on the host; a masked forward holds few tokens
+    first_row = exclusive(chunk_counts) * capacity
+    chunks = chunk_counts.tolist()  # the buffer's size, on the host; a masked forward holds few tokens
     owner = experts.reshape(-1)[order]
     # the buffer row of each packed pair: its expert's first row plus its rank among the expert's pairs
     row = first_row[owner] + torch.arange(order.numel(), device=x.device) - first_pair[owner]

@@ -16,8 +16,6 @@ allowed to); elsewhere linear() per group. Both grouped paths differentiate the 
 """
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 
@@ -92,11 +90,9 @@ def stock_grouped_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def stock_grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
     """x [M, K] BF16 packed by group, weight [G, N, K] -> [M, N] BF16 by one torch._grouped_mm."""
-    if isinstance(counts, torch.Tensor):
-        ends = torch.cumsum(counts, 0).to(torch.int32)
-    else:
-        ends = to_device(list(itertools.accumulate(counts)), torch.int32, x.device)
-    return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
+    if not isinstance(counts, torch.Tensor):
+        counts = to_device(counts, torch.int64, x.device)
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=torch.cumsum(counts, 0).to(torch.int32))
 
 
 def grouped_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor,

@@ -12,42 +12,15 @@ from __future__ import annotations
 
 
 import pytest
-from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_checks, print_checks
+from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_checks, patch_gemm_interpreter, print_checks
 
 CHECKS = ["values", "rows_equal_dense_alone", "packing_invariant", "configs_agree", "fp32_out_one_rounding",
           "empty_groups", "device_counts", "moe_layouts_equal_alone", "moe_backward"]
 COUNTS = [0, 1, 37, 0, 6]
 
 
-def _patch_interpreter():
-    import numpy as np
-    import torch
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    def f64(h):
-        if h.dtype.scalar == tl.bfloat16:
-            return interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32) \
-                .reshape(h.data.shape).astype(np.float64)
-        return h.data.astype(np.float64)
-
-    def create_dot(self, a, b, d, *rest):
-        return interpreter.TensorHandle(np.matmul(f64(a), f64(b)).astype(np.float32) + d.data, d.dtype.scalar)
-
-    convert_float = interpreter._convert_float
-
-    def rne_convert_float(data, src, dst, rounding_mode):
-        if src == tl.float32 and dst == tl.bfloat16:
-            wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
-            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(np.shape(data))
-        return convert_float(data, src, dst, rounding_mode)
-
-    interpreter.InterpreterBuilder.create_dot = create_dot
-    interpreter._convert_float = rne_convert_float
-
-
 def _run_checks() -> dict:
-    _patch_interpreter()
+    patch_gemm_interpreter()
     import torch
 
     from onepath.ops.cuda.grouped_matmul import grouped_matmul

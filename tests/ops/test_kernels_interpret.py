@@ -8,31 +8,13 @@ exp/log and reduction trees are tests/gpu/test_norm_elementwise_logprobs_gpu.py'
 """
 from __future__ import annotations
 
-from tests.interpret import interpreted_checks, print_checks
+from tests.interpret import interpreted_checks, patch_bf16_rounding, print_checks
 
 CHECKS = ["rmsnorm_values", "rmsnorm_rows_alone_equal_rows_in_batch", "rmsnorm_residual", "rmsnorm_misaligned_input",
           "silu_mul_values", "silu_mul_rows_alone_equal_rows_in_batch", "rope_equals_reference",
           "rope_rows_alone_equal_rows_in_batch", "logprobs_values", "logprobs_rows_alone_equal_rows_in_batch",
           "logprobs_keep_none_equals_all_kept", "probs_values", "probs_rows_alone_equal_rows_in_batch",
           "sample_equals_torch_race", "sample_rows_alone_equal_rows_in_batch", "sample_sparse_row_equals_torch_race"]
-
-
-def _patch_bf16_rounding():
-    """Triton 3.6's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even): round as the GPU does."""
-    import numpy as np
-    import torch
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    convert = interpreter._convert_float
-
-    def convert_rtne(data, src, dst, rounding_mode):
-        if src == tl.float32 and dst == tl.bfloat16:
-            wide = torch.from_numpy(np.array(data, dtype=np.float32))
-            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(np.shape(data))
-        return convert(data, src, dst, rounding_mode)
-
-    interpreter._convert_float = convert_rtne
 
 
 def _patch_libdevice_log1p():
@@ -52,7 +34,7 @@ def _patch_libdevice_log1p():
 
 
 def _run_checks() -> dict:
-    _patch_bf16_rounding()
+    patch_bf16_rounding()
     _patch_libdevice_log1p()
     import math
 

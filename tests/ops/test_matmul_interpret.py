@@ -9,44 +9,16 @@ from __future__ import annotations
 
 
 import pytest
-from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_checks, print_checks
+from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_checks, patch_gemm_interpreter, print_checks
 
 CHECKS = ["values", "rows_alone_equal_rows_in_batch", "configs_agree", "bias_fp32_out", "one_rounding", "leading_dims"]
 DTYPES = ["bfloat16", "float16", "float32"]
 
 
 def _run_checks() -> dict:
-    import numpy as np
     import torch
-    import triton.language as tl
-    from triton.runtime import interpreter
 
-    # The interpreter's dot is numpy's: it reads bf16 as raw uint16 (Triton 3.6), and OpenBLAS's
-    # sgemm gives a row different bits by its position in the block (FMA or not by micro-tile).
-    # A row-independent model replaces it: exact products in fp64, each K block rounded once to
-    # fp32 and added to the accumulator, as the MMA chain does. Its fp32 -> bf16 cast truncates;
-    # the GPU's rounds to nearest even, as torch does.
-    def f64(h):
-        if h.dtype.scalar == tl.bfloat16:
-            return interpreter._convert_float(h.data, tl.bfloat16, tl.float32, None).view(np.float32) \
-                .reshape(h.data.shape).astype(np.float64)
-        return h.data.astype(np.float64)
-
-    def create_dot(self, a, b, d, *rest):
-        block = np.matmul(f64(a), f64(b)).astype(np.float32)
-        return interpreter.TensorHandle(block + d.data, d.dtype.scalar)
-
-    convert_float = interpreter._convert_float
-
-    def rne_convert_float(data, src, dst, rounding_mode):
-        if src == tl.float32 and dst == tl.bfloat16:
-            wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
-            return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return convert_float(data, src, dst, rounding_mode)
-
-    interpreter.InterpreterBuilder.create_dot = create_dot
-    interpreter._convert_float = rne_convert_float
-
+    patch_gemm_interpreter()
     from onepath.ops.cuda.matmul import TILES_16BIT, TileConfig, matmul
 
     gen = torch.Generator().manual_seed(0)
