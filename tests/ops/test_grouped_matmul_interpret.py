@@ -98,6 +98,10 @@ def _run_checks() -> dict:
     short = grouped_matmul(x, w, torch.tensor([0, 1, 30, 0, 6]))
     record("device_counts", torch.equal(short[:31], grouped_matmul(x, w, COUNTS)[:31]), "first 31 rows")
     record("device_counts", torch.equal(short[31:37], grouped_matmul(x[31:37], w[4:], [6])), "group 4's rows")
+    # control: the device sizes are what picks each row's weight (row 0 moved from group 1 to group 2)
+    moved = grouped_matmul(x, w, torch.tensor([0, 0, 38, 0, 6]))
+    record("device_counts", not torch.equal(moved[:1], grouped_matmul(x, w, COUNTS)[:1])
+           and torch.equal(moved[1:], grouped_matmul(x, w, COUNTS)[1:]), "moved row 0 kept its bits")
     try:
         grouped_matmul(x, w, torch.tensor([1.0, 2, 3, 4, 5]))
         record("device_counts", False, "float group sizes were accepted")
