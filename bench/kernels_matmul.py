@@ -26,6 +26,7 @@ from onepath.bench.results import KERNEL_TIMING, environment, kernel_us, save_js
 SHAPES = [
     ("square 4096x4096", 4096, 4096, torch.bfloat16),
     ("qwen mlp 1024->3072", 1024, 3072, torch.bfloat16),
+    ("qwen3 o_proj 2048->1024", 2048, 1024, torch.bfloat16),
     ("llama mlp 4096->11008", 4096, 11008, torch.bfloat16),
     ("qwen3 lm head 1024->151936 fp32", 1024, 151936, torch.float32),
 ]

@@ -40,12 +40,14 @@ def fill(engine: LLMEngine, batch: int, prompt: int, vocab: int, seed: int) -> N
 
 def timed_phases(engine: LLMEngine, steps: int) -> dict:
     phases = {"schedule": [], "forward_and_sample": [], "postprocess": []}
+    if engine.pending is not None:  # phases are timed one after the other: no step in flight
+        engine.complete()
     for _ in range(steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         scheduled = engine.scheduler.schedule()
         t1 = time.perf_counter()
-        sampled = engine.runner.run(scheduled)
+        sampled = engine.runner.run(scheduled).result()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         engine.scheduler.postprocess(scheduled, sampled)

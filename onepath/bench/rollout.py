@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="each step waits for the last one's tokens before the next is scheduled")
     p.add_argument("--quant", default=None, help="low-precision presets for both modes, e.g. fp8+fp8_kv")
     p.add_argument("--spec", action="append", default=[], metavar="OP.FIELD=VALUE",
                    help="kernel settings for both modes, e.g. attention.q_rows=16 attention.kv_tile=64")
@@ -203,6 +205,8 @@ def build_engine(config: ModelConfig, mode: str, state: dict, max_model_len: int
         kwargs["num_blocks"] = batch * math.ceil(max_model_len / BLOCK_SIZE)
     if "cuda_graphs" in accepted:
         kwargs["cuda_graphs"] = False if args.no_cuda_graphs else None
+    if "async_scheduling" in accepted:
+        kwargs["async_scheduling"] = not args.no_async_scheduling
     used = dict(kwargs, scheduler=dataclasses.asdict(kwargs["scheduler"]),
                 cuda_graphs=kwargs.get("cuda_graphs", "not an engine option"))
     return LLMEngine(model, **kwargs), used
@@ -296,7 +300,7 @@ def decode_window(engine: LLMEngine, w: Workload, args) -> dict:
     _sync(args.device)
     seconds = time.perf_counter() - start
     stats = _delta(before, _counters(engine.stats))
-    while not scheduler.is_finished():
+    while engine.has_unfinished():
         engine.step()
     pure = (len(running) == batch and stats.get("generated_tokens") == batch * args.decode_steps
             and stats.get("prefill_tokens") == 0 and scheduler.num_preemptions == preemptions)

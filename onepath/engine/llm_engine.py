@@ -12,7 +12,7 @@ import torch
 
 from onepath.engine.block_manager import BlockManager
 from onepath.engine import memory
-from onepath.engine.model_runner import ModelRunner
+from onepath.engine.model_runner import ModelRunner, Sampled
 from onepath.engine.model_runner import graph_batch_sizes as graph_batch_sizes_for
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import Scheduler, SchedulerConfig
@@ -43,6 +43,7 @@ class EngineStats:
     cached_tokens: int = 0  # tokens whose K/V came from the prefix cache instead of a forward pass
     graph_steps: int = 0    # decode steps replayed from a captured CUDA graph
     eager_steps: int = 0
+    ahead_steps: int = 0    # launched before the previous step's tokens reached the host (async scheduling)
 
 
 class LLMEngine:
@@ -50,12 +51,14 @@ class LLMEngine:
                  scheduler: SchedulerConfig | None = None, eos_token_ids: tuple[int, ...] | None = None,
                  tokenizer=None, enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
                  cuda_graphs: bool | None = None, graph_batch_sizes: list[int] | None = None,
-                 record_routing: bool = False):
+                 record_routing: bool = False, async_scheduling: bool = True):
         """num_blocks: KV-cache blocks; None sizes the cache from gpu_memory_utilization on CUDA (1024 on
         CPU). cuda_graphs: decode steps replay captured graphs (None: on when the model is on CUDA and
         capturable) at
         graph_batch_sizes (default 1, 2, 4, 8 and multiples of 16 up to max_num_seqs). record_routing: each
-        output carries the MoE routers' choices at every position its forwards computed (RequestOutput.routing)."""
+        output carries the MoE routers' choices at every position its forwards computed (RequestOutput.routing).
+        async_scheduling: schedule and launch each decode step before the previous one's tokens reach the
+        host (the same tokens and log-probs: a row's bits do not depend on its batch)."""
         self.model, self.tokenizer = model, tokenizer
         self.scheduler_config = replace(scheduler or SchedulerConfig(),
                                         chunk_align=model.ops.spec.op("attention").kv_tile)
@@ -80,6 +83,8 @@ class LLMEngine:
         self.eos_token_ids = model.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
         self.next_request_id = 0
         self.stats = EngineStats()
+        self.async_scheduling = async_scheduling
+        self.pending: tuple[list, Sampled] | None = None  # the launched step whose tokens are not on the host yet
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: int | None = None) -> int:
         """Queue one request. A bad request raises ValueError naming its problem; nothing else is touched."""
@@ -105,16 +110,40 @@ class LLMEngine:
         return list(prompt)
 
     def step(self) -> list[Sequence]:
+        """Schedule and launch one step; return the sequences that finished. With async scheduling a
+        decode step is scheduled and launched while the previous step's tokens are still on their way
+        to the host (placeholders on the host side, fed from the device): the host's scheduling and
+        bookkeeping overlap the GPU's forward instead of leaving it idle between steps."""
+        finished = []
+        if self.pending is not None and not self.scheduler.can_decode_ahead():
+            finished += self.complete()
         scheduled = self.scheduler.schedule()
-        sampled = self.runner.run(scheduled)
+        sampled = self.runner.run(scheduled, self.pending[1] if self.pending else None) if scheduled else None
+        if self.pending is not None:
+            self.stats.ahead_steps += bool(scheduled)
+            finished += self.complete()
+        if not scheduled:
+            return finished
+        self.scheduler.advance(scheduled)
         self.stats.steps += 1
         if self.runner.replayed_graph:
             self.stats.graph_steps += 1
         else:
             self.stats.eager_steps += 1
-        self.stats.generated_tokens += len(sampled)
-        self.stats.prefill_tokens += sum(s.num_tokens for s in scheduled) - len(sampled)
-        return self.scheduler.postprocess(scheduled, sampled)
+        self.stats.generated_tokens += len(sampled.seqs)
+        self.stats.prefill_tokens += sum(s.num_tokens for s in scheduled) - len(sampled.seqs)
+        self.pending = scheduled, sampled
+        if not self.async_scheduling:
+            finished += self.complete()
+        return finished
+
+    def complete(self) -> list[Sequence]:
+        scheduled, sampled = self.pending
+        self.pending = None
+        return self.scheduler.complete(scheduled, sampled.result())
+
+    def has_unfinished(self) -> bool:
+        return not self.scheduler.is_finished() or self.pending is not None
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
                  request_ids: list[int] | None = None) -> list[RequestOutput]:
@@ -131,7 +160,7 @@ class LLMEngine:
                 outputs[rid] = RequestOutput(rid, list(ids), [], [], "error", str(e))
         start = time.perf_counter()
         preemptions, cached = self.scheduler.num_preemptions, self.block_manager.num_cached_tokens_hit
-        while not self.scheduler.is_finished():
+        while self.has_unfinished():
             for seq in self.step():
                 outputs[seq.request_id] = self.output(seq)
         self.stats.seconds += time.perf_counter() - start

@@ -19,7 +19,7 @@ from array import array
 import torch
 
 from onepath.engine.scheduler import ScheduledSeq
-from onepath.engine.sequence import Sequence
+from onepath.engine.sequence import PLACEHOLDER, Sequence
 from onepath.models.batch import ForwardBatch, SeqChunk
 from onepath.models.dense import DenseDecoder
 from onepath.models.moe import RoutingRecorder
@@ -87,9 +87,11 @@ class DecodeGraphs:
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize()
 
-    def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
+    def run(self, chunks: list[SeqChunk], feed: "Feed | None" = None) -> torch.Tensor:
         """Logits [len(chunks), vocab] of one decode token per chunk."""
         size = self.stage(chunks)
+        if feed is not None:
+            feed.into(self.input_ids)
         if size not in self.graphs:
             return self.forward(size)[:len(chunks)]
         graph, logits = self.graphs[size]
@@ -124,6 +126,56 @@ class DecodeGraphs:
         return size
 
 
+class Sampled:
+    """A launched step's sampled tokens and log-probs, on the device until result() (one copy, one wait)."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor):
+        self.seqs, self.tokens = seqs, tokens
+        self.rows = {s.request_id: i for i, s in enumerate(seqs)}
+        pair = torch.stack([tokens.double(), logprobs.double()])  # float64 holds every token id exactly
+        if pair.is_cuda:
+            self.host = torch.empty(pair.shape, dtype=pair.dtype, pin_memory=True)
+            self.host.copy_(pair, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host, self.done = pair, None
+
+    def result(self) -> dict[int, tuple[int, float]]:
+        if self.done is not None:
+            self.done.synchronize()
+        tokens, logprobs = self.host.tolist()
+        return {s.request_id: (int(t), lp) for s, t, lp in zip(self.seqs, tokens, logprobs)}
+
+
+class Feed:
+    """Input rows whose token is a previous step's sampled token still on the device (async scheduling)."""
+
+    def __init__(self, rows: list[int], source: list[int], pending: Sampled):
+        device = pending.tokens.device
+        self.rows = to_device(rows, torch.long, device)
+        self.values = pending.tokens.index_select(0, to_device(source, torch.long, device)).long()
+
+    @classmethod
+    def of(cls, scheduled: list[ScheduledSeq], first_rows, pending: Sampled | None) -> "Feed | None":
+        """The rows (first_rows[i]: scheduled[i]'s first input row) that feed a placeholder."""
+        if pending is None:
+            return None
+        hits = []
+        for i, s in enumerate(scheduled):
+            if s.seq.token_ids[s.start] == PLACEHOLDER:
+                hits.append((int(first_rows[i]), pending.rows[s.seq.request_id]))
+            elif PLACEHOLDER in s.seq.token_ids[s.start:s.start + s.num_tokens]:
+                raise RuntimeError(f"request {s.seq.request_id}: a placeholder inside a chunk; a step scheduled "
+                                   "ahead of its inputs must be decode only (Scheduler.can_decode_ahead)")
+        if not hits:
+            return None
+        return cls([r for r, _ in hits], [i for _, i in hits], pending)
+
+    def into(self, input_ids: torch.Tensor) -> None:
+        input_ids.index_copy_(0, self.rows, self.values)
+
+
 class ModelRunner:
     def __init__(self, model: DenseDecoder, num_blocks: int, block_size: int, *, max_model_len: int | None = None,
                  graph_batch_sizes: list[int] | None = None, record_routing: bool = False):
@@ -155,14 +207,21 @@ class ModelRunner:
         return [position_key(s.request_key, s.num_tokens) for s in seqs]
 
     @torch.no_grad()
-    def run(self, scheduled: list[ScheduledSeq]) -> dict[int, tuple[int, float]]:
+    def run(self, scheduled: list[ScheduledSeq], pending: Sampled | None = None) -> Sampled:
+        """Launch the step's forward and sampling; nothing waits for the device. `pending`: the previous
+        step, whose sampled tokens this decode-only step feeds from the device (their host copies are
+        placeholders still)."""
         chunks = self.chunks(scheduled)
         if self.graphs is not None and 0 < len(scheduled) <= self.graphs.max_batch \
                 and all(s.num_tokens == 1 and s.samples for s in scheduled):
             self.replayed_graph = True
-            return self.sample([s.seq for s in scheduled], self.graphs.run(chunks))
+            feed = Feed.of(scheduled, range(len(scheduled)), pending)
+            return self.sample([s.seq for s in scheduled], self.graphs.run(chunks, feed))
         self.replayed_graph = False
         batch = ForwardBatch.build(chunks, self.block_size, self.model.device)
+        feed = Feed.of(scheduled, batch.attn.cu_seqlens, pending)
+        if feed is not None:
+            feed.into(batch.input_ids)
         if self.recorder is None:
             hidden = self.model(batch, self.cache)
         else:
@@ -171,14 +230,13 @@ class ModelRunner:
             choices = self.recorder.take()
             for s, a in zip(scheduled, map(int, batch.attn.cu_seqlens)):
                 s.seq.routing[s.start] = choices[a:a + s.num_tokens]  # a recompute after preemption overwrites
-        last = batch.last_token_rows()
-        rows = [int(last[i]) for i, s in enumerate(scheduled) if s.samples]
+        rows = [batch.attn.cu_seqlens[i + 1] - 1 for i, s in enumerate(scheduled) if s.samples]
         seqs = [s.seq for s in scheduled if s.samples]
         if not seqs:
-            return {}
-        return self.sample(seqs, self.model.compute_logits(hidden[rows]))
+            return Sampled([], batch.input_ids[:0], batch.input_ids[:0].float())
+        return self.sample(seqs, self.model.compute_logits(hidden[to_device(rows, torch.long, hidden.device)]))
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> dict[int, tuple[int, float]]:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> Sampled:
         """Draw each sequence's next token and its log-probability under the distribution it was drawn
         from: softmax(logits / temperature) restricted to top-k / top-p and renormalised."""
         device = logits.device
@@ -190,4 +248,4 @@ class ModelRunner:
         probs = self.ops.probs(logits, temperature, keep)
         tokens = self.ops.sample(probs, self.sample_keys(seqs))
         logprobs, _ = self.ops.token_logprobs(logits, tokens, temperature, keep)
-        return {s.request_id: (t, lp) for s, t, lp in zip(seqs, tokens.tolist(), logprobs.tolist())}
+        return Sampled(seqs, tokens, logprobs)

@@ -5,7 +5,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from onepath.engine.block_manager import BlockManager
-from onepath.engine.sequence import Sequence, SequenceStatus
+from onepath.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
@@ -54,11 +54,12 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # in admission order: the last one is the next victim
+        self.draining: list[Sequence] = []  # at their length limit, their last token not yet on the host
         self.live: dict[int, Sequence] = {}
         self.num_preemptions = 0
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.draining
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.live:
@@ -145,27 +146,59 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def can_decode_ahead(self) -> bool:
+        """Whether the next schedule() is decode only, with no admission and no preemption, so that it may
+        run while the last step's tokens are still placeholders: every running sequence decodes one token,
+        nothing waits to be admitted, and the free blocks cover every sequence that needs a new one."""
+        if not self.running or (self.waiting and len(self.running) < self.config.max_num_seqs):
+            return False
+        if any(seq.num_uncomputed_tokens != 1 for seq in self.running):
+            return False
+        needing = sum(not self.block_manager.holds_next_slot(seq) for seq in self.running)
+        return needing <= self.block_manager.num_free_blocks
+
     def postprocess(self, scheduled: list[ScheduledSeq], sampled: dict[int, tuple[int, float]]) -> list[Sequence]:
+        """A step whose sampled tokens are on the host already: advance, then complete."""
+        self.advance(scheduled)
+        return self.complete(scheduled, sampled)
+
+    def advance(self, scheduled: list[ScheduledSeq]) -> None:
+        """The step is launched: its tokens count as computed, and each sampling sequence appends a
+        placeholder for the token it samples (complete() writes it), so the next decode step can be
+        scheduled before this one's tokens reach the host. A sequence at its length limit leaves
+        `running` now (it may not take another step) and finishes in complete()."""
+        for s in scheduled:
+            seq = s.seq
+            if seq.is_finished:  # aborted between schedule and advance
+                continue
+            seq.num_computed_tokens += s.num_tokens
+            self.block_manager.cache_full_blocks(seq, s.start)  # queued before any step that reads them
+            if s.samples:
+                seq.append_token(PLACEHOLDER, float("nan"))
+                if self.at_length_limit(seq):
+                    self.running.remove(seq)
+                    self.draining.append(seq)
+
+    def complete(self, scheduled: list[ScheduledSeq], sampled: dict[int, tuple[int, float]]) -> list[Sequence]:
+        """Write the step's sampled tokens over their placeholders; finish the sequences that stop."""
         finished = []
         for s in scheduled:
             seq = s.seq
-            if seq.is_finished:  # aborted between schedule and postprocess
-                continue
-            seq.num_computed_tokens += s.num_tokens
-            self.block_manager.cache_full_blocks(seq, s.start)  # their K/V are written now
-            if not s.samples:
+            if not s.samples or seq.is_finished:
                 continue
             if seq.request_id not in sampled:
                 raise KeyError(f"no sampled token for request {seq.request_id}, whose chunk reached its last token: "
                                "sample one token for every ScheduledSeq with samples=True")
-            token_id, logprob = sampled[seq.request_id]
-            seq.append_token(token_id, logprob)
+            seq.set_last_token(*sampled[seq.request_id])
             reason = self.stop_reason(seq)
             if reason is not None:
-                self.running.remove(seq)
+                (self.draining if seq in self.draining else self.running).remove(seq)
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def at_length_limit(self, seq: Sequence) -> bool:
+        return seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len
 
     def stop_reason(self, seq: Sequence) -> str | None:
         token_id = seq.last_token_id
@@ -173,7 +206,7 @@ class Scheduler:
             return "stop"
         if token_id in seq.params.stop_token_ids:
             return "stop"
-        if seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if self.at_length_limit(seq):
             return "length"
         return None
 
@@ -181,7 +214,9 @@ class Scheduler:
         seq = self.live.get(request_id)
         if seq is None:  # already finished or never added: aborting races with finishing
             return
-        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
+        queue = self.waiting if seq.status is SequenceStatus.WAITING else \
+            self.draining if seq in self.draining else self.running
+        queue.remove(seq)
         seq.error = error
         self.finish(seq, "abort" if error is None else "error")
 

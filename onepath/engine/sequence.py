@@ -9,6 +9,10 @@ from onepath.engine.sampling_params import SamplingParams
 from onepath.ops.sampling import request_key
 
 
+# The token a sequence holds for a sampled token still on its way to the host (Scheduler.advance).
+PLACEHOLDER = -1
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -86,3 +90,7 @@ class Sequence:
     def append_token(self, token_id: int, logprob: float) -> None:
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
+
+    def set_last_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids[-1] = token_id
+        self.logprobs[-1] = logprob

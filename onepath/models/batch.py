@@ -29,9 +29,6 @@ class ForwardBatch:
     def positions(self) -> torch.Tensor:
         return self.attn.positions
 
-    def last_token_rows(self) -> torch.Tensor:
-        return to_device(self.attn.cu_seqlens[1:], torch.long, self.input_ids.device) - 1
-
     @classmethod
     def build(cls, chunks: list[SeqChunk], block_size: int, device: str | torch.device = "cpu") -> "ForwardBatch":
         ids, positions, query_seq, slots, cu, ctx = [], [], [], [], [0], []

@@ -267,15 +267,16 @@ def generate_in_lockstep(engine: LLMEngine, prompts: list[list[int]], params: li
     device = engine.model.device
     outputs = {}
     while True:
-        busy = torch.tensor([0 if engine.scheduler.is_finished() else 1], device=device)
+        busy = torch.tensor([1 if engine.has_unfinished() else 0], device=device)
         dist.all_reduce(busy)
         if not int(busy):
             break
-        if engine.scheduler.is_finished():
-            engine.model.serve_experts()
-        else:
+        steps = engine.stats.steps
+        if engine.has_unfinished():
             for seq in engine.step():
                 outputs[seq.request_id] = engine.output(seq)
+        if engine.stats.steps == steps:  # no forward this round (nothing left, or only a step to complete)
+            engine.model.serve_experts()
     return [outputs[rid] for rid in request_ids]
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
-from onepath.ops.cuda.matmul import TILES_16BIT, TileConfig, matmul, pick_config  # noqa: E402
+from onepath.ops.cuda.matmul import DENSE_TILES, TILES_16BIT, TileConfig, matmul, pick_config  # noqa: E402
 
 # (K, N): Qwen-0.5B-like MLP (896 -> 4864), 1024 -> 3072, square 4096, an LM head (kept at 32000
 # columns to stay light), and an awkward size whose K and N tiles are all ragged.
@@ -103,7 +103,8 @@ def test_every_tile_config_gives_the_same_bits(k, n):
     w = _weight(k, n)
     x = _randn(300, k, gen=_gen(3))
     ref = matmul(x, w, config=TILES_16BIT[0])
-    configs = [*TILES_16BIT, *(TileConfig(c.block_m, c.block_n, c.num_warps, c.num_stages, tma=True) for c in TILES_16BIT)]
+    configs = [*TILES_16BIT, *(TileConfig(c.block_m, c.block_n, c.num_warps, c.num_stages, tma=True) for c in TILES_16BIT),
+               *DENSE_TILES]
     outs = {c: matmul(x, w, config=c) for c in configs}
     bad = [(c, (out.float() - ref.float()).abs().max().item()) for c, out in outs.items() if not torch.equal(out, ref)]
     assert not bad, f"K={k} N={n}: configs whose bits differ from {TILES_16BIT[0]}: {bad}"

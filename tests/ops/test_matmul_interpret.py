@@ -19,7 +19,7 @@ def _run_checks() -> dict:
     import torch
 
     patch_gemm_interpreter()
-    from onepath.ops.cuda.matmul import TILES_16BIT, TileConfig, matmul
+    from onepath.ops.cuda.matmul import DENSE_TILES, TILES_16BIT, TileConfig, matmul
 
     gen = torch.Generator().manual_seed(0)
     n, k = 48, 96  # K = 64 + 32: one full K tile and one masked tail
@@ -70,7 +70,7 @@ def _run_checks() -> dict:
         for kk in (k, 100):
             x, w = rand(40, kk, dtype=dtype), rand(n, kk, dtype=dtype)
             ref = matmul(x, w, config=configs["16x16"])
-            for cfg in (*configs.values(), *TILES_16BIT, TileConfig(64, 64, 4, 3, tma=True)):
+            for cfg in (*configs.values(), *TILES_16BIT, *DENSE_TILES, TileConfig(64, 64, 4, 3, tma=True)):
                 record("configs_agree", torch.equal(matmul(x, w, config=cfg), ref), f"{dtype} K={kk} {cfg}")
 
     w, b = rand(n, k, dtype="bfloat16"), rand(n, dtype="bfloat16")
@@ -106,13 +106,16 @@ def test_pick_config_fills_the_sms_and_keeps_block_k():
 
     from onepath.ops.cuda import matmul as mm
 
-    assert mm.pick_config(1, 4096, torch.bfloat16, 132) == mm.TILES_16BIT[-1]
+    assert mm.pick_config(1, 4096, torch.bfloat16, 132) == mm.DENSE_TILES[-1]
     assert mm.pick_config(1, 32000, torch.bfloat16, 132).block_m == 64, "decode: no 128-row tiles for one row"
-    assert mm.pick_config(4096, 4096, torch.bfloat16, 132) == mm.TILES_16BIT[0]
+    assert mm.pick_config(256, 4096, torch.bfloat16, 132) == mm.DENSE_TILES[2], "128 tiles of 64x128 fill half"
+    assert mm.pick_config(256, 1024, torch.bfloat16, 132) == mm.DENSE_TILES[-1]
+    assert mm.pick_config(256, 11008, torch.bfloat16, 132) == mm.DENSE_TILES[0]
+    assert mm.pick_config(4096, 4096, torch.bfloat16, 132) == mm.DENSE_TILES[0]
     assert mm.pick_config(4096, 4096, torch.float32, 132) == mm.TILE_FP32
     lm_head = mm.pick_config(8192, 151936, torch.bfloat16, 132, torch.float32)
     assert lm_head.block_m * lm_head.block_n <= mm.MAX_TILE_FP32_OUT
-    assert all(c.block_m >= 64 for c in mm.TILES_16BIT), "BLOCK_M < 64 would leave Hopper's wgmma"
+    assert all(c.block_m >= 64 for c in (*mm.TILES_16BIT, *mm.DENSE_TILES)), "BLOCK_M < 64 would leave Hopper's wgmma"
     assert mm.BLOCK_K == 64
 
 
@@ -141,8 +144,8 @@ def test_every_config_compiles_for_sm90_on_wgmma_within_shared_memory():
 
     from onepath.ops.cuda import matmul as mm
 
-    cases = [(dataclasses.replace(c, tma=tma), "bf16", out) for c in mm.TILES_16BIT for tma in (False, True)
-             for out in ("bf16", "fp32") if out == "bf16" or c.block_m * c.block_n <= mm.MAX_TILE_FP32_OUT]
+    cases = [(dataclasses.replace(c, tma=tma), "bf16", out) for c in (*mm.TILES_16BIT, *mm.DENSE_TILES)
+             for tma in (False, True) for out in ("bf16", "fp32") if out == "bf16" or c.block_m * c.block_n <= mm.MAX_TILE_FP32_OUT]
     cases += [(mm.TILES_16BIT[-1], "fp16", "fp16"), (mm.TILE_FP32, "fp32", "fp32")]
     bad = []
     for cfg, dtype, out in cases:

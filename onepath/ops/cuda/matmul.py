@@ -54,6 +54,16 @@ TILES_16BIT = (
     TileConfig(64, 64, num_warps=4, num_stages=4),
     TileConfig(64, 32, num_warps=4, num_stages=5),
 )
+# The dense matmul's own ladder, from CUDA-graph sweeps on the H200 (bench/results/kernels-matmul-sweep-graph*.json):
+# TMA loads throughout (up to 1.6x over pointer loads at M = 256..1024); 128-row tiles once M fills them;
+# at decode 64x128, or 64x64 when N is too small for 64x128 to give half the SMs a tile (32- and 64-column
+# tiles over more SMs ran up to 3x slower than fewer 128-column ones). Every config gave the same bits.
+DENSE_TILES = (
+    TileConfig(128, 256, num_warps=8, num_stages=3, tma=True),
+    TileConfig(128, 128, num_warps=4, num_stages=4, tma=True),
+    TileConfig(64, 128, num_warps=4, num_stages=4, tma=True),
+    TileConfig(64, 64, num_warps=4, num_stages=4, tma=True),
+)
 # An fp32 output tile is staged through shared memory on its way out; 128x256 with its 3 pipeline
 # stages would need 272 KiB, over the H200's 227 KiB per block (see the sm_90 compile test).
 MAX_TILE_FP32_OUT = 128 * 128
@@ -69,13 +79,13 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_config(m: int, n: int, dtype: torch.dtype, num_sms: int, out_dtype: torch.dtype | None = None) -> TileConfig:
-    """The largest tile that still gives every SM a tile (128-row tiles only once M fills them);
-    the smallest when none does."""
+    """The largest DENSE_TILES config that still gives half the SMs a tile (fewer, larger tiles
+    beat more, smaller ones in the sweeps down to that point); 64x64 when none does."""
     if dtype == torch.float32:
         return TILE_FP32
     wide_out = out_dtype == torch.float32
-    return first_filling([c for c in TILES_16BIT if not (wide_out and c.block_m * c.block_n > MAX_TILE_FP32_OUT)],
-                         m, n, num_sms)
+    return first_filling([c for c in DENSE_TILES if not (wide_out and c.block_m * c.block_n > MAX_TILE_FP32_OUT)],
+                         m, n, max(1, num_sms // 2))
 
 
 def first_filling(configs, m: int, n: int, num_sms: int) -> TileConfig:
