@@ -54,7 +54,7 @@ class LLMEngine:
                  record_routing: bool = False, async_scheduling: bool = True):
         """num_blocks: KV-cache blocks; None sizes the cache from gpu_memory_utilization on CUDA (1024 on
         CPU). cuda_graphs: decode steps replay captured graphs (None: on when the model is on CUDA and
-        capturable) at
+        capturable, and routing is not recorded) at
         graph_batch_sizes (default 1, 2, 4, 8 and multiples of 16 up to max_num_seqs). record_routing: each
         output carries the MoE routers' choices at every position its forwards computed (RequestOutput.routing).
         async_scheduling: schedule and launch each decode step before the previous one's tokens reach the
@@ -71,7 +71,8 @@ class LLMEngine:
         if cuda_graphs and not capturable:
             raise ValueError(f"{type(model).__name__} cannot be captured in a CUDA graph (it reads sizes on the "
                              "host inside its forward): pass cuda_graphs=False or leave it None")
-        cuda_graphs = on_cuda and capturable if cuda_graphs is None else cuda_graphs
+        # recorded routing is read on the host after each forward: eager steps
+        cuda_graphs = on_cuda and capturable and not record_routing if cuda_graphs is None else cuda_graphs
         if num_blocks is None:
             num_blocks = memory.kv_blocks_for(model, config, block_size, gpu_memory_utilization) if on_cuda else 1024
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)

@@ -13,7 +13,7 @@ experts  SwiGLU MLPs through ops.linear and ops.silu_mul, the down projection wi
          (ops.expert_down), in one of two layouts:
            contiguous (the trainer, prefill): the (token, slot) pairs packed by expert, one GEMM each;
            masked (the engine's decode steps): each expert's pairs in chunks of a fixed capacity,
-           zero-padded, one GEMM per chunk.
+           zero-padded, one GEMM per chunk; the buffer holds the most chunks T * k pairs can fill.
          Consistent on CUDA, each projection is instead one grouped GEMM over all experts' rows
          (ops.grouped_linear; masked: the chunks of an expert are its group), whose rows have the
          dense GEMM's bits. A pair's output has the same bits in both and computed alone: the
@@ -28,6 +28,13 @@ expert parallelism (MoeDecoder.expert_parallel): rank r of an EP group of size e
          owner runs them in either layout, the FP32 rows come back by the reverse all_to_all, and
          the combine above runs on the token's rank. The all-to-alls only move data, so a token's
          bits do not depend on the EP degree: the engine and the trainer may use different ones.
+CUDA graphs (MoeDecoder.capturable): where both expert projections are grouped launches, a sparse
+         layer reads no value on the host and its every shape follows T: the dispatch counts experts on
+         the device, the masked buffer is sized for any routing, the grouped GEMMs read the counts from
+         device memory (grids bounded by the buffer's rows; torch._grouped_mm from SM90 on). Captured at
+         one routing, a graph replays any other with the eager bits (consistent; tests/models/
+         test_moe_graphs.py, tests/gpu/test_moe_gpu.py). The per-expert loops (CPU, quantised experts)
+         and expert parallelism read sizes on the host: their decode steps run eagerly.
 
 No routing replay: the trainer recomputes the routing, and it is the rollout's, because every step
 above gives both sides the same bits.
@@ -47,6 +54,7 @@ from onepath.models.config import ModelConfig
 from onepath.models.dense import MLP, DenseDecoder, Linear
 from onepath.models.kv_cache import KVCache
 from onepath.ops import Ops
+from onepath.ops.linear import grouped_on_device
 
 CAPACITY = 16           # rows per expert chunk of the masked layout
 MASKED_MAX_TOKENS = 64  # forwards of at most this many tokens (decode steps) run the masked layout
@@ -91,25 +99,36 @@ def experts_contiguous(mlp: Callable, x: torch.Tensor, experts: torch.Tensor, nu
     return unpermute(packed, order).view(t, k, -1)
 
 
+def max_chunks(pairs: int, num_experts: int, capacity: int) -> int:
+    """The most fixed-capacity chunks `pairs` (token, slot) pairs can fill: one pair in each of
+    min(num_experts, pairs) experts, the rest in whole chunks. A function of the batch size only."""
+    spread = min(num_experts, pairs)
+    return spread + (pairs - spread) // capacity
+
+
 def experts_masked(mlp: Callable, x: torch.Tensor, experts: torch.Tensor, num_experts: int,
                    capacity: int = CAPACITY, grouped: Callable | None = None) -> torch.Tensor:
     """Expert outputs [T, k, H] as experts_contiguous's, from a buffer of fixed-capacity chunks: an
     expert with n pairs owns ceil(n / capacity) chunks, zero rows fill the last, and mlp(e, chunk)
-    runs over all `capacity` rows of each chunk; or grouped(buffer, rows per expert) once."""
+    runs over all `capacity` rows of each chunk; or grouped(buffer, rows per expert) once, the counts
+    left on the device (no host sync). The buffer holds max_chunks chunks whatever the routing, so its
+    shape is a function of T (a CUDA graph replays it under any routing); its unused tail is never run
+    by mlp and never read back from grouped, which may leave those rows unwritten."""
     t, k = experts.shape
     order, counts = dispatch(experts, num_experts)
     chunk_counts = (counts + capacity - 1) // capacity
     exclusive = lambda values: torch.cumsum(values, 0) - values
     first_pair = exclusive(counts)
     first_row = exclusive(chunk_counts) * capacity
-    chunks = chunk_counts.tolist()  # the buffer's size, on the host; a masked forward holds few tokens
     owner = experts.reshape(-1)[order]
     # the buffer row of each packed pair: its expert's first row plus its rank among the expert's pairs
     row = first_row[owner] + torch.arange(order.numel(), device=x.device) - first_pair[owner]
-    buffer = x.new_zeros(sum(chunks) * capacity, x.shape[-1]).index_copy(0, row, x.index_select(0, order // k))
+    rows = max_chunks(order.numel(), num_experts, capacity) * capacity
+    buffer = x.new_zeros(rows, x.shape[-1]).index_copy(0, row, x.index_select(0, order // k))
     if grouped is not None:
-        out = grouped(buffer, [n * capacity for n in chunks])
+        out = grouped(buffer, chunk_counts * capacity)
     else:
+        chunks = chunk_counts.tolist()  # the per-chunk loop needs its chunks' owners on the host
         owners = [e for e, n in enumerate(chunks) for _ in range(n)]
         out = torch.cat([mlp(e, chunk) for e, chunk in zip(owners, buffer.split(capacity))])
     return unpermute(out.index_select(0, row), order).view(t, k, -1)
@@ -212,6 +231,12 @@ class Experts(nn.Module):
         gate, up = self.ops.grouped_linear(rows, self.gate_up_proj, local).chunk(2, dim=-1)
         return self.ops.grouped_expert_down(self.ops.silu_mul(gate, up), self.down_proj, local)
 
+    @property
+    def counts_on_device(self) -> bool:
+        """Whether both projections are grouped launches that read the expert counts on the device: then
+        a forward makes no host sync and its shapes follow T only (a CUDA graph can hold it)."""
+        return all(grouped_on_device(self.ops.spec, w) for w in (self.gate_up_proj, self.down_proj))
+
     def keep(self, local: range) -> None:
         """Drop every expert outside `local` (an EP rank's own)."""
         picked = slice(local.start - self.first, local.stop - self.first)
@@ -265,8 +290,13 @@ class SparseMoeBlock(nn.Module):
 
 class MoeDecoder(DenseDecoder):
     """DenseDecoder whose sparse layers (config.is_sparse_layer) carry a SparseMoeBlock as their MLP."""
-    # the masked layout and the per-expert loops read the expert counts on the host: decode runs eagerly
-    capturable = False
+
+    @property
+    def capturable(self) -> bool:
+        """Whether decode steps may run in CUDA graphs: every sparse layer's experts read their counts on
+        the device (grouped launches; on the CPU and with quantised experts, loops read them on the host)
+        and none is expert-parallel (its all-to-alls take their split sizes on the host)."""
+        return all(m.ep is None and m.experts.counts_on_device for m in self.modules() if isinstance(m, SparseMoeBlock))
 
     def __init__(self, config: ModelConfig, ops: Ops, max_positions: int | None = None):
         if not config.is_moe:

@@ -16,6 +16,8 @@ allowed to); elsewhere linear() per group. Both grouped paths differentiate the 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -65,10 +67,17 @@ def host_counts(counts: list[int] | torch.Tensor) -> list[int]:
     return counts.tolist() if isinstance(counts, torch.Tensor) else counts
 
 
-def grouped_reference(x, weight, counts: list[int] | torch.Tensor):
+def per_group(fn: Callable, x: torch.Tensor, counts: list[int] | torch.Tensor, n: int, dtype: torch.dtype):
+    """fn(rows, g) -> [rows, n] over each group's rows of x, packed by group (counts[g] rows each, read on
+    the host); rows past the counts' sum (a fixed-size buffer's unused tail) come out zero."""
     counts = host_counts(counts)
-    parts = [F.linear(part, weight[g]) for g, part in enumerate(x.split(counts)) if part.shape[0]]
-    return torch.cat(parts) if parts else x.new_empty(0, weight.shape[1])
+    tail = x.shape[0] - sum(counts)
+    parts = [fn(part, g) for g, part in enumerate(x.split([*counts, tail])[:-1]) if part.shape[0]]
+    return torch.cat([*parts, x.new_zeros(tail, n, dtype=dtype)])
+
+
+def grouped_reference(x, weight, counts: list[int] | torch.Tensor):
+    return per_group(lambda part, g: F.linear(part, weight[g]), x, counts, weight.shape[1], x.dtype)
 
 
 def grouped_kernel(spec: ExecutionSpec, op: str = "linear") -> bool:
@@ -88,6 +97,18 @@ def stock_grouped_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[0] > 0 and x.shape[-1] % align == 0 and weight.shape[1] % align == 0)
 
 
+def grouped_on_device(spec: ExecutionSpec, weight: torch.Tensor, op: str = "linear") -> bool:
+    """True where grouped_linear over `weight` [G, N, K] reads tensor counts on the device only (no host
+    sync, shapes fixed by x's: a CUDA graph can hold it): our kernel, or torch._grouped_mm where it takes
+    the shapes, from SM90 on (below, its fallback reads the offsets on the host)."""
+    if not grouped_kernel(spec, op):
+        return False
+    if spec.mode == "consistent":
+        return True
+    hopper = weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) >= (9, 0)
+    return hopper and stock_grouped_fits(weight.new_empty(1, weight.shape[2]), weight)
+
+
 def stock_grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
     """x [M, K] BF16 packed by group, weight [G, N, K] -> [M, N] BF16 by one torch._grouped_mm."""
     if not isinstance(counts, torch.Tensor):
@@ -100,13 +121,13 @@ def grouped_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, c
     """x [M, K], rows packed by group (counts[g] rows each), weight [G, N, K] -> [M, N]: each group's
     rows through linear() against weight[g], bit for bit, whatever the backend (baseline: close).
     counts may be a tensor on x's device (the MoE dispatch's): the grouped launches read it there, with
-    no host sync; the per-group loop reads it on the host."""
+    no host sync; the per-group loop reads it on the host. Such counts may sum to less than M (a fixed-size
+    buffer): the rows past them are left unwritten by the grouped launches, zero by the loop."""
     out_dtype = out_dtype or x.dtype
     stock = spec.mode == "baseline"
     if not grouped_kernel(spec, op) or (stock and not stock_grouped_fits(x, weight)):
-        parts = [linear(spec, part, weight[g], op=op, out_dtype=out_dtype)
-                 for g, part in enumerate(x.split(host_counts(counts))) if part.shape[0]]
-        return torch.cat(parts) if parts else x.new_empty(0, weight.shape[1], dtype=out_dtype)
+        return per_group(lambda part, g: linear(spec, part, weight[g], op=op, out_dtype=out_dtype),
+                         x, counts, weight.shape[1], out_dtype)
     reference = lambda x, w: grouped_reference(x, w, counts).to(out_dtype)
     if stock:
         # BF16 out, then cast: the rounding the baseline's linear() per group gives the FP32 down projection

@@ -15,7 +15,7 @@ import pytest
 from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_checks, patch_gemm_interpreter, print_checks
 
 CHECKS = ["values", "rows_equal_dense_alone", "packing_invariant", "configs_agree", "fp32_out_one_rounding",
-          "empty_groups", "device_counts", "moe_layouts_equal_alone", "moe_backward"]
+          "empty_groups", "device_counts", "moe_layouts_equal_alone", "moe_static_buffer", "moe_backward"]
 COUNTS = [0, 1, 37, 0, 6]
 
 
@@ -117,7 +117,7 @@ def _check_moe(record, gen):
     kernel and give each (token, slot) pair the bits of the pair computed alone by the dense path."""
     import torch
 
-    from onepath.models.moe import Experts, experts_contiguous, experts_masked
+    from onepath.models.moe import Experts, experts_contiguous, experts_masked, max_chunks
     from onepath.numerics.spec import ExecutionSpec
     from onepath.ops import Ops
     from tests.tiny import tiny_moe_config
@@ -145,6 +145,19 @@ def _check_moe(record, gen):
         same = [torch.equal(contiguous, y) for y in (*masked, alone, direct, direct_masked)]
         record("moe_layouts_equal_alone", all(same) and contiguous.dtype == torch.float32, f"T={t}: {same}")
     record("moe_layouts_equal_alone", len(calls) == 6 and 0 in calls[0], f"grouped calls {calls}")
+
+    # the masked buffer sized for any routing (what a CUDA graph replays): filled to its last chunk by
+    # tests/models/test_moe_graphs.crowded, and nearly empty with every token on experts 0 and 4
+    from tests.models.test_moe_graphs import crowded
+    rows_seen = []
+    grouped = lambda rows, counts: rows_seen.append(rows.shape[0]) or experts.grouped_mlp(rows, counts)
+    x = torch.randn(9, 72, generator=gen).to(torch.bfloat16)
+    for chosen in (crowded(9, 5, 4), torch.tensor([[4, 0]] * 9)):
+        with torch.no_grad():
+            masked = experts_masked(experts.mlp, x, chosen, 5, 4, grouped)
+            alone = torch.stack([torch.cat([experts.mlp(int(e), x[i:i + 1]) for e in chosen[i]]) for i in range(9)])
+        record("moe_static_buffer", torch.equal(masked, alone), f"routing {chosen.tolist()}")
+    record("moe_static_buffer", rows_seen == [max_chunks(18, 5, 4) * 4] * 2, f"buffer rows {rows_seen}")
 
     # backward: the kernel's values forward, torch's per-expert GEMMs backward (straight-through)
     x = torch.randn(9, 72, generator=gen).to(torch.bfloat16).requires_grad_()

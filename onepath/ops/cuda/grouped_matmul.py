@@ -15,7 +15,9 @@ walk the (M-tile, N-tile) tiles with stride #SMs, grouped along M for L2 reuse o
 M-tiles of all groups are listed as the (group, first row, end row) of each, behind their number, in
 one int32 tensor the kernel reads: from host group sizes (a list), or from group sizes on the device
 (a tensor, as the MoE dispatch counts them), computed there without a host sync, padded to an upper
-bound of the tile count. The same groups give the same tiles either way, so the same bits.
+bound of the tile count. The same groups give the same tiles either way, so the same bits. With tensor
+sizes, every shape, the tile config and the grid follow M and G only, never the sizes: a CUDA graph
+holds the launch and replays it under other sizes (the MoE decode steps).
 """
 from __future__ import annotations
 
