@@ -1,6 +1,11 @@
-"""Bandwidth benchmark of RMSNorm, SiLU-mul, RoPE and log-probs: ours vs the stock torch path vs the HBM bound.
+"""Bandwidth benchmark of RMSNorm, SiLU-mul, RoPE, log-probs and the sampler: ours vs the stock torch path vs
+the HBM bound.
 
 The bound is bytes moved / the measured device-copy ceiling (GPU.md: about 4.2 TB/s read+write on the H200).
+The sampler rows run the engine's whole sampler as ModelRunner calls it (keys a host list), FP32 logits
+without top-k/top-p: fused (ops.sample_with_logprobs) and as three calls (ops.probs -> ops.sample ->
+ops.token_logprobs); their bytes are one read of the logits, the least any sampler moves. Stock: softmax,
+torch.multinomial, log_softmax.
 Run on the GPU: `python bench/kernels_pointwise.py --out bench/results/kernels-pointwise.json`.
 """
 from __future__ import annotations
@@ -21,7 +26,15 @@ def _time_us(fn, rep_ms):
     return triton.testing.do_bench(fn, rep=rep_ms, return_mode="median") * 1e3
 
 
+def _stock_sampler(logits, temperature):
+    x = logits / temperature[:, None]
+    tokens = torch.multinomial(torch.softmax(x, dim=-1), 1)[:, 0]
+    return tokens, torch.log_softmax(x, dim=-1).gather(-1, tokens[:, None])[:, 0]
+
+
 def cases(m: int):
+    from onepath.numerics.spec import ExecutionSpec
+    from onepath.ops import Ops
     from onepath.ops import logprobs as LP
     from onepath.ops import rmsnorm as RN
     from onepath.ops import rope as RP
@@ -46,22 +59,30 @@ def cases(m: int):
     yield ("rope 16x128", 2 * q.numel() * 2 + m * head_dim * 4,
            lambda: elementwise.rope(q, pos, cos, sin), lambda: RP.reference(q, cos[pos], sin[pos]))
     if m <= 4096:
+        ops, keys = Ops(ExecutionSpec.default("consistent", "cuda")), list(range(m))
         yield ("logprobs V=151936 fp32", logits.numel() * 4,
                lambda: logprobs.token_logprobs(logits, tokens, temp, None),
                lambda: LP.reference(logits, tokens, temp, None))
+        yield ("sampler fused V=151936", logits.numel() * 4,
+               lambda: ops.sample_with_logprobs(logits, temp, keys), lambda: _stock_sampler(logits, temp))
+        yield ("sampler 3 calls V=151936", logits.numel() * 4,
+               lambda: ops.token_logprobs(logits, ops.sample(ops.probs(logits, temp), keys), temp),
+               lambda: _stock_sampler(logits, temp))
 
 
 def run(args) -> dict:
     rows = []
-    print(f"{'op':<24} {'M':>6} {'ours us':>9} {'stock us':>9} {'vs stock':>8} {'ours GB/s':>10} {'of bound':>8}")
+    print(f"{'op':<26} {'M':>6} {'ours us':>9} {'stock us':>9} {'vs stock':>8} {'ours GB/s':>10} {'of bound':>8}")
     for m in args.rows:
         for name, nbytes, ours, stock in cases(m):
+            if args.ops and not name.startswith(tuple(args.ops)):
+                continue
             t_ours, t_stock = _time_us(ours, args.rep_ms), _time_us(stock, args.rep_ms)
             gbs = nbytes / t_ours / 1e3
             row = dict(op=name, M=m, bytes=nbytes, ours_us=t_ours, stock_us=t_stock, speed_vs_stock=t_stock / t_ours,
                        ours_gb_s=gbs, fraction_of_bound=gbs / (COPY_TB_S * 1e3))
             rows.append(row)
-            print(f"{name:<24} {m:>6} {t_ours:>9.1f} {t_stock:>9.1f} {row['speed_vs_stock']:>8.2f} {gbs:>10.0f} "
+            print(f"{name:<26} {m:>6} {t_ours:>9.1f} {t_stock:>9.1f} {row['speed_vs_stock']:>8.2f} {gbs:>10.0f} "
                   f"{row['fraction_of_bound']:>8.2f}")
     import triton
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
@@ -74,6 +95,7 @@ def main():
     p.add_argument("--out", default="bench/results/kernels-pointwise.json")
     p.add_argument("--rows", type=int, nargs="+", default=ROWS)
     p.add_argument("--rep-ms", type=int, default=50)
+    p.add_argument("--ops", nargs="+", help="only the ops whose name starts with one of these (e.g. logprobs sampler)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("kernels_pointwise: no CUDA device here; run it through the device tool on the H200")

@@ -34,9 +34,10 @@ def activation_peak(model: DenseDecoder, config: SchedulerConfig, block_size: in
     rows = min(config.max_num_seqs, hidden.shape[0])
     logits = model.compute_logits(hidden[:rows])
     temperature = torch.ones(rows, device=device)
-    probs = model.ops.probs(logits, temperature)
-    tokens_out = model.ops.sample(probs, [sample_key(0, i, 0) for i in range(rows)])
-    model.ops.token_logprobs(logits, tokens_out, temperature)
+    # the engine's sampler with a top-k / top-p mask: its sort is the step's largest temporary
+    keep = model.ops.sampling_mask(logits, temperature, torch.full((rows,), 50, device=device),
+                                   torch.full((rows,), 0.9, device=device))
+    model.ops.sample_with_logprobs(logits, temperature, [sample_key(0, i, 0) for i in range(rows)], keep)
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - base
 

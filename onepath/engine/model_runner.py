@@ -245,7 +245,5 @@ class ModelRunner:
         top_p = to_device([s.params.top_p for s in seqs], torch.float32, device)
         filtered = any(s.params.top_k or s.params.top_p < 1.0 for s in seqs)  # else no mask (and no sync)
         keep = self.ops.sampling_mask(logits, temperature, top_k, top_p) if filtered else None
-        probs = self.ops.probs(logits, temperature, keep)
-        tokens = self.ops.sample(probs, self.sample_keys(seqs))
-        logprobs, _ = self.ops.token_logprobs(logits, tokens, temperature, keep)
+        tokens, logprobs = self.ops.sample_with_logprobs(logits, temperature, self.sample_keys(seqs), keep)
         return Sampled(seqs, tokens, logprobs)

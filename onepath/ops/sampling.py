@@ -4,11 +4,17 @@ token = argmax_i p_i / E_i with E_i ~ Exp(1). E_i is a pure function of (seed, r
 position, i): splitmix64 of a 64-bit key and the token index, so the draw is exact sampling from p
 and a request's tokens never depend on its batch. Ties go to the larger position. On CUDA the race
 runs fused in one Triton pass (ops/cuda/sampling.py), on the same noise.
+
+sample_with_logprobs is the engine's sampler in one call: probs -> sample -> token_logprobs. On CUDA
+(consistent) it is one fused path whose probabilities stay in registers, with the same tokens and
+log-probs bit for bit; elsewhere it is those three ops.
 """
 from __future__ import annotations
 
 import torch
 
+from onepath.numerics.spec import ExecutionSpec
+from onepath.ops import logprobs as LP
 from onepath.ops.host import to_device
 from onepath.ops.pinned import pinned_unary
 
@@ -68,3 +74,14 @@ def sample(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
         return fused_race(probs, key_tensor)
     race = probs.double() / exponential_noise(key_tensor, vocab)
     return vocab - 1 - torch.argmax(race.flip(-1), dim=-1)
+
+
+def sample_with_logprobs(spec: ExecutionSpec, logits: torch.Tensor, temperature: torch.Tensor, keys: list[int],
+                         keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V], temperature [N], one key per row, keep [N, V] bool or None -> (tokens [N] int64,
+    logprobs [N] FP32): a draw from softmax(logits / temperature) restricted to keep, and its log-prob."""
+    if spec.mode == "consistent" and spec.device == "cuda":
+        from onepath.ops.cuda.sampling import sample_with_logprobs as fused
+        return fused(logits, temperature, to_device(keys, torch.int64, logits.device), keep)
+    tokens = sample(LP.probs(spec, logits, temperature, keep), keys)
+    return tokens, LP.token_logprobs(spec, logits, tokens, temperature, keep)[0]

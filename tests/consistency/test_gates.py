@@ -76,8 +76,8 @@ def test_every_gate_passes_on_the_real_path_with_its_evidence(tmp_path, capsys):
     g = {r["gate"]: r for r in report["gates"]}
     assert all(r["passed"] for r in g.values()), [(r["gate"], r["detail"]) for r in g.values() if not r["passed"]]
     c0 = g["C0"]["evidence"]
-    assert {"embedding", "linear", "rmsnorm", "rope", "attention", "silu_mul", "lm_head", "token_logprobs",
-            "sample"} <= set(c0["ops"])
+    assert {"embedding", "linear", "rmsnorm", "rope", "attention", "silu_mul", "lm_head",
+            "sample_with_logprobs"} <= set(c0["ops"])
     assert c0["spec_hash"] == report["spec_hash"] and c0["parallel"]["tensor_parallel"] == 1
     assert g["C1"]["evidence"]["tokens_per_s"] > 0 and g["C1"]["evidence"]["mode"] == "baseline"
     assert all(r["differing_site_rows"] == 0 and r["elements"] > 0 for r in g["C2"]["evidence"]["forward_twice"])

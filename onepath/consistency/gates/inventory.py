@@ -10,7 +10,8 @@ from onepath.engine.sampling_params import SamplingParams
 from onepath.numerics.spec import ExecutionSpec, OPS
 
 # Ops methods and the ExecutionSpec entry that states their numerics
-OP_SPEC = {"token_logprobs": "logprobs", "probs": "logprobs", "sampling_mask": "topk", "sample": "sampling"}
+OP_SPEC = {"token_logprobs": "logprobs", "probs": "logprobs", "sampling_mask": "topk", "sample": "sampling",
+           "sample_with_logprobs": "sampling"}
 
 
 def gate_c0(ctx: GateContext) -> GateResult:

@@ -1,0 +1,128 @@
+"""onepath.ops.cuda.logprobs and the fused sampler run by Triton's CPU interpreter (TRITON_INTERPRET=1).
+
+The interpreter runs one program at a time, so the blocks are shrunk (BLOCK_V 256, race BLOCK 128 and
+SPAN 256; the same code, test_kernels_interpret.py runs the real sizes): V = 600 cuts a row into
+three chunks and three race spans, the last ones partial, and rows are masked so that whole chunks
+have no kept entry. Checked: a row's log-prob, entropy, probabilities and sampled token are the same
+bits alone and at random positions of batches of 1, 3, 64 and 257 rows; the fused sampler equals
+probs -> sample -> token_logprobs bit for bit; values are close to float64. Negative control: with a
+chunk that follows M (256 alone, 64 in a batch) the same rows get other bits. The bits of Hopper's
+exp/log and reduction trees are tests/gpu/test_logprobs_gpu.py's job.
+"""
+from __future__ import annotations
+
+from tests.interpret import interpreted_checks, print_checks
+
+CHECKS = ["rows_alone_equal_rows_in_batch", "fused_equals_unfused", "values", "masked_chunks",
+          "negative_control_chunk_follows_m"]
+VOCAB = 600
+
+
+def _run_checks() -> dict:
+    from tests.ops.test_kernels_interpret import _patch_libdevice_log1p
+    _patch_libdevice_log1p()
+    import math
+
+    import torch
+
+    from onepath.ops.cuda import logprobs as LP
+    from onepath.ops.cuda import sampling as SA
+    from onepath.ops.sampling import sample_key
+
+    LP.BLOCK_V, SA.BLOCK, SA.SPAN = 256, 128, 256
+    gen = torch.Generator().manual_seed(0)
+    results = {}
+
+    def record(name, ok, detail=""):
+        prev = results.get(name, {"ok": True, "detail": ""})
+        results[name] = {"ok": prev["ok"] and bool(ok), "detail": prev["detail"] or ("" if ok else detail)}
+
+    def batch(n, dtype=torch.float32):
+        logits = (torch.randn(n, VOCAB, generator=gen) * 3).to(dtype)
+        temperature = torch.where(torch.rand(n, generator=gen) < 0.3, 1.0, 0.5 + torch.rand(n, generator=gen))
+        keep = torch.rand(n, VOCAB, generator=gen) < 0.7
+        keep[:, :LP.BLOCK_V] &= torch.rand(n, 1, generator=gen) < 0.5   # some rows: a first chunk with no kept entry
+        tokens = torch.multinomial(keep.float(), 1, generator=gen)[:, 0]
+        keys = torch.tensor([sample_key(1, r, 7) for r in range(n)])
+        return logits, tokens, temperature, keep, keys
+
+    def everything(logits, tokens, temperature, keep, keys):
+        lp, entropy = LP.token_logprobs(logits, tokens, temperature, keep)
+        # probs is what the sampler computes in registers: checked here up to M = 64, to save the interpreter time
+        p = LP.probs(logits, temperature, keep) if len(logits) <= 64 else None
+        return (lp, entropy, p) + SA.sample_with_logprobs(logits, temperature, keys, keep)
+
+    def plain(logits, tokens, temperature, keep):
+        x = (logits.double() / temperature.double()[:, None]).masked_fill(~keep, -math.inf)
+        logp = torch.log_softmax(x, dim=-1)
+        entropy = -(logp.exp() * logp.masked_fill(~keep, 0.0)).sum(-1)
+        return logp.gather(-1, tokens[:, None])[:, 0], entropy, logp.exp()
+
+    names = ("logprob", "entropy", "probs", "token", "sampled logprob")
+    for dtype, sizes in ((torch.float32, (1, 3, 64, 257)), (torch.bfloat16, (1, 3))):
+        probe = batch(2, dtype)
+        probe[3][0] = True   # probe 0 has no filter: alone with keep=None, in a batch an all-kept row
+        alone = [everything(*(x[i:i + 1] for x in probe[:3]), None if i == 0 else probe[3][1:2], probe[4][i:i + 1])
+                 for i in range(2)]
+        for m in sizes:
+            inputs = batch(m, dtype)
+            at = torch.randperm(m, generator=gen)[:2].tolist()
+            for i, row in enumerate(at):
+                for x, p in zip(inputs, probe):
+                    x[row] = p[i]
+            out = everything(*inputs)
+            for i, row in enumerate(at):
+                for name, got, want in zip(names, out, alone[i]):
+                    if got is not None:
+                        record("rows_alone_equal_rows_in_batch", torch.equal(got[row], want[0]),
+                               f"{name}: {dtype}, M {m}, row {row}, probe {i}")
+
+        logits, tokens, temperature, keep, keys = batch(6, dtype)
+        for k in (None, keep):
+            tok, lp = SA.sample_with_logprobs(logits, temperature, keys, k)
+            p = LP.probs(logits, temperature, k)
+            record("fused_equals_unfused", torch.equal(tok, SA.sample(p, keys)), f"tokens: {dtype}, keep {k is not None}")
+            record("fused_equals_unfused", torch.equal(lp, LP.token_logprobs(logits, tok, temperature, k)[0]),
+                   f"logprob: {dtype}, keep {k is not None}")
+            full = torch.ones_like(keep) if k is None else k
+            record("fused_equals_unfused", bool(full.gather(-1, tok[:, None]).all()), "a token outside keep was drawn")
+            want_lp, want_entropy, want_p = plain(logits, tok, temperature, full)
+            lp2, entropy = LP.token_logprobs(logits, tok, temperature, k)
+            for name, got, want, tol in (("logprob", lp2, want_lp, 1e-5), ("entropy", entropy, want_entropy, 1e-5),
+                                         ("probs", p, want_p, 1e-7)):
+                ok = torch.allclose(got.double(), want, rtol=1e-5, atol=tol)
+                record("values", ok, f"{name}: {dtype}, keep {k is not None}: max err {(got.double() - want).abs().max():.3g}")
+            outside = tokens.clone()
+            outside[0] = int((~keep[0]).nonzero()[0])
+            record("values", LP.token_logprobs(logits, outside, temperature, keep)[0][0].item() == -math.inf,
+                   "a token outside keep must get -inf")
+
+    # Two kept tokens in the last chunk only, and one row whose only kept token is the last entry.
+    logits, tokens, temperature, _, keys = batch(2)
+    keep = torch.zeros(2, VOCAB, dtype=torch.bool)
+    keep[0, [550, 599]] = True
+    keep[1, VOCAB - 1] = True
+    tokens = torch.tensor([550, VOCAB - 1])
+    lp, entropy = LP.token_logprobs(logits, tokens, temperature, keep)
+    want_lp, want_entropy, _ = plain(logits, tokens, temperature, keep)
+    record("masked_chunks", torch.allclose(lp.double(), want_lp, atol=1e-6) and lp[1] == 0 and entropy[1] == 0,
+           f"{lp} vs {want_lp}")
+    record("masked_chunks", torch.allclose(entropy.double(), want_entropy, atol=1e-6), f"{entropy} vs {want_entropy}")
+    tok, _ = SA.sample_with_logprobs(logits, temperature, keys, keep)
+    record("masked_chunks", tok[0] in (550, 599) and tok[1] == VOCAB - 1, f"sampled {tok.tolist()}")
+
+    # The chunk fixes the order of a row's sums: one that followed M would give rows other bits.
+    logits, tokens, temperature, keep, _ = batch(64)
+    rows = LP.prepare(logits, temperature, keep)
+    alone = torch.cat([LP.row_stats(LP.prepare(logits[r:r + 1], temperature[r:r + 1], keep[r:r + 1])) for r in range(64)])
+    record("negative_control_chunk_follows_m", torch.equal(LP.row_stats(rows), alone), "fixed chunk: rows moved")
+    moved = (LP.row_stats(rows, block=64) != alone).any(-1).sum().item()
+    record("negative_control_chunk_follows_m", moved > 0, "a chunk of 64 at M = 64 gave every row the same bits")
+    return results
+
+
+interpreted, test_logprobs_interpreted = interpreted_checks(__file__, "logprobs", CHECKS)
+
+
+if __name__ == "__main__":
+    print_checks(_run_checks)
