@@ -80,6 +80,10 @@ def probs(spec: ExecutionSpec, logits, temperature, keep=None) -> torch.Tensor:
     return e / total[:, None]
 
 
+# top-p's running mass counts in units of 2^-52: exact integers for every float32 probability >= 2^-29
+MASS_UNITS = 2.0 ** 52
+
+
 def sampling_mask(spec: ExecutionSpec, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor) -> torch.Tensor | None:
     """The tokens each row may sample: its top_k largest (0 = all), then the smallest prefix of
@@ -93,9 +97,13 @@ def sampling_mask(spec: ExecutionSpec, logits: torch.Tensor, temperature: torch.
     rank.scatter_(-1, order, torch.arange(vocab, device=order.device).expand_as(order))
     keep = rank < k[:, None]
     if bool((top_p < 1.0).any()):
-        p_sorted = probs(spec, logits, temperature, keep).gather(-1, order)
-        mass_before = torch.cumsum(p_sorted, dim=-1) - p_sorted
-        # rows without top-p keep everything: a float32 running sum can reach 1.0 before the tail ends
-        keep_sorted = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        # The running mass in integer units of 2^-52 (a float32 probability times 2^52 is exact; below 2^-29
+        # the fraction is dropped, the same way in every row): an integer sum is the same whatever the scan's
+        # association, and torch.cumsum's CUDA scan associates a float row's sums by the tensor's shape
+        # (tests/gpu/test_logprobs_gpu.py shows a row's float prefix sums move with its batch).
+        fixed = (probs(spec, logits, temperature, keep).gather(-1, order).double() * MASS_UNITS).long()
+        mass_before = torch.cumsum(fixed, dim=-1) - fixed
+        # rows without top-p keep everything: a running sum can reach 1.0 before the tail ends
+        keep_sorted = (mass_before.double() < top_p.double()[:, None] * MASS_UNITS) | (top_p[:, None] >= 1.0)
         keep &= keep_sorted.gather(-1, rank)
     return keep

@@ -114,3 +114,33 @@ def test_every_row_alone_and_negative_control_chunk_follows_m():
     assert differ == 0, f"{differ} of 64 rows got other bits alone than at M = 300"
     print(f"negative control: a 2048 chunk at M = 300 moved {moved} of 64 rows' (m, S, D)")
     assert moved > 0, "negative control: a chunk following M left every row's bits in place"
+
+
+def test_top_p_mask_rows_alone_equal_rows_in_batch_and_float_cumsum_control():
+    """The top-p mask (ops.logprobs.sampling_mask, consistent spec) of a row alone equals its mask inside
+    batches of every size. Negative control: the float32 running mass by torch.cumsum, the old rule, moves
+    a row's bits with the batch (a nucleus boundary token then flips between the engine and the trainer)."""
+    from onepath.numerics.spec import ExecutionSpec
+    from onepath.ops.logprobs import probs, sampling_mask
+
+    spec = ExecutionSpec.default("consistent", "cuda")
+    g = gen(17)
+    m = 300
+    logits = (torch.randn(m, VOCAB, generator=g, device="cuda") * 3.0).bfloat16()
+    temperature = 0.7 + torch.rand(m, generator=g, device="cuda")
+    top_k = torch.zeros(m, dtype=torch.long, device="cuda")
+    top_p = 0.5 + 0.45 * torch.rand(m, generator=g, device="cuda")
+    full = sampling_mask(spec, logits, temperature, top_k, top_p)
+    moved_mask, moved_cumsum = [], []
+    p_full = probs(spec, logits, temperature, full)
+    run_full = torch.cumsum(p_full, dim=-1)
+    for size in (1, 2, 7, 64, 129):
+        for start in (0, m - size):
+            rows = slice(start, start + size)
+            part = sampling_mask(spec, logits[rows], temperature[rows], top_k[rows], top_p[rows])
+            if not torch.equal(part, full[rows]):
+                moved_mask.append((size, start))
+            if not torch.equal(torch.cumsum(p_full[rows], dim=-1), run_full[rows]):
+                moved_cumsum.append((size, start))
+    assert not moved_mask, f"(batch size, first row) whose top-p masks differ from the 300-row batch's: {moved_mask}"
+    assert moved_cumsum, "torch.cumsum kept every row's float running sum: the control cannot tell"
