@@ -24,6 +24,18 @@ def interpreted_checks(script: str, what: str, checks: list[str]):
     return interpreted, test
 
 
+def check_recorder():
+    """(results, record): record(name, ok, detail) folds every outcome of a named check into results[name]
+    ({"ok", "detail"}: the first failure's detail is kept), the JSON print_checks emits."""
+    results = {}
+
+    def record(name, ok, detail=""):
+        prev = results.get(name, {"ok": True, "detail": ""})
+        results[name] = {"ok": prev["ok"] and bool(ok), "detail": prev["detail"] or ("" if ok else detail)}
+
+    return results, record
+
+
 def print_checks(run_checks) -> None:
     """The interpreter subprocess's side (`python FILE` with TRITON_INTERPRET=1): the checks' JSON, last line."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"

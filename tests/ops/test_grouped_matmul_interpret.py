@@ -12,7 +12,8 @@ from __future__ import annotations
 
 
 import pytest
-from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_checks, patch_gemm_interpreter, print_checks
+from tests.interpret import (SM90_SHARED_BYTES, check_recorder, compile_sm90,
+                              interpreted_checks, patch_gemm_interpreter, print_checks)
 
 CHECKS = ["values", "rows_equal_dense_alone", "packing_invariant", "configs_agree", "fp32_out_one_rounding",
           "empty_groups", "device_counts", "moe_layouts_equal_alone", "moe_static_buffer", "moe_backward"]
@@ -28,11 +29,7 @@ def _run_checks() -> dict:
 
     gen = torch.Generator().manual_seed(0)
     k, n = 200, 72
-    results = {}
-
-    def record(name, ok, detail=""):
-        prev = results.get(name, {"ok": True, "detail": ""})
-        results[name] = {"ok": prev["ok"] and bool(ok), "detail": prev["detail"] or ("" if ok else detail)}
+    results, record = check_recorder()
 
     def rand(*shape, dtype):
         return torch.randn(*shape, generator=gen).to(dtype)

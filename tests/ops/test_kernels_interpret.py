@@ -8,7 +8,7 @@ exp/log and reduction trees are tests/gpu/test_norm_elementwise_logprobs_gpu.py'
 """
 from __future__ import annotations
 
-from tests.interpret import interpreted_checks, patch_bf16_rounding, print_checks
+from tests.interpret import check_recorder, interpreted_checks, patch_bf16_rounding, print_checks
 
 CHECKS = ["rmsnorm_values", "rmsnorm_rows_alone_equal_rows_in_batch", "rmsnorm_residual", "rmsnorm_misaligned_input",
           "silu_mul_values", "silu_mul_rows_alone_equal_rows_in_batch", "rope_equals_reference",
@@ -49,11 +49,7 @@ def _run_checks() -> dict:
     from onepath.ops.cuda import sampling
 
     gen = torch.Generator().manual_seed(0)
-    results = {}
-
-    def record(name, ok, detail=""):
-        prev = results.get(name, {"ok": True, "detail": ""})
-        results[name] = {"ok": prev["ok"] and bool(ok), "detail": prev["detail"] or ("" if ok else detail)}
+    results, record = check_recorder()
 
     def rand(*shape, dtype=torch.bfloat16, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(dtype)

@@ -11,7 +11,7 @@ exp/log and reduction trees are tests/gpu/test_logprobs_gpu.py's job.
 """
 from __future__ import annotations
 
-from tests.interpret import interpreted_checks, print_checks
+from tests.interpret import check_recorder, interpreted_checks, print_checks
 
 CHECKS = ["rows_alone_equal_rows_in_batch", "fused_equals_unfused", "values", "masked_chunks",
           "negative_control_chunk_follows_m"]
@@ -31,11 +31,7 @@ def _run_checks() -> dict:
 
     LP.BLOCK_V, SA.BLOCK, SA.SPAN = 256, 128, 256
     gen = torch.Generator().manual_seed(0)
-    results = {}
-
-    def record(name, ok, detail=""):
-        prev = results.get(name, {"ok": True, "detail": ""})
-        results[name] = {"ok": prev["ok"] and bool(ok), "detail": prev["detail"] or ("" if ok else detail)}
+    results, record = check_recorder()
 
     def batch(n, dtype=torch.float32):
         logits = (torch.randn(n, VOCAB, generator=gen) * 3).to(dtype)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 
 import pytest
-from tests.interpret import SM90_SHARED_BYTES, compile_sm90, interpreted_checks, patch_gemm_interpreter, print_checks
+from tests.interpret import (SM90_SHARED_BYTES, check_recorder, compile_sm90,
+                              interpreted_checks, patch_gemm_interpreter, print_checks)
 
 CHECKS = ["values", "rows_alone_equal_rows_in_batch", "configs_agree", "bias_fp32_out", "one_rounding", "leading_dims"]
 DTYPES = ["bfloat16", "float16", "float32"]
@@ -27,11 +28,7 @@ def _run_checks() -> dict:
     # the 3-program persistent loop walk several tiles; the TMA one reads through descriptors.
     configs = {"default": None, "16x16": TileConfig(16, 16, 4, 2, group_m=2),
                "tma_16x32": TileConfig(16, 32, 4, 2, tma=True)}
-    results = {}
-
-    def record(name, ok, detail=""):
-        prev = results.get(name, {"ok": True, "detail": ""})
-        results[name] = {"ok": prev["ok"] and bool(ok), "detail": prev["detail"] or ("" if ok else detail)}
+    results, record = check_recorder()
 
     def rand(*shape, dtype):
         return torch.randn(*shape, generator=gen).to(getattr(torch, dtype))

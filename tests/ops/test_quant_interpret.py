@@ -13,7 +13,7 @@ conversion the codes differ.
 """
 from __future__ import annotations
 
-from tests.interpret import interpreted_checks, print_checks
+from tests.interpret import check_recorder, interpreted_checks, print_checks
 
 CHECKS = ["random_equal_torch", "adversarial_equal_torch", "rows_alone_equal_rows_in_batch", "strided_input",
           "other_group_size", "rejects_other_rules", "interpreter_cast_is_not_rne"]
@@ -54,11 +54,7 @@ def _run_checks() -> dict:
     rules = {"fp32_mul": FP8_ACT, "ue8m0_mul": replace(FP8_ACT, scale_dtype="ue8m0"),
              "fp32_div": replace(FP8_ACT, scale_apply="divide"),
              "ue8m0_div": replace(FP8_ACT, scale_dtype="ue8m0", scale_apply="divide")}
-    results = {}
-
-    def record(name, ok, detail=""):
-        prev = results.get(name, {"ok": True, "detail": ""})
-        results[name] = {"ok": prev["ok"] and bool(ok), "detail": prev["detail"] or ("" if ok else detail)}
+    results, record = check_recorder()
 
     def same(a, b):
         return (a.codes.shape == b.codes.shape and a.scales.shape == b.scales.shape

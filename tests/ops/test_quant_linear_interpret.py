@@ -9,8 +9,8 @@ CPU contract's. Hopper's FP8 MMA rounds its own way: the GPU's bits are a GPU te
 """
 from __future__ import annotations
 
-from tests.interpret import (SM90_SHARED_BYTES, compile_sm90, interpreted_checks, patch_fp8_gemm_interpreter,
-                              print_checks)
+from tests.interpret import (SM90_SHARED_BYTES, check_recorder, compile_sm90, interpreted_checks,
+                              patch_fp8_gemm_interpreter, print_checks)
 
 CHECKS = ["equals_cpu_contract", "rows_alone_equal_rows_in_batch", "configs_agree", "bias_bf16_out",
           "cuda_linear_fp8_equals_cpu", "cuda_linear_rows_alone_equal_rows_in_batch"]
@@ -28,11 +28,7 @@ def _run_checks() -> dict:
     from onepath.ops.quant_linear import fp8_gemm
 
     gen = torch.Generator().manual_seed(0)
-    results = {}
-
-    def record(name, ok, detail=""):
-        prev = results.get(name, {"ok": True, "detail": ""})
-        results[name] = {"ok": prev["ok"] and bool(ok), "detail": prev["detail"] or ("" if ok else detail)}
+    results, record = check_recorder()
 
     small = TileConfig(16, 16, 4, 2, group_m=2)
     n = 140  # two 128-row weight blocks, the second ragged

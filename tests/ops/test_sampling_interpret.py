@@ -11,7 +11,7 @@ expected winner is computed with numpy's too.
 """
 from __future__ import annotations
 
-from tests.interpret import interpreted_checks, print_checks
+from tests.interpret import check_recorder, interpreted_checks, print_checks
 
 CHECKS = ["race_equals_torch_race", "planted_near_ties", "bound_below_exponential"]
 
@@ -30,11 +30,7 @@ def _run_checks() -> dict:
     from onepath.ops.cuda import sampling as SA
 
     gen = torch.Generator().manual_seed(0)
-    results = {}
-
-    def record(name, ok, detail=""):
-        prev = results.get(name, {"ok": True, "detail": ""})
-        results[name] = {"ok": prev["ok"] and bool(ok), "detail": prev["detail"] or ("" if ok else detail)}
+    results, record = check_recorder()
 
     vocab = 40000   # three spans of SPAN = 16384, the last partial
     keys = torch.tensor([ref.sample_key(9, r, 3) for r in range(8)])
