@@ -152,9 +152,11 @@ class Scheduler:
         nothing waits to be admitted, and the free blocks cover every sequence that needs a new one."""
         if not self.running or (self.waiting and len(self.running) < self.config.max_num_seqs):
             return False
-        if any(seq.num_uncomputed_tokens != 1 for seq in self.running):
-            return False
-        needing = sum(not self.block_manager.holds_next_slot(seq) for seq in self.running)
+        needing = 0  # one pass over the batch: this runs on every step
+        for seq in self.running:
+            if seq.num_uncomputed_tokens != 1:
+                return False
+            needing += not self.block_manager.holds_next_slot(seq)
         return needing <= self.block_manager.num_free_blocks
 
     def postprocess(self, scheduled: list[ScheduledSeq], sampled: dict[int, tuple[int, float]]) -> list[Sequence]:
