@@ -13,6 +13,16 @@ class SplitKAboveEightOps(Ops):
         return super().linear(x[..., :h], weight[:, :h]) + super().linear(x[..., h:], weight[:, h:], bias)
 
 
+class SplitKBelowWideOps(Ops):
+    """An N-dependent branch: a GEMM with fewer than 2048 output columns reduces K in two halves."""
+
+    def linear(self, x, weight, bias=None):
+        if weight.shape[0] >= 2048:
+            return super().linear(x, weight, bias)
+        h = x.shape[-1] // 2
+        return super().linear(x[..., :h], weight[:, :h]) + super().linear(x[..., h:], weight[:, h:], bias)
+
+
 class DecodeBaselineAttentionOps(Ops):
     """Decode with another reduction order: launches of single-token queries over a longer context
     take the baseline attention."""

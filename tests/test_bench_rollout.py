@@ -56,7 +56,7 @@ def test_rollout_bench_tiny_cpu(tmp_path, capsys):
     assert fixed["hf"]["generated_tokens"] == fixed["output_tokens"] and positive(fixed["hf"]["tokens_per_s"])
     assert positive(fixed["over_hf"]["consistent"]) and positive(fixed["over_hf"]["baseline"])
     assert "hf" not in tiny["workloads"]["ragged"]
-    for mode, step in tiny["decode_step"]["modes"].items():
+    for mode, step in tiny["decode_steps"][0]["modes"].items():
         assert step["pure_decode"] and step["batch"] == REQUESTS and step["stats"]["prefill_tokens"] == 0, (mode, step)
         assert positive(step["seconds_per_step"]) and positive(step["fraction"]["of_peak"])
     names = [c["name"] for c in r["checks"]]
@@ -105,16 +105,19 @@ def test_hf_reference_is_the_same_model(name):
 def test_rollout_bench_tiny_moe_cpu(tmp_path):
     out = tmp_path / "rollout.json"
     assert main(["bench", "rollout", *SMALL, "--model", "tiny-moe", "--workloads", "fixed-1000",
-                 "--out", str(out)]) == 0
+                 "--decode-prompts", "2,40", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert list(r["models"]) == ["tiny", "tiny-moe"]  # SMALL names tiny; --model repeats
     moe = r["models"]["tiny-moe"]
     assert moe["config"]["model_type"] == "qwen3_moe" and moe["config"]["num_experts"] == 8
     row = moe["workloads"]["fixed-1000"]
+    assert [w["prompt_len"] for w in moe["decode_steps"]] == [2, 40]
     for mode in ("consistent", "baseline"):
         assert row["modes"][mode]["generated_tokens"] == row["output_tokens"], row["modes"][mode]
-        step = moe["decode_step"]["modes"][mode]
-        assert step["pure_decode"] and positive(step["fraction"]["of_peak"]), step
+        short, long = (window["modes"][mode] for window in moe["decode_steps"])
+        for step in (short, long):
+            assert step["pure_decode"] and positive(step["fraction"]["of_peak"]), step
+        assert long["context"] > short["context"] + 37 and long["roofline"]["kv_bytes"] > short["roofline"]["kv_bytes"]
     assert row["hf"]["generated_tokens"] == row["output_tokens"] and positive(row["over_hf"]["consistent"])
     # batch 3 of top-2 over 8 experts reads some of the experts, not all
     assert row["roofline"]["weight_bytes"] < moe["weight_bytes"]

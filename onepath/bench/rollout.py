@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--decode-steps", type=int, default=64, help="steps in the timed all-decode window")
+    p.add_argument("--decode-prompts", default=None, metavar="N[,N...]",
+                   help="prompt lengths of the all-decode windows, one window each (default: the first fixed "
+                        "workload's prompt length); e.g. 150,1000,3000 times decode steps at three contexts")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's; 1 for tiny CPU runs)")
 
 
@@ -105,6 +108,15 @@ def run(args: argparse.Namespace, command: str) -> int:
     return 1 if any(errors(m) for m in result["models"].values()) else 0
 
 
+def _decode_prompts(args, decode_on: Workload | None) -> list[int]:
+    """The decode windows' prompt lengths (none without a fixed workload to run them after)."""
+    if decode_on is None:
+        return []
+    if args.decode_prompts is None:
+        return [decode_on.prompt_len[0]]
+    return [int(n) for n in args.decode_prompts.split(",")]
+
+
 def _names(values: list[str], known, what: str) -> list[str]:
     names = [n.strip() for v in values for n in v.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
@@ -118,6 +130,10 @@ def _check(args) -> None:
         raise ValueError("--device cuda but torch sees no CUDA device: run on the GPU machine or pass --device cpu")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization {args.gpu_memory_utilization} must be in (0, 1]")
+    if args.decode_prompts is not None:
+        lengths = args.decode_prompts.split(",")
+        if not all(n.strip().isdigit() and int(n) > 0 for n in lengths):
+            raise ValueError(f"--decode-prompts {args.decode_prompts!r} must be positive integers, e.g. 150,1000")
     for name in ("requests", "hf_requests", "decode_steps", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
@@ -131,8 +147,9 @@ def bench_model(name: str, workloads: list[Workload], modes: list[str], args, en
     """Each workload on a fresh engine per mode (max_model_len fitted to it), then HF generate."""
     config = model_config(name)
     decode_on = next((w for w in workloads if w.fixed), None)
+    windows = _decode_prompts(args, decode_on)
     entry.update(config=config.to_dict(), dtype=str(_dtype(args)), workloads={},
-                 decode_step=dict(workload=decode_on and decode_on.name, modes={}))
+                 decode_steps=[dict(workload=decode_on.name, prompt_len=n, modes={}) for n in windows])
     try:
         state = random_weights(config, args)
     except Exception as e:  # noqa: BLE001
@@ -141,8 +158,8 @@ def bench_model(name: str, workloads: list[Workload], modes: list[str], args, en
     entry["weight_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
     for w in workloads:
         prompts, outputs = w.sample(config.vocab_size, seed=args.seed * 1000 + list(WORKLOADS).index(w.name))
-        max_model_len = 16 + max(max(map(len, prompts)) + max(outputs),
-                                 w.prompt_len[0] + _window_tokens(w, args) if w is decode_on else 0)
+        max_model_len = 16 + max([max(map(len, prompts)) + max(outputs),
+                                  *(n + _window_tokens(w, n, args) for n in windows if w is decode_on)])
         row = entry["workloads"][w.name] = dict(
             requests=w.requests, prompt_len=list(w.prompt_len), output_len=list(w.output_len),
             prompt_tokens=sum(map(len, prompts)), output_tokens=sum(outputs), max_model_len=max_model_len, modes={})
@@ -176,12 +193,13 @@ def bench_engine(name, config, mode, state, w: Workload, prompts, outputs, max_m
         stage = "the timed generate"
         rows[mode] = dict(timed_generate(engine, prompts, outputs, args), engine=used, memory=memory(engine))
         print(f"{name} {w.name} {mode}: {rows[mode]['tokens_per_s']:.1f} output tokens/s", flush=True)
-        if decode:
+        for window in entry["decode_steps"] if decode else ():
             stage = "the decode window"
-            entry["decode_step"]["modes"][mode] = decode_window(engine, w, args)
+            rows = window["modes"]
+            rows[mode] = decode_window(engine, w, window["prompt_len"], args)
     except Exception as e:  # noqa: BLE001 -- a failed mode is a result; the run goes on
         error = f"{stage}: {type(e).__name__}: {e}"[:2000]
-        (entry["decode_step"]["modes"] if stage == "the decode window" else rows)[mode] = dict(error=error)
+        rows[mode] = dict(error=error)
         print(f"{name} {w.name} {mode}: {error}", file=sys.stderr, flush=True)
     del engine
     _free(args.device)
@@ -266,20 +284,21 @@ def timed_generate(engine: LLMEngine, prompts: list[list[int]], outputs: list[in
                 tokens_per_s=generated / seconds, total_tokens_per_s=(generated + prompt_tokens) / seconds, stats=stats)
 
 
-def _window_tokens(w: Workload, args) -> int:
+def _window_tokens(w: Workload, prompt_len: int, args) -> int:
     """max_tokens of a decode-window request: room for what it samples during the batch's prefill
     (twice the steps a full budget needs: chunks end on KV-tile boundaries), the skipped steps, the
     window, and one more, so that no sequence finishes inside the window."""
     batch = min(w.requests, args.max_num_seqs)
-    prefill_steps = math.ceil(batch * w.prompt_len[0] / args.max_num_batched_tokens)
+    prefill_steps = math.ceil(batch * prompt_len / args.max_num_batched_tokens)
     return 2 * prefill_steps + 2 + DECODE_SKIP + args.decode_steps
 
 
-def decode_window(engine: LLMEngine, w: Workload, args) -> dict:
-    """Time --decode-steps engine steps in which every sequence decodes (fresh prompts: no prefix-cache hits)."""
-    batch, max_tokens = min(w.requests, args.max_num_seqs), _window_tokens(w, args)
+def decode_window(engine: LLMEngine, w: Workload, prompt_len: int, args) -> dict:
+    """Time --decode-steps engine steps in which every sequence decodes, after prompts of prompt_len tokens
+    (fresh prompts: no prefix-cache hits)."""
+    batch, max_tokens = min(w.requests, args.max_num_seqs), _window_tokens(w, prompt_len, args)
     g = torch.Generator().manual_seed(args.seed + 104729)
-    for p in torch.randint(0, engine.model.config.vocab_size, (batch, w.prompt_len[0]), generator=g).tolist():
+    for p in torch.randint(0, engine.model.config.vocab_size, (batch, prompt_len), generator=g).tolist():
         engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=args.seed))
     scheduler = engine.scheduler
     for _ in range(max_tokens):

@@ -29,7 +29,7 @@ def derive(entry: dict, state: dict, config: ModelConfig, max_num_seqs: int, kv_
         context = (row["prompt_tokens"] + row["output_tokens"] / 2) / row["requests"]
         roof = decode_roofline(state, config, min(row["requests"], max_num_seqs), context, kv_bytes_per_token)
         row["roofline"] = dict(roof, fraction={mode: roofline_fraction(t, roof) for mode, t in tps.items()})
-    for d in entry["decode_step"]["modes"].values():
+    for d in (d for window in entry["decode_steps"] for d in window["modes"].values()):
         if "tokens_per_s" in d:
             d["roofline"] = decode_roofline(state, config, d["batch"], d["context"], kv_bytes_per_token)
             d["fraction"] = roofline_fraction(d["tokens_per_s"], d["roofline"])
@@ -48,11 +48,12 @@ def checks(model: str, entry: dict) -> list[dict]:
         if "hf" in row:
             out.append(check("consistent/HF generate tokens/s", name, row.get("over_hf", {}).get("consistent"),
                              TARGETS["consistent_over_hf"]))
-    step = entry.get("decode_step", {}).get("modes", {}).get("consistent", {})
-    if "fraction" in step:
-        out.append(check(f"consistent decode step at batch {step['batch']} / HBM roofline "
-                         f"({HBM_PEAK_B_S / 1e12:.1f} TB/s peak)", entry["decode_step"]["workload"],
-                         step["fraction"]["of_peak"], TARGETS["decode_fraction_of_peak"]))
+    for window in entry.get("decode_steps", []):
+        step = window["modes"].get("consistent", {})
+        if "fraction" in step:
+            out.append(check(f"consistent decode step at batch {step['batch']}, context {step['context']:.0f} / HBM "
+                             f"roofline ({HBM_PEAK_B_S / 1e12:.1f} TB/s peak)", window["workload"],
+                             step["fraction"]["of_peak"], TARGETS["decode_fraction_of_peak"]))
     return out
 
 
@@ -72,7 +73,7 @@ def print_summary(result: dict) -> None:
                              r["total_tokens_per_s"], r["seconds"], r.get("steps"),
                              row.get("consistent_over_baseline") if mode == "consistent" else None,
                              row.get("over_hf", {}).get(mode), fraction])
-        for mode, d in entry.get("decode_step", {}).get("modes", {}).items():
+        for mode, d in ((mode, d) for window in entry.get("decode_steps", []) for mode, d in window["modes"].items()):
             if "error" in d:
                 steps.append([model, mode, "error: " + d["error"][:80]])
             elif "roofline" in d:
@@ -98,4 +99,5 @@ def errors(entry: dict) -> list[str]:
     found = [entry["error"]] if "error" in entry else []
     found += [r["error"] for row in entry.get("workloads", {}).values()
              for r in [*row["modes"].values(), row.get("hf", {})] if "error" in r]
-    return found + [d["error"] for d in entry.get("decode_step", {}).get("modes", {}).values() if "error" in d]
+    return found + [d["error"] for window in entry.get("decode_steps", []) for d in window["modes"].values()
+                    if "error" in d]

@@ -60,6 +60,8 @@ class LLMEngine:
         async_scheduling: schedule and launch each decode step before the previous one's tokens reach the
         host (the same tokens and log-probs: a row's bits do not depend on its batch)."""
         self.model, self.tokenizer = model, tokenizer
+        # q/k/v and gate/up read one stacked weight each, with no copy per step (a captured graph reads it)
+        model.share_projection_storage()
         self.scheduler_config = replace(scheduler or SchedulerConfig(),
                                         chunk_align=model.ops.spec.op("attention").kv_tile)
         config = self.scheduler_config

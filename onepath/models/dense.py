@@ -28,6 +28,55 @@ class Linear(nn.Module):
         return self.ops.linear(x, self.weight, self.bias)
 
 
+class StackedLinear(nn.Module):
+    """One GEMM for the Linear layers that read the same input (q/k/v, gate/up): their weights stacked
+    along N, the output split back into theirs. On CUDA a column's bits do not depend on N (consistent:
+    each output element's K chain is the same in every tile config, tests/gpu/test_matmul.py), and both
+    sides run this same site, so it is a speed-up only: fewer, larger launches. The layers keep their
+    parameters (HF names, optimizer, gradients): the trainer stacks them at each forward (`torch.cat`,
+    differentiable); the engine calls `share_storage()` once, after which the layers' weights are views
+    of one stacked tensor that a forward without autograd reads as is (with autograd it stacks them
+    anew: the gradients reach the views), and `update_weights` copying into the views writes it."""
+
+    def __init__(self, ops: Ops, parts: list[Linear]):
+        super().__init__()
+        self.ops = ops
+        self.parts = tuple(parts)  # not submodules: the parameters stay the layers' own
+        self.sizes = [part.weight.shape[0] for part in parts]
+        self.weight = self.bias = None  # the stacked storage, after share_storage()
+
+    def share_storage(self) -> None:
+        """Make the layers' weights (and biases) views of one stacked tensor each, with their values."""
+        if self.weight is not None:
+            return
+        for attr in ("weight", "bias"):
+            if getattr(self.parts[0], attr) is None:
+                continue
+            stacked = torch.cat([getattr(part, attr).detach() for part in self.parts])
+            for part, view in zip(self.parts, stacked.split(self.sizes)):
+                setattr(part, attr, nn.Parameter(view, requires_grad=getattr(part, attr).requires_grad))
+            setattr(self, attr, stacked)
+
+    def stacked(self, attr: str) -> torch.Tensor | None:
+        if getattr(self.parts[0], attr) is None:
+            return None
+        shared = getattr(self, attr)
+        if shared is not None and not torch.is_grad_enabled():
+            return shared
+        return torch.cat([getattr(part, attr) for part in self.parts])
+
+    def forward(self, x):
+        """[..., sum of the layers' outputs]: the layers' outputs side by side (split by self.sizes)."""
+        return self.ops.linear(x, self.stacked("weight"), self.stacked("bias"))
+
+
+def stack_projections(ops: Ops) -> bool:
+    """Whether the layers that share an input run as one StackedLinear: on CUDA, unquantised linears.
+    (A quantised weight's scales may span the stacked layers: NVFP4's global scale is the tensor's amax.)"""
+    linear = ops.spec.op("linear")
+    return ops.spec.device == "cuda" and linear.weight is None and linear.act is None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, ops: Ops, size: int, eps: float, dtype):
         super().__init__()
@@ -53,18 +102,38 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(ops, self.head_dim, config.rms_norm_eps, dtype)
         self.sliding_window = config.sliding_window if config.model_type == "mistral" else None
         self.scale = self.head_dim ** -0.5
+        if stack_projections(ops):
+            self.qkv_proj = StackedLinear(ops, [self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x, batch: ForwardBatch, k_cache, v_cache, cos, sin):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = self.ops.rope(q, batch.positions, cos, sin)
-        k = self.ops.rope(k, batch.positions, cos, sin)
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.stacked_qkv(x, batch, cos, sin)
+        else:
+            q = self.q_proj(x).view(t, self.heads, self.head_dim)
+            k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+            v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+            if hasattr(self, "q_norm"):
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = self.ops.rope(q, batch.positions, cos, sin)
+            k = self.ops.rope(k, batch.positions, cos, sin)
         o = self.ops.attention(q, k, v, k_cache, v_cache, batch.attn, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.heads * self.head_dim))
+
+
+    def stacked_qkv(self, x, batch: ForwardBatch, cos, sin):
+        """q, k, v from one GEMM; q and k normalised (QK-norm) and rotated together, in one launch: views
+        of the stacked outputs, as the unstacked layers would give them."""
+        t, qk_heads = x.shape[0], self.heads + self.kv_heads
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, :qk_heads * self.head_dim].view(t, qk_heads, self.head_dim)
+        v = qkv[:, qk_heads * self.head_dim:].view(t, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            qk = self.ops.qk_norm_rope(qk, self.q_norm.weight, self.k_norm.weight, self.heads, self.q_norm.eps,
+                                       batch.positions, cos, sin)
+        else:
+            qk = self.ops.rope(qk, batch.positions, cos, sin)
+        return qk[:, :self.heads], qk[:, self.heads:], v
 
 
 class MLP(nn.Module):
@@ -75,9 +144,15 @@ class MLP(nn.Module):
         self.gate_proj = Linear(ops, h, i, bias, dtype)
         self.up_proj = Linear(ops, h, i, bias, dtype)
         self.down_proj = Linear(ops, i, h, bias, dtype)
+        if stack_projections(ops):
+            self.gate_up_proj = StackedLinear(ops, [self.gate_proj, self.up_proj])
 
     def forward(self, x):
-        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).split(self.gate_up_proj.sizes, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.ops.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -118,6 +193,13 @@ class DenseDecoder(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.to(ops.spec.device)
+
+    def share_projection_storage(self) -> None:
+        """The engine's model: each StackedLinear's layers become views of one stacked weight, which its
+        forwards without autograd read with no copy."""
+        for module in self.modules():
+            if isinstance(module, StackedLinear):
+                module.share_storage()
 
     def make_mlp(self, layer: int) -> nn.Module:
         """Layer `layer`'s MLP (a subclass gives sparse layers their experts)."""

@@ -79,6 +79,10 @@ class Ops:
     def rope(self, x, positions, cos_table, sin_table):
         return _rope.rope(self.spec, x, positions, cos_table, sin_table)
 
+    def qk_norm_rope(self, x, q_weight, k_weight, q_heads, eps, positions, cos_table, sin_table):
+        """x [T, heads, D], q's heads then k's: rmsnorm each part by its weight, then rope."""
+        return _rope.qk_norm_rope(self.spec, x, q_weight, k_weight, q_heads, eps, positions, cos_table, sin_table)
+
     def silu_mul(self, gate, up):
         return _silu_mul.silu_mul(self.spec, gate, up)
 

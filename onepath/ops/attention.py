@@ -67,6 +67,9 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, kv: QuantSpec | None = None):
     if isinstance(k_cache, FP8Tensor) != (kv is not None):
         raise TypeError(f"KV cache of {type(k_cache).__name__} with the spec's attention.kv {kv}: build the "
                         "cache from the model's spec (KVCache.for_model) so its format follows the spec")
+    if kv is None and k_cache.is_cuda:
+        from onepath.ops.cuda.elementwise import write_kv as triton_write_kv
+        return triton_write_kv(k_cache, v_cache, k.detach(), v.detach(), slot_mapping)
     for cache, x in ((k_cache, k), (v_cache, v)):
         if kv is None:
             cache.view(-1, *cache.shape[2:])[slot_mapping] = x.detach().to(cache.dtype)

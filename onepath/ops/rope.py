@@ -30,3 +30,25 @@ def rope(spec: ExecutionSpec, x: torch.Tensor, positions: torch.Tensor, cos_tabl
     else:
         kernel = lambda x: reference(x, cos_table[positions], sin_table[positions])
     return apply_kernel(kernel, lambda x: reference(x, cos_table[positions], sin_table[positions]), x)
+
+
+
+def qk_norm_rope(spec: ExecutionSpec, x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int,
+                 eps: float, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D], q's heads then k's (Qwen3's QK-norm): each part RMS-normalised by its weight, then
+    RoPE -> [T, heads, D]: the bits of rmsnorm() then rope() on each part, on CUDA in one launch."""
+    from onepath.ops import rmsnorm as _rmsnorm
+
+    def per_part(norm, rotate):
+        return lambda x, wq, wk: torch.cat([rotate(norm(part, w)) for part, w in
+                                            ((x[:, :q_heads], wq), (x[:, q_heads:], wk))], dim=1)
+
+    unfused = per_part(lambda part, w: _rmsnorm.reference(part, w, eps),
+                       lambda part: reference(part, cos_table[positions], sin_table[positions]))
+    if spec.device == "cuda":
+        from onepath.ops.cuda.rmsnorm import qk_norm_rope as triton_qk_norm_rope
+        kernel = lambda x, wq, wk: triton_qk_norm_rope(x, wq, wk, q_heads, eps, positions, cos_table, sin_table)
+    else:
+        kernel = per_part(lambda part, w: _rmsnorm.rmsnorm(spec, part, w, eps),
+                          lambda part: rope(spec, part, positions, cos_table, sin_table))
+    return apply_kernel(kernel, unfused, x, q_weight, k_weight)

@@ -12,7 +12,8 @@ from tests.interpret import check_recorder, interpreted_checks, patch_bf16_round
 
 CHECKS = ["rmsnorm_values", "rmsnorm_rows_alone_equal_rows_in_batch", "rmsnorm_residual", "rmsnorm_misaligned_input",
           "silu_mul_values", "silu_mul_rows_alone_equal_rows_in_batch", "rope_equals_reference",
-          "rope_rows_alone_equal_rows_in_batch", "logprobs_values", "logprobs_rows_alone_equal_rows_in_batch",
+          "rope_rows_alone_equal_rows_in_batch", "qk_norm_rope_equals_norm_then_rope", "write_kv_equals_index_put",
+          "logprobs_values", "logprobs_rows_alone_equal_rows_in_batch",
           "logprobs_keep_none_equals_all_kept", "probs_values", "probs_rows_alone_equal_rows_in_batch",
           "sample_equals_torch_race", "sample_rows_alone_equal_rows_in_batch", "sample_sparse_row_equals_torch_race"]
 
@@ -132,6 +133,31 @@ def _run_checks() -> dict:
         positions[at] = 17
         same = torch.equal(elementwise.rope(batch, positions, cos, sin)[at], alone[0])
         record("rope_rows_alone_equal_rows_in_batch", same, f"M={m} pos={at}")
+
+    # qk_norm_rope: 3 q heads and 2 k heads of a stacked qkv view (v's 2 heads after them), D = 24; the
+    # bits of rmsnorm then rope, each part by its own weight; a token alone equals it in a batch.
+    wq, wk = rand(dim, scale=0.5) + 1, rand(dim, scale=0.5) + 1
+    qkv = rand(7, 7, dim, scale=3)
+    qk, pos = qkv[:, :5], torch.randint(0, positions_max, (7,), generator=gen)
+    fused = rmsnorm.qk_norm_rope(qk, wq, wk, 3, 1e-6, pos, cos, sin)
+    parts = [elementwise.rope(rmsnorm.rmsnorm(qk[:, :3], wq, 1e-6), pos, cos, sin),
+             elementwise.rope(rmsnorm.rmsnorm(qk[:, 3:], wk, 1e-6), pos, cos, sin)]
+    record("qk_norm_rope_equals_norm_then_rope", torch.equal(fused, torch.cat(parts, dim=1)), "fused != two ops")
+    swapped = rmsnorm.qk_norm_rope(qk, wk, wq, 3, 1e-6, pos, cos, sin)
+    record("qk_norm_rope_equals_norm_then_rope", not torch.equal(swapped, fused), "the weights are not read")
+    alone = rmsnorm.qk_norm_rope(qk[4:5].clone(), wq, wk, 3, 1e-6, pos[4:5], cos, sin)
+    record("qk_norm_rope_equals_norm_then_rope", torch.equal(alone[0], fused[4]), "a token alone != in its batch")
+
+    # write_kv: k and v as strided views of a stacked projection, 3 KV heads of D = 24, 6 tokens to scattered slots.
+    kv = rand(6, 7, dim)
+    k, v = kv[:, 1:4], kv[:, 4:7]
+    slots = torch.tensor([5, 0, 17, 9, 30, 2])
+    caches = [torch.zeros(4, 8, 3, dim, dtype=torch.bfloat16) for _ in range(4)]
+    elementwise.write_kv(caches[0], caches[1], k, v, slots)
+    for cache, x in ((caches[2], k), (caches[3], v)):
+        cache.view(-1, 3, dim)[slots] = x
+    record("write_kv_equals_index_put", torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]),
+           "caches differ from index_put's")
 
     # token_logprobs / probs: V = 5000 walks a full 4096 chunk and a masked tail.
     def plain(lg, tok, temp, keep):

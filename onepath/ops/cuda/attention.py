@@ -89,44 +89,36 @@ def _merge(m, l, acc, m_split, l_split, acc_split):
 
 
 @triton.jit
-def _attend_split(q, s, tile_lo, tile_end, lo_key, last_key, pos, first_key, row_ok, table, k_base, v_base,
-                  ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-                  stride_ksb, stride_kss, stride_vsb, stride_vss,
-                  BLOCK_M: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr,
-                  SPLIT_TILES: tl.constexpr, FP8_KV: tl.constexpr):
-    """(max, sum, acc) of split s: its tiles in ascending order from a fresh state; shared by both launches."""
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    cols = tl.arange(0, KV_TILE)
-    for j in range(tl.maximum(s * SPLIT_TILES, tile_lo), tl.minimum((s + 1) * SPLIT_TILES, tile_end)):
-        key = j * KV_TILE + cols
-        # Only the program's keys are read: later slots may be unwritten, earlier ones (out of
-        # every row's window) may be freed.
-        load_ok = (key >= lo_key) & (key <= last_key)
-        block = tl.load(table + key // BLOCK_SIZE, mask=load_ok, other=0).to(tl.int64)
-        slot = key % BLOCK_SIZE
-        kv_mask = load_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + block[:, None] * stride_kb + slot[:, None] * stride_ks, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + block[:, None] * stride_vb + slot[:, None] * stride_vs, mask=kv_mask, other=0.0)
-        if FP8_KV:
-            # one FP32 product, then one rounding to q's dtype: write_kv's quantisation undone as the
-            # CPU path undoes it; masked keys load code 0 and scale 0, the zeros a plain cache gives
-            k_scale = tl.load(ks_base + block * stride_ksb + slot * stride_kss, mask=load_ok, other=0.0)
-            v_scale = tl.load(vs_base + block * stride_vsb + slot * stride_vss, mask=load_ok, other=0.0)
-            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-        # ieee: fp32 inputs stay fp32 (the default would be TF32); 16-bit inputs ignore it.
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        valid = row_ok[:, None] & (key[None, :] <= pos[:, None]) & (key[None, :] >= first_key[:, None])
-        scores = tl.where(valid, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = _rescale(m_i, m_new)
-        p = tl.exp2(scores - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
-    return m_i, l_i, acc
+def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, table, k_base, v_base, ks_base,
+                 vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss,
+                 stride_vsb, stride_vss, BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr, FP8_KV: tl.constexpr):
+    """Fold KV tile j into the running (max, sum, acc); shared by both launches."""
+    key = j * KV_TILE + tl.arange(0, KV_TILE)
+    # Only the program's keys are read: later slots may be unwritten, earlier ones (out of
+    # every row's window) may be freed.
+    load_ok = (key >= lo_key) & (key <= last_key)
+    block = tl.load(table + key // BLOCK_SIZE, mask=load_ok, other=0).to(tl.int64)
+    slot = key % BLOCK_SIZE
+    kv_mask = load_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_base + block[:, None] * stride_kb + slot[:, None] * stride_ks, mask=kv_mask, other=0.0)
+    v = tl.load(v_base + block[:, None] * stride_vb + slot[:, None] * stride_vs, mask=kv_mask, other=0.0)
+    if FP8_KV:
+        # one FP32 product, then one rounding to q's dtype: write_kv's quantisation undone as the
+        # CPU path undoes it; masked keys load code 0 and scale 0, the zeros a plain cache gives
+        k_scale = tl.load(ks_base + block * stride_ksb + slot * stride_kss, mask=load_ok, other=0.0)
+        v_scale = tl.load(vs_base + block * stride_vsb + slot * stride_vss, mask=load_ok, other=0.0)
+        k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+    # ieee: fp32 inputs stay fp32 (the default would be TF32); 16-bit inputs ignore it.
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    valid = row_ok[:, None] & (key[None, :] <= pos[:, None]) & (key[None, :] >= first_key[:, None])
+    scores = tl.where(valid, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = _rescale(m_i, m_new)
+    p = tl.exp2(scores - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=["num_tokens", "window", "num_splits"])
@@ -184,27 +176,40 @@ def _paged_attention_kernel(
     ks_base = ks_ptr + kv_head * stride_ksh
     vs_base = vs_ptr + kv_head * stride_vsh
 
+    # (max, sum, acc) of the split being reduced: a fresh state at each split's first tile
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     if SPLIT:
         s = tl.program_id(2)
-        m_i, l_i, acc = _attend_split(q, s, tile_lo, tile_end, lo_key, last_key, pos, first_key, row_ok,
-                                      table, k_base, v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb,
-                                      stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss, stride_vsb,
-                                      stride_vss, BLOCK_M, D_PAD, BLOCK_SIZE, KV_TILE, SPLIT_TILES, FP8_KV)
+        for j in range(tl.maximum(s * SPLIT_TILES, tile_lo), tl.minimum((s + 1) * SPLIT_TILES, tile_end)):
+            m_i, l_i, acc = _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, table, k_base,
+                                         v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
+                                         stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE,
+                                         KV_TILE, FP8_KV)
         part = (tok_c * num_heads + head) * num_splits + s
         keep = row_ok & (s >= split_lo) & (s < split_end) & (s < num_splits)
         tl.store(part_m_ptr + part, m_i, mask=keep)
         tl.store(part_l_ptr + part, l_i, mask=keep)
         tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
     else:
+        # One loop over the program's tiles (one software pipeline, not one per split), folding each
+        # finished split into the running state where the next begins: the same operations, in the same
+        # order, as reducing every split from a fresh state and merging them in ascending order.
         m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_run = tl.zeros([BLOCK_M], tl.float32)
         acc_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        for s in range(split_lo, split_end):
-            m_i, l_i, acc = _attend_split(q, s, tile_lo, tile_end, lo_key, last_key, pos, first_key, row_ok,
-                                          table, k_base, v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb,
-                                          stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss, stride_vsb,
-                                          stride_vss, BLOCK_M, D_PAD, BLOCK_SIZE, KV_TILE, SPLIT_TILES, FP8_KV)
-            m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
+        for j in range(tile_lo, tile_end):
+            if (j % SPLIT_TILES == 0) & (j > tile_lo):
+                m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
+                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_M], tl.float32)
+                acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+            m_i, l_i, acc = _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, table, k_base,
+                                         v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
+                                         stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE,
+                                         KV_TILE, FP8_KV)
+        m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
         out = acc_run / tl.where(row_ok, l_run, 1.0)[:, None]
         tl.store(out_ptr + tok_c[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

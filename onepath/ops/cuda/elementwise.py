@@ -90,3 +90,39 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
                            cos.stride(0), heads, half, BLOCK_HEADS=block_heads, BLOCK_HALF=block_half,
                            num_warps=NUM_WARPS, enable_fp_fusion=False)
     return out
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_tok_stride, k_head_stride, v_tok_stride,
+                     v_head_stride, cache_slot_stride, cache_head_stride, heads, D,
+                     BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_HEADS)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < heads)[:, None] & (d < D)[None, :]
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    dst = slot * cache_slot_stride + h[:, None] * cache_head_stride + d[None, :]
+    k = tl.load(k_ptr + tok * k_tok_stride + h[:, None] * k_head_stride + d[None, :], mask=mask)
+    v = tl.load(v_ptr + tok * v_tok_stride + h[:, None] * v_head_stride + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [T, Hkv, D] (strided views of a stacked projection are fine) into caches [blocks, block_size,
+    Hkv, D] at slot_mapping [T] (slot = block * block_size + offset), both in one launch: a copy."""
+    tokens, heads, dim = k.shape
+    if (v.shape != k.shape or k_cache.shape[2:] != (heads, dim) or v_cache.shape != k_cache.shape
+            or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
+            or k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1) or slot_mapping.shape != (tokens,)):
+        raise ValueError(f"write_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}, slots {tuple(slot_mapping.shape)} (expected k, v [T, Hkv, D], "
+                         "caches [blocks, block_size, Hkv, D] alike, each block's slots contiguous, slots [T])")
+    if tokens == 0:
+        return
+    k, v = _rows(k), _rows(v)
+    _write_kv_kernel[(tokens,)](k, v, slot_mapping.contiguous(), k_cache, v_cache, k.stride(0), k.stride(1),
+                                v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2), heads, dim,
+                                BLOCK_HEADS=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim),
+                                num_warps=NUM_WARPS)

@@ -51,24 +51,40 @@ def _summed_row(x_row, r_row, offs, mask, HAS_RESIDUAL: tl.constexpr):
     return v
 
 
-@triton.jit(do_not_specialize=["x_stride", "r_stride", "out_stride", "res_stride"])
-def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, x_stride, r_stride, out_stride, res_stride, H, eps,
-                    HAS_RESIDUAL: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + tl.multiple_of(row * x_stride, VEC)
-    r_row = r_ptr + tl.multiple_of(row * r_stride, VEC)
+@triton.jit
+def inv_rms(x_row, r_row, res_row, H, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    """1 / sqrt(mean(v^2) + eps) of one row, v = _summed_row (stored to res_row with a residual): the
+    squares summed by explicit FMAs into one [BLOCK] vector over H in ascending chunks, then one tl.sum.
+    Every kernel that normalises a row calls this, so they share one reduction tree (launched with
+    num_warps=NUM_WARPS and enable_fp_fusion=False: the FMAs are the code's, not the compiler's)."""
     cols = tl.arange(0, BLOCK)
-
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, H, BLOCK):
         offs = start + cols
         mask = offs < H
         v = _summed_row(x_row, r_row, offs, mask, HAS_RESIDUAL)
         if HAS_RESIDUAL:
-            tl.store(res_ptr + tl.multiple_of(row * res_stride, VEC) + offs, v.to(res_ptr.dtype.element_ty), mask=mask)
-        acc += v * v
+            tl.store(res_row + offs, v.to(res_row.dtype.element_ty), mask=mask)
+        acc = tl.fma(v, v, acc)
     var = tl.math.div_rn(tl.sum(acc, axis=0), H * 1.0)
-    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
+
+
+@triton.jit
+def normed(v, inv, w, dtype: tl.constexpr):
+    """round(w * round(v * inv)) in dtype, back in FP32: Hugging Face's order (normalise, cast, scale)."""
+    return (w * (v * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["x_stride", "r_stride", "out_stride", "res_stride"])
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, x_stride, r_stride, out_stride, res_stride, H, eps,
+                    HAS_RESIDUAL: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + tl.multiple_of(row * x_stride, VEC)
+    r_row = r_ptr + tl.multiple_of(row * r_stride, VEC)
+    res_row = res_ptr + tl.multiple_of(row * res_stride, VEC)
+    cols = tl.arange(0, BLOCK)
+    inv = inv_rms(x_row, r_row, res_row, H, eps, HAS_RESIDUAL, BLOCK)
 
     for start in range(0, H, BLOCK):
         offs = start + cols
@@ -78,6 +94,34 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, x_stride, r_stride, o
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + tl.multiple_of(row * out_stride, VEC) + offs, (w * y).to(out_ptr.dtype.element_ty),
                  mask=mask)
+
+
+@triton.jit(do_not_specialize=["x_tok_stride", "x_head_stride"])
+def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, x_tok_stride, x_head_stride,
+                         table_stride, q_heads, heads, D, HALF, eps, VEC: tl.constexpr, BLOCK: tl.constexpr,
+                         BLOCK_HALF: tl.constexpr):
+    """One (token, head) row: RMSNorm by its head's weight (the first q_heads heads q's, the others k's),
+    rounded as _rmsnorm_kernel rounds, then RoPE on the rounded halves as elementwise.py's _rope_kernel
+    computes it (products rounded on their own, one rounding per output)."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    x_row = x_ptr + tl.multiple_of(tok * x_tok_stride + head * x_head_stride, VEC)
+    inv = inv_rms(x_row, x_row, x_row, D, eps, False, BLOCK)
+    w_ptr = wq_ptr if head < q_heads else wk_ptr
+    d = tl.arange(0, BLOCK_HALF)
+    mask = d < HALF
+    dtype: tl.constexpr = out_ptr.dtype.element_ty
+    n1 = normed(tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32), inv,
+                tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32), dtype)
+    n2 = normed(tl.load(x_row + HALF + d, mask=mask, other=0.0).to(tl.float32), inv,
+                tl.load(w_ptr + HALF + d, mask=mask, other=0.0).to(tl.float32), dtype)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    c = tl.load(cos_ptr + pos * table_stride + d, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * table_stride + d, mask=mask, other=0.0).to(tl.float32)
+    x1c, x2s, x2c, x1s = n1 * c, n2 * s, n2 * c, n1 * s
+    out_row = out_ptr + (tok * heads + head) * D
+    tl.store(out_row + d, (x1c - x2s).to(dtype), mask=mask)
+    tl.store(out_row + HALF + d, (x2c + x1s).to(dtype), mask=mask)
 
 
 def _launch(x, residual, weight, eps):
@@ -98,7 +142,8 @@ def _launch(x, residual, weight, eps):
     if m and h:
         _rmsnorm_kernel[(m,)](x2, r2, aligned_rows(weight[None])[0], out, res, row_stride(x2), row_stride(r2),
                               row_stride(out), row_stride(res), h, eps, HAS_RESIDUAL=residual is not None,
-                              VEC=min(vec, 16 // out.element_size()), BLOCK=BLOCK_H, num_warps=NUM_WARPS)
+                              VEC=min(vec, 16 // out.element_size()), BLOCK=BLOCK_H, num_warps=NUM_WARPS,
+                              enable_fp_fusion=False)
     return out.reshape(*lead, h), res.reshape(*lead, h)
 
 
@@ -111,3 +156,32 @@ def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(s), s) with s = x + residual rounded to x.dtype, in one pass over memory."""
     return _launch(x, residual, weight, eps)
+
+
+def qk_norm_rope(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, eps: float,
+                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] (q's heads then k's: a strided view of a stacked qkv projection is fine), weights
+    [D] -> rope(rmsnorm(x[:, :q_heads], q_weight)) and the same of the k heads by k_weight, [T, heads, D]
+    contiguous in x.dtype: the bits of rmsnorm() then elementwise.rope(), in one launch."""
+    tokens, heads, dim = x.shape
+    if (dim % 2 or q_weight.shape != (dim,) or k_weight.shape != (dim,) or not 0 < q_heads < heads
+            or positions.shape != (tokens,) or cos.shape[-1] != dim // 2 or sin.shape != cos.shape):
+        raise ValueError(f"qk_norm_rope: x {tuple(x.shape)}, weights {tuple(q_weight.shape)}, "
+                         f"{tuple(k_weight.shape)}, q_heads {q_heads}, positions {tuple(positions.shape)}, "
+                         f"cos {tuple(cos.shape)} (expected x [T, heads, D] with even D, weights [D], "
+                         "0 < q_heads < heads, positions [T], tables [P, D/2])")
+    if q_weight.dtype != x.dtype or k_weight.dtype != x.dtype:
+        raise ValueError(f"qk_norm_rope: weights {q_weight.dtype}, {k_weight.dtype} must be x's {x.dtype}")
+    vec = 16 // x.element_size()
+    if x.stride(-1) != 1 or x.data_ptr() % 16 or (tokens > 1 and x.stride(0) % vec) or x.stride(1) % vec:
+        x = x.contiguous()
+    out = torch.empty((tokens, heads, dim), device=x.device, dtype=x.dtype)
+    if out.numel():
+        half = dim // 2
+        cos, sin, positions = cos.contiguous(), sin.contiguous(), positions.contiguous()
+        _qk_norm_rope_kernel[(tokens, heads)](
+            x, aligned_rows(q_weight[None])[0], aligned_rows(k_weight[None])[0], positions, cos, sin, out,
+            x.stride(0) if tokens > 1 else 0, x.stride(1), cos.stride(0), q_heads, heads, dim, half, eps,
+            VEC=vec, BLOCK=BLOCK_H, BLOCK_HALF=triton.next_power_of_2(half), num_warps=NUM_WARPS,
+            enable_fp_fusion=False)
+    return out
