@@ -7,11 +7,16 @@ Per (tokens, projection): median microseconds (triton.testing.do_bench, L2 flush
   grouped     one grouped launch over tokens x 8 rows packed by expert (the launcher's host work included);
   dense       ops/cuda/matmul.py on one [tokens x 8, K] x [K, N] problem: the same FLOPs, one weight;
   loop        ops/cuda/matmul.py once per expert: the path the grouped kernel replaces;
-  cublas loop F.linear once per expert (the baseline's path); torch._grouped_mm where torch has it.
+  cublas loop F.linear once per expert (the baseline's path); torch._grouped_mm where torch has it;
+  grouped_graph  the grouped launch with the counts on the device, replayed from a CUDA graph (the
+              engine's decode path: no host work, no L2 flush; the weights are far past L2 anyway).
 TFLOP/s for all, GB/s of the bytes the grouped call must move (the routed experts' weights, x, out),
-and grouped / dense TFLOP/s (target >= 0.70; at decode the grouped call reads 128 weights where the
-dense one reads one, so there it is bound by HBM, and GB/s is its figure). Without CUDA it says so
-and exits 0.
+and grouped / dense TFLOP/s (target >= 0.70). At decode the grouped call reads 128 weights where the
+dense one reads one, so there it is bound by HBM: grouped_roofline_us = the bytes it must move /
+4.8 TB/s, grouped_fraction_of_hbm = roofline / grouped us (grouped_graph_...: of the graph replays),
+and grouped_over_dense_bound = dense us / roofline us, the most grouped / dense that reading those
+bytes allows (below the 0.70 target where the target cannot be met). Without CUDA it says so and
+exits 0.
 """
 from __future__ import annotations
 
@@ -32,6 +37,14 @@ PROJECTIONS = [("gate_up", 2 * MOE_INTERMEDIATE, HIDDEN, torch.bfloat16),
                ("down", HIDDEN, MOE_INTERMEDIATE, torch.float32)]
 TOKENS = [256, 8192]  # a decode step's batch, a training micro-batch
 TARGET = 0.70
+HBM_BYTES_PER_S = 4.8e12  # the H200's HBM3e peak
+
+
+def must_move(counts: list[int], n: int, k: int, out_dtype: torch.dtype) -> int:
+    """Bytes a grouped call over BF16 x and weights must move at least: every routed expert's weight
+    once, x's counted rows once, the output rows once."""
+    rows = sum(counts)
+    return 2 * (sum(1 for c in counts if c) * n * k + rows * k) + rows * n * torch.finfo(out_dtype).bits // 8
 
 
 def routed_counts(tokens: int, gen: torch.Generator) -> list[int]:
@@ -61,6 +74,15 @@ def stock_us(time_us, fn) -> float | None:
         return None
 
 
+def graph_us(fn, rep_ms: int) -> float | None:
+    """fn's time in CUDA-graph replays, or None (said) where it does not capture."""
+    try:
+        return kernel_us(fn, rep_ms, graph=True)
+    except RuntimeError as e:
+        print(f"grouped_graph: {type(e).__name__}: {str(e)[:200]}")
+        return None
+
+
 def run(args) -> dict:
     from onepath.ops.cuda.grouped_matmul import grouped_matmul, pick_grouped_config
     from onepath.ops.cuda.matmul import _num_sms, matmul
@@ -71,7 +93,8 @@ def run(args) -> dict:
     grouped_mm = stock_grouped_mm()
     result = dict(environment("cuda"), command="python bench/kernels_moe.py " + " ".join(sys.argv[1:]),
                   shape=dict(hidden=HIDDEN, moe_intermediate=MOE_INTERMEDIATE, experts=NUM_EXPERTS, top_k=TOP_K),
-                  timing=KERNEL_TIMING, target_grouped_over_dense=TARGET, rows=[])
+                  timing=KERNEL_TIMING + "; grouped_graph: CUDA graph replays (triton do_bench_cudagraph), median",
+                  target_grouped_over_dense=TARGET, hbm_bytes_per_s=HBM_BYTES_PER_S, rows=[])
     table = []
     for tokens in args.tokens:
         counts = routed_counts(tokens, gen)
@@ -82,7 +105,9 @@ def run(args) -> dict:
             x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
             cfg = pick_grouped_config(counts, n, x.dtype, sms, out_dtype)
             flops = 2.0 * rows * n * k
-            moved = 2 * (sum(1 for c in counts if c) * n * k + rows * k) + rows * n * torch.finfo(out_dtype).bits // 8
+            moved = must_move(counts, n, k, out_dtype)
+            roofline_us = moved / HBM_BYTES_PER_S * 1e6
+            sizes = torch.tensor(counts, device="cuda")
             per_expert = lambda fn: [fn(p, w[e]) for e, p in enumerate(x.split(counts)) if p.shape[0]]
             us = dict(
                 grouped=time_us(lambda: grouped_matmul(x, w, counts, out_dtype=out_dtype)),
@@ -90,23 +115,30 @@ def run(args) -> dict:
                 loop=time_us(lambda: per_expert(lambda p, we: matmul(p, we, out_dtype=out_dtype))),
                 cublas_loop=time_us(lambda: per_expert(F.linear)),
                 torch_grouped_mm=stock_us(time_us, lambda: grouped_mm(x, w, offs)) if grouped_mm else None,
+                grouped_graph=graph_us(lambda: grouped_matmul(x, w, sizes, out_dtype=out_dtype), args.rep_ms),
             )
             tflops = {key: flops / t * 1e-6 if t else None for key, t in us.items()}
             row = dict(tokens=tokens, rows=rows, projection=name, N=n, K=k, out_dtype=str(out_dtype),
-                       config=f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}",
+                       config=f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}" + " tma" * cfg.tma,
                        empty_experts=counts.count(0), max_rows_per_expert=max(counts), us=us, tflops=tflops,
                        grouped_gb_s=moved / us["grouped"] * 1e-3,
-                       grouped_over_dense=tflops["grouped"] / tflops["dense"])
+                       grouped_over_dense=tflops["grouped"] / tflops["dense"],
+                       grouped_roofline_us=roofline_us,
+                       grouped_fraction_of_hbm=roofline_us / us["grouped"],
+                       grouped_graph_fraction_of_hbm=roofline_us / us["grouped_graph"] if us["grouped_graph"] else None,
+                       grouped_over_dense_bound=us["dense"] / roofline_us)
             result["rows"].append(row)
             save_json(result, Path(args.out))
-            table.append([str(tokens), name, row["config"], us["grouped"], us["dense"], us["loop"], us["cublas_loop"],
-                          us["torch_grouped_mm"], tflops["grouped"], tflops["dense"], row["grouped_gb_s"],
-                          row["grouped_over_dense"]])
+            table.append([str(tokens), name, row["config"], us["grouped"], us["grouped_graph"], us["dense"], us["loop"],
+                          us["cublas_loop"], us["torch_grouped_mm"], tflops["grouped"], tflops["dense"],
+                          row["grouped_gb_s"], row["grouped_fraction_of_hbm"], row["grouped_graph_fraction_of_hbm"],
+                          row["grouped_over_dense"], row["grouped_over_dense_bound"]])
         torch.cuda.empty_cache()
     print_table(f"MoE expert GEMMs, {NUM_EXPERTS} experts top-{TOP_K}, hidden {HIDDEN}, moe_intermediate "
                 f"{MOE_INTERMEDIATE} (us: median; target grouped/dense >= {TARGET})",
-                ["tokens", "proj", "config", "grouped us", "dense us", "loop us", "cuBLAS loop us", "_grouped_mm us",
-                 "grouped TF/s", "dense TF/s", "grouped GB/s", "grouped/dense"], table)
+                ["tokens", "proj", "config", "grouped us", "graph us", "dense us", "loop us", "cuBLAS loop us",
+                 "_grouped_mm us", "grouped TF/s", "dense TF/s", "grouped GB/s", "of HBM", "graph of HBM",
+                 "grouped/dense", "bound"], table)
     return result
 
 

@@ -30,7 +30,7 @@ class Linear(nn.Module):
 
 class StackedLinear(nn.Module):
     """One GEMM for the Linear layers that read the same input (q/k/v, gate/up): their weights stacked
-    along N, the output split back into theirs. On CUDA a column's bits do not depend on N (consistent:
+    along N, their outputs side by side (`sizes` columns each). On CUDA a column's bits do not depend on N (consistent:
     each output element's K chain is the same in every tile config, tests/gpu/test_matmul.py), and both
     sides run this same site, so it is a speed-up only: fewer, larger launches. The layers keep their
     parameters (HF names, optimizer, gradients): the trainer stacks them at each forward (`torch.cat`,
@@ -119,7 +119,6 @@ class Attention(nn.Module):
             k = self.ops.rope(k, batch.positions, cos, sin)
         o = self.ops.attention(q, k, v, k_cache, v_cache, batch.attn, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.heads * self.head_dim))
-
 
     def stacked_qkv(self, x, batch: ForwardBatch, cos, sin):
         """q, k, v from one GEMM; q and k normalised (QK-norm) and rotated together, in one launch: views

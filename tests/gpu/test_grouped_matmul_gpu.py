@@ -1,11 +1,15 @@
 """The grouped expert GEMM on the GPU (Hopper MMA, BF16): every row of a grouped launch has the
 bits of ops/cuda/matmul.py's dense kernel on that row against its expert's weight, at Qwen3-MoE
 expert shapes (hidden 2048, moe_intermediate 768; gate_up N = 1536, down N = 2048 with FP32 out),
-64 and 128 experts, random top-8 routing with empty experts, 1 to 4096 tokens. The MoE experts wired
+64 and 128 experts, random top-8 routing with empty experts, 1 to 4096 tokens. The decode tiles
+(64-row, TMA) at 1..300 tokens over 128 experts: host and device sizes, every grid, the masked
+layout's buffer with a NaN tail, and one CUDA graph replaying other routings. The MoE experts wired
 to it keep masked == contiguous == each pair alone. No stock-path negative control here: on the H200
 (2026-11-29) cuBLAS per expert (a row at M = 1, at its expert's count, in a 4096-row batch) and
 torch._grouped_mm (all groups vs a row alone) all kept a row's bits at these shapes; the MoE's
-negative controls are model-level (tests/gpu/test_moe_gpu.py: baseline alone != batch).
+negative controls are model-level (tests/gpu/test_moe_gpu.py: baseline alone != batch). The decode
+test's control: the same products summed in another order (K's 64-wide blocks reversed) must fail
+the same comparison.
 
     python -m pytest -q -m gpu tests/gpu/test_grouped_matmul_gpu.py
 """
@@ -65,6 +69,125 @@ def test_grouped_rows_equal_dense_kernel(num_experts, projection):
         if not torch.equal(flipped.flip(0), y):
             bad.append((tokens, "reversed packing", int((flipped.flip(0) != y).any(-1).sum())))
     assert not bad, f"(tokens, check, rows differing): {bad}"
+
+
+DECODE_TOKENS = (1, 2, 3, 5, 8, 16, 17, 31, 63, 64, 65, 100, 127, 128, 129, 200, 255, 256, 257, 300)
+
+
+def masked_buffer(x: torch.Tensor, counts: list[int]):
+    """The masked layout's buffer of the rows x packed by counts: whole 16-row chunks per expert, zero
+    rows in the chunks, sized for any routing of the same pairs (models/moe.py), the unused tail NaN.
+    Returns (buffer, chunk row counts)."""
+    from onepath.models.moe import CAPACITY, max_chunks
+
+    chunks = [-(-c // CAPACITY) * CAPACITY for c in counts]
+    buffer = torch.full((max_chunks(sum(counts), len(counts), CAPACITY) * CAPACITY, x.shape[1]), float("nan"),
+                        device=x.device, dtype=x.dtype)
+    buffer[:sum(chunks)] = 0
+    starts = torch.tensor([0, *chunks[:-1]]).cumsum(0).tolist()
+    for part, start in zip(x.split(counts), starts):
+        buffer[start:start + part.shape[0]] = part
+    return buffer, chunks
+
+
+def unmasked(out: torch.Tensor, chunks: list[int], counts: list[int]) -> torch.Tensor:
+    """The rows of each expert's pairs out of a masked-layout output (chunk rows per expert)."""
+    starts = torch.tensor([0, *chunks[:-1]]).cumsum(0).tolist()
+    return torch.cat([out[s:s + c] for s, c in zip(starts, counts)])
+
+
+@pytest.mark.parametrize("projection", list(PROJECTIONS))
+def test_decode_tiles_rows_equal_dense_kernel(projection):
+    """The launcher's decode pick (64-row tiles by TMA) at 1..300 tokens over 128 experts (empty and
+    1-row experts included): every row has the dense kernel's bits on its expert, with host sizes,
+    device sizes, one program per tile, two per SM, and in the masked buffer whose NaN tail a TMA tile
+    covers but no stored row reads. Control: the same products with K's blocks reversed differ."""
+    from onepath.ops.cuda import grouped_matmul as gm
+    from onepath.ops.cuda.matmul import _num_sms, matmul
+
+    n, k, out_dtype = PROJECTIONS[projection]
+    num_experts = 128
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    w = (torch.randn(num_experts, n, k, generator=gen, device="cuda") * k ** -0.5).bfloat16()
+    bad, sizes_seen = [], set()
+    for tokens in DECODE_TOKENS:
+        counts = routed(tokens, num_experts, gen)
+        sizes_seen.update(counts)
+        x = torch.randn(sum(counts), k, generator=gen, device="cuda").bfloat16()
+        config = gm.pick_grouped_config(counts, n, x.dtype, _num_sms(x.device), out_dtype)
+        assert config.block_m == 64 and config.tma, f"{tokens} tokens picked {config}"
+        dense = torch.cat([matmul(part, w[e], out_dtype=out_dtype) for e, part in enumerate(x.split(counts))])
+        device_counts = torch.tensor(counts, device="cuda")
+        tiles = (-(-x.shape[0] // 64) + num_experts) * -(-n // config.block_n)
+        runs = {"host sizes": gm.grouped_matmul(x, w, counts, out_dtype=out_dtype),
+                "device sizes": gm.grouped_matmul(x, w, device_counts, out_dtype=out_dtype),
+                "one program per tile": gm.grouped_matmul(x, w, device_counts, out_dtype=out_dtype, programs=tiles),
+                "two per SM": gm.grouped_matmul(x, w, counts, out_dtype=out_dtype, programs=2 * _num_sms(x.device))}
+        buffer, chunks = masked_buffer(x, counts)
+        masked = gm.grouped_matmul(buffer, w, torch.tensor(chunks, device="cuda"), out_dtype=out_dtype)
+        runs["masked buffer"] = unmasked(masked, chunks, counts)
+        for name, y in runs.items():
+            if not torch.equal(y, dense):
+                bad.append((tokens, name, int((y != dense).any(-1).sum())))
+    assert {0, 1} <= sizes_seen, f"no empty or 1-row expert among the cases: sizes {sorted(sizes_seen)}"
+    assert not bad, f"(tokens, run, rows differing from the dense kernel): {bad}"
+
+    # control, on the FP32 accumulator (a bf16 rounding hides most last-bit changes)
+    reversed_k = torch.arange(k, device="cuda").view(-1, 64).flip(0).flatten()
+    y = gm.grouped_matmul(x[:, reversed_k].contiguous(), w[:, :, reversed_k].contiguous(), counts,
+                          out_dtype=torch.float32)
+    dense = torch.cat([matmul(part, w[e], out_dtype=torch.float32) for e, part in enumerate(x.split(counts))])
+    assert not torch.equal(y, dense), "K blocks summed in reverse gave the same bits: the comparison sees no order"
+
+
+@pytest.mark.parametrize("projection", list(PROJECTIONS))
+def test_decode_graph_replays_other_routings_with_the_dense_bits(projection):
+    """One launch over the masked buffer of 64 tokens with device sizes, captured in a CUDA graph at
+    one routing, replayed under others (one routing per expert, all on 8 experts, random): the
+    replayed rows equal the dense kernel's. Control: the same buffers under the captured routing's
+    sizes give other rows (a replay stuck on the sizes seen at capture would show), for the routings
+    whose chunk sizes differ from the captured ones (two random routings of 64 tokens over 96 experts
+    give every used expert one 16-row chunk: the same sizes, so the same rows)."""
+    from onepath.ops.cuda.grouped_matmul import grouped_matmul
+    from onepath.ops.cuda.matmul import matmul
+
+    n, k, out_dtype = PROJECTIONS[projection]
+    num_experts, tokens = 128, 64
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    w = (torch.randn(num_experts, n, k, generator=gen, device="cuda") * k ** -0.5).bfloat16()
+    pairs = tokens * TOP_K
+    spread = [pairs // num_experts] * num_experts
+    crowded = [tokens] * TOP_K + [0] * (num_experts - TOP_K)
+    cases = []
+    for counts in (routed(tokens, num_experts, gen), spread, crowded, routed(tokens, num_experts, gen)):
+        x = torch.randn(pairs, k, generator=gen, device="cuda").bfloat16()
+        buffer, chunks = masked_buffer(x, counts)
+        cases.append((x, counts, buffer, torch.tensor(chunks, device="cuda")))
+    static_buffer, static_sizes = cases[0][2].clone(), cases[0][3].clone()
+    side = torch.cuda.Stream()  # the first run compiles the kernel, outside the capture
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        grouped_matmul(static_buffer, w, static_sizes, out_dtype=out_dtype)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = grouped_matmul(static_buffer, w, static_sizes, out_dtype=out_dtype)
+    bad, stale_equal = [], []
+    for i, (x, counts, buffer, sizes) in enumerate(cases):
+        static_buffer.copy_(buffer)
+        static_sizes.copy_(sizes)
+        graph.replay()
+        got = unmasked(out, sizes.tolist(), counts)
+        dense = torch.cat([matmul(part, w[e], out_dtype=out_dtype) for e, part in enumerate(x.split(counts))])
+        if not torch.equal(got, dense):
+            bad.append((i, int((got != dense).any(-1).sum())))
+        if torch.equal(sizes, cases[0][3]):
+            continue  # the same chunk sizes as at capture (whole 16-row chunks): no stale size to see
+        stale = grouped_matmul(buffer, w, cases[0][3], out_dtype=out_dtype)
+        stale_equal.append(torch.equal(got, unmasked(stale, sizes.tolist(), counts)))
+    assert not bad, f"(routing, rows differing from the dense kernel): {bad}"
+    assert len(stale_equal) >= 2, "the routings give the captured chunk sizes: the control compares nothing"
+    assert not any(stale_equal), f"replays equal to the captured routing's rows: {stale_equal}"
 
 
 def test_moe_experts_layouts_equal_alone_with_the_grouped_kernel():

@@ -5,7 +5,9 @@ As in test_matmul_interpret.py, the interpreter's dot is replaced by a row-indep
 MMA chain (exact products, each K block rounded once to FP32 and added) and its FP32 -> bf16 cast
 rounds to nearest even. Under it the contract is checked bitwise: every grouped row equals the dense
 kernel (ops/cuda/matmul.py) on that row alone against its group's weight, under any packing of the
-same rows, and in every tile config; the MoE experts wired to it keep masked == contiguous == alone.
+same rows, in every tile config, with TMA or pointer loads, and whatever the number of programs
+walking the tiles; rows past the device sizes (NaN here) never reach a stored row; the MoE experts
+wired to it keep masked == contiguous == alone.
 The bits of Hopper's MMA are tests/gpu/test_grouped_matmul_gpu.py's job.
 """
 from __future__ import annotations
@@ -15,8 +17,9 @@ import pytest
 from tests.interpret import (SM90_SHARED_BYTES, check_recorder, compile_sm90,
                               interpreted_checks, patch_gemm_interpreter, print_checks)
 
-CHECKS = ["values", "rows_equal_dense_alone", "packing_invariant", "configs_agree", "fp32_out_one_rounding",
-          "empty_groups", "device_counts", "moe_layouts_equal_alone", "moe_static_buffer", "moe_backward"]
+CHECKS = ["values", "rows_equal_dense_alone", "packing_invariant", "configs_agree", "programs_agree",
+          "fp32_out_one_rounding", "empty_groups", "device_counts", "tail_rows_unread", "moe_layouts_equal_alone",
+          "moe_static_buffer", "moe_backward"]
 COUNTS = [0, 1, 37, 0, 6]
 
 
@@ -25,7 +28,7 @@ def _run_checks() -> dict:
     import torch
 
     from onepath.ops.cuda.grouped_matmul import grouped_matmul
-    from onepath.ops.cuda.matmul import TILES_16BIT, TileConfig, matmul
+    from onepath.ops.cuda.matmul import DENSE_TILES, TILES_16BIT, TileConfig, matmul
 
     gen = torch.Generator().manual_seed(0)
     k, n = 200, 72
@@ -35,9 +38,13 @@ def _run_checks() -> dict:
         return torch.randn(*shape, generator=gen).to(dtype)
 
     # 16-row tiles with group_m 2: M tiles of one group and of neighbouring groups, walked by the
-    # 3-program persistent loop several times over.
+    # 3-program persistent loop several times over; by TMA descriptors (whose tiles read past the
+    # group's rows and columns) and by pointer loads.
     configs = {"default": None, "16x16": TileConfig(16, 16, 4, 2, group_m=2), "16x32": TileConfig(16, 32, 4, 2),
-               **{f"{c.block_m}x{c.block_n}": c for c in TILES_16BIT}}
+               "tma_16x16": TileConfig(16, 16, 4, 2, group_m=2, tma=True),
+               "tma_16x32": TileConfig(16, 32, 4, 2, tma=True),
+               **{f"{c.block_m}x{c.block_n}": c for c in TILES_16BIT},
+               **{f"tma_{c.block_m}x{c.block_n}": c for c in DENSE_TILES}}
     group_of = torch.repeat_interleave(torch.arange(len(COUNTS)), torch.tensor(COUNTS))
 
     for dtype in (torch.bfloat16, torch.float32):
@@ -67,7 +74,14 @@ def _run_checks() -> dict:
         record("packing_invariant", torch.equal(y2, y[order]), f"{dtype}")
 
         for name, cfg in configs.items():
-            record("configs_agree", torch.equal(grouped_matmul(x, w, COUNTS, config=cfg), y), f"{dtype} {name}")
+            for x_tma in (None, True, False) if name.startswith("tma_16") else (None,):
+                record("configs_agree", torch.equal(grouped_matmul(x, w, COUNTS, config=cfg, x_tma=x_tma), y),
+                       f"{dtype} {name} x_tma={x_tma}")
+        # one program, two, one per tile, more programs than tiles: each tile computed once, the same bits
+        for cfg in (configs["tma_16x16"], configs["16x32"]):
+            for programs in (1, 2, 11, 200):
+                record("programs_agree", torch.equal(grouped_matmul(x, w, COUNTS, config=cfg, programs=programs), y),
+                       f"{dtype} {cfg} programs={programs}")
 
     w = rand(len(COUNTS), n, k, dtype=torch.bfloat16)
     x = rand(sum(COUNTS), k, dtype=torch.bfloat16)
@@ -104,6 +118,18 @@ def _run_checks() -> dict:
         record("device_counts", False, "float group sizes were accepted")
     except ValueError:
         pass
+
+    # the masked layout's buffer: rows past the sizes are never read into a stored row, not even by a
+    # TMA tile that covers them (NaN there would spread through any stored row that read it)
+    tail = torch.cat([x, torch.full((9, k), float("nan"), dtype=x.dtype)])
+    want = grouped_matmul(x, w, COUNTS)
+    for name in ("default", "16x32", "tma_16x16", "tma_16x32"):
+        cfg = configs[name]
+        for sizes in (torch.tensor(COUNTS), torch.tensor(COUNTS[:-1] + [0]), torch.tensor(COUNTS, dtype=torch.int32)):
+            for x_tma in (None, True) if cfg is None or cfg.tma else (None,):
+                got = grouped_matmul(tail, w, sizes, config=cfg, x_tma=x_tma)[:int(sizes.sum())]
+                record("tail_rows_unread", torch.equal(got, want[:got.shape[0]]),
+                       f"{name} x_tma={x_tma} sizes {sizes.tolist()}")
 
     _check_moe(record, gen)
     return results
@@ -172,53 +198,68 @@ def _check_moe(record, gen):
 interpreted, test_grouped_matmul_interpreted = interpreted_checks(__file__, "grouped matmul", CHECKS)
 
 
-def test_tile_list_and_config_pick():
+def test_config_pick_and_grid():
     pytest.importorskip("triton")
     import torch
 
     from onepath.ops.cuda import grouped_matmul as gm
     from onepath.ops.cuda import matmul as mm
 
-    assert gm.m_tiles([0, 1, 37, 0, 6], 16) == [[1, 2, 2, 2, 4], [0, 1, 17, 33, 38], [1, 38, 38, 38, 44]]
-    # on the device: the same tiles behind their number, padded to the bound it is given
-    gen = torch.Generator().manual_seed(0)
-    for counts in ([0, 1, 37, 0, 6], [0, 0, 5], [64, 0, 65, 1], *(torch.randint(0, 90, (7,), generator=gen).tolist()
-                                                                   for _ in range(5))):
-        for block_m in (16, 64):
-            listed = gm.m_tiles(counts, block_m)
-            bound = -(-sum(counts) // block_m) + len(counts)
-            tiles = gm.m_tiles_device(torch.tensor(counts), block_m, bound)
-            n = len(listed[0])
-            assert tiles.dtype == torch.int32 and tiles.shape == (1 + 3 * bound,) and n <= bound
-            assert tiles[0] == n and [tiles[1 + j * bound:1 + j * bound + n].tolist() for j in range(3)] == listed
-    # decode: small groups stay on 64-row tiles; training: the largest tile once the groups fill it
-    assert gm.pick_grouped_config([16] * 128, 1536, torch.bfloat16, 132).block_m == 64
-    assert gm.pick_grouped_config([512] * 128, 1536, torch.bfloat16, 132) == mm.TILES_16BIT[0]
+    # decode: small groups stay on the dense kernel's 64-row tiles, the weight by TMA, x by pointers;
+    # training: the largest tile once the groups fill it, both by TMA
+    decode = gm.pick_grouped_config([16] * 128, 1536, torch.bfloat16, 132)
+    assert decode.block_m == 64 and decode in mm.DENSE_TILES and decode.tma and not gm.x_by_tma(decode)
+    assert gm.pick_grouped_config([512] * 128, 1536, torch.bfloat16, 132) == mm.DENSE_TILES[0]
+    assert gm.x_by_tma(mm.DENSE_TILES[0])
     wide = gm.pick_grouped_config([512] * 128, 2048, torch.bfloat16, 132, torch.float32)
-    assert wide.block_m * wide.block_n <= mm.MAX_TILE_FP32_OUT
+    assert wide.block_m * wide.block_n <= mm.MAX_TILE_FP32_OUT and wide in mm.DENSE_TILES
     assert gm.pick_grouped_config([1], 72, torch.float32, 3) == mm.TILE_FP32
+    assert gm.pick_grouped_config([0, 0], 72, torch.bfloat16, 3) == mm.DENSE_TILES[-1]
+    # persistent: one program per SM, fewer when there are fewer tiles, never none
+    assert gm.grouped_programs(160, 1536, decode, 132) == 132
+    assert gm.grouped_programs(1, 128, decode, 132) == 1 and gm.grouped_programs(0, 128, decode, 132) == 1
+
+
+def _compile_sm90(cfg, dtype: str, out: str, x_tma: bool | None = None):
+    """The grouped kernel compiled for sm_90 by the Triton wheel's own ptxas: (ptx, shared bytes);
+    x's tiles by TMA as the launcher decides unless x_tma says."""
+    from onepath.ops.cuda import grouped_matmul as gm
+    from onepath.ops.cuda import matmul as mm
+
+    x_tma = cfg.tma and (gm.x_by_tma(cfg) if x_tma is None else x_tma)
+    consts = dict(X_TMA=x_tma, W_TMA=cfg.tma, G_PAD=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  BLOCK_K=mm.BLOCK_K, GROUP_M=cfg.group_m)
+    sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "out_ptr": f"*{out}", "counts_ptr": "*i64",
+           **{a: "i32" for a in ("G", "N", "K", "NUM_PROGRAMS", "stride_xm", "stride_we", "stride_wn", "stride_om")}}
+    for name, rows, on in (("x_desc", cfg.block_m, x_tma), ("w_desc", cfg.block_n, cfg.tma)):
+        if on:
+            sig[name] = f"tensordesc<{dtype}[{rows}, {mm.BLOCK_K}]>"
+        else:
+            consts[name] = None
+    aligned = ("x_ptr", "w_ptr", "out_ptr", "counts_ptr", "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om")
+    return compile_sm90(gm._grouped_matmul_kernel, sig, consts, aligned, cfg)
 
 
 def test_every_grouped_config_compiles_for_sm90_on_wgmma_within_shared_memory():
     """What the launcher can pick builds for the H200 (the Triton wheel's ptxas, no GPU): 16-bit
-    inputs on wgmma only, as the dense kernel, within the 227 KiB of shared memory."""
-    from onepath.ops.cuda import grouped_matmul as gm
+    inputs on wgmma only, as the dense kernel, loading by TMA where the config says so, within the
+    227 KiB of shared memory; fp32 inputs on FMA."""
+    import dataclasses
+
     from onepath.ops.cuda import matmul as mm
 
+    cases = [(dataclasses.replace(c, tma=tma), "bf16", out) for c in mm.DENSE_TILES for tma in (True, False)
+             for out in ("bf16", "fp32") if out == "bf16" or c.block_m * c.block_n <= mm.MAX_TILE_FP32_OUT]
+    cases += [(mm.TILE_FP32, "fp32", "fp32")]
     bad = []
-    for cfg in mm.TILES_16BIT:
-        for out in ("bf16", "fp32"):
-            if out == "fp32" and cfg.block_m * cfg.block_n > mm.MAX_TILE_FP32_OUT:
-                continue
-            consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=mm.BLOCK_K, GROUP_M=cfg.group_m,
-                          NUM_SMS=132)
-            sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": f"*{out}", "tiles_ptr": "*i32",
-                   **{a: "i32" for a in ("max_m_tiles", "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om")}}
-            aligned = ("x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om")
-            ptx, shared = compile_sm90(gm._grouped_matmul_kernel, sig, consts, aligned, cfg)
-            if shared > SM90_SHARED_BYTES or "wgmma.mma_async" not in ptx or "mma.sync" in ptx:
-                bad.append((cfg, out, shared))
-    assert not bad, f"(config, out, shared bytes) that break the build contract: {bad}"
+    for cfg, dtype, out in cases:
+        ptx, shared = _compile_sm90(cfg, dtype, out)
+        tensor_core = "wgmma.mma_async" in ptx and "mma.sync" not in ptx
+        no_mma = "wgmma" not in ptx and "mma.sync" not in ptx
+        tma = ("cp.async.bulk.tensor" in ptx) == cfg.tma  # the weight's tiles at least
+        if shared > SM90_SHARED_BYTES or not tma or not (no_mma if dtype == "fp32" else tensor_core):
+            bad.append((cfg, dtype, out, shared, "wgmma" in ptx, "mma.sync" in ptx, "cp.async.bulk.tensor" in ptx))
+    assert not bad, f"(config, in, out, shared bytes, wgmma, mma.sync, TMA) that break the build contract: {bad}"
 
 
 if __name__ == "__main__":
