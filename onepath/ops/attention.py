@@ -63,7 +63,7 @@ BASELINE_KV_TILE = 32
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping, kv: QuantSpec | None = None):
     """This step's K/V [T, Hkv, D] into their slots; quantised by `kv` (the spec's attention.kv) when
-    the cache is FP8."""
+    the cache is FP8. A plain cache on CUDA takes both in one launch (ops/cuda/elementwise.write_kv)."""
     if isinstance(k_cache, FP8Tensor) != (kv is not None):
         raise TypeError(f"KV cache of {type(k_cache).__name__} with the spec's attention.kv {kv}: build the "
                         "cache from the model's spec (KVCache.for_model) so its format follows the spec")

@@ -2,12 +2,15 @@
 
 Elementwise products with a cos/sin table indexed by absolute position: exact and
 position-free on every backend, so one implementation serves both modes (the fused Triton kernel on CUDA).
+`qk_norm_rope` is Qwen3's QK-norm then RoPE over q's and k's heads side by side: rmsnorm() then rope()
+on each, on CUDA in one launch with their bits.
 """
 from __future__ import annotations
 
 import torch
 
 from onepath.numerics.spec import ExecutionSpec
+from onepath.ops import rmsnorm as _rmsnorm
 from onepath.ops.autograd import apply_kernel, capturing
 
 
@@ -32,13 +35,10 @@ def rope(spec: ExecutionSpec, x: torch.Tensor, positions: torch.Tensor, cos_tabl
     return apply_kernel(kernel, lambda x: reference(x, cos_table[positions], sin_table[positions]), x)
 
 
-
 def qk_norm_rope(spec: ExecutionSpec, x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int,
                  eps: float, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D], q's heads then k's (Qwen3's QK-norm): each part RMS-normalised by its weight, then
     RoPE -> [T, heads, D]: the bits of rmsnorm() then rope() on each part, on CUDA in one launch."""
-    from onepath.ops import rmsnorm as _rmsnorm
-
     def per_part(norm, rotate):
         return lambda x, wq, wk: torch.cat([rotate(norm(part, w)) for part, w in
                                             ((x[:, :q_heads], wq), (x[:, q_heads:], wk))], dim=1)

@@ -24,8 +24,9 @@ sequence (Q = min(64 / group, kv_tile), group padded to a power of two) times th
 (GQA: the H / Hkv heads that read one K/V head). Position p takes rows (p % Q) * group + (0..group):
 the same rows in prefill, in a chunk and in decode. A prefill program shares each K/V tile among Q
 queries; a decode program holds one (the MMA rows it wastes are free: decode is bound by the K/V read).
-Two launches, same bits: in-register (grid [query blocks, Hkv]; a program walks its splits and merges
-them) and split-KV (grid [query blocks, Hkv, splits]; one split per program writes FP32 partials, then
+Two launches, same bits: in-register (grid [query blocks, Hkv]; a program walks all its tiles in one
+loop, one software pipeline, and folds each finished split into its running state where the next
+begins) and split-KV (grid [query blocks, Hkv, splits]; one split per program writes FP32 partials, then
 `_merge_splits_kernel` merges a row's splits in the same order with the same `_merge`). Split-KV fills
 the SMs when few queries cover long contexts (decode); the choice is speed only, and
 tests/gpu/test_attention_gpu.py proves both launches give the same bits.
@@ -40,8 +41,10 @@ instead of 62 of 64, and ran 1.6x faster at batch 256 (bench/results/kernels-att
 launch of one query per sequence takes it, any other the 64-row one. Not over an FP8 cache: there
 every one-warp program gave other bits than the 64-row one on the H200, on 194 of 700 tokens at every
 pipeline depth (bench/attention_program_bits.py --fp8-kv, bench/results/attention-fp8-kv-program-
-bits.log; the same PTX conversions in both, so the cause is elsewhere and not established), so FP8_KV
-launches keep the 64-row program.
+bits.log; the same PTX conversions in both), so FP8_KV launches keep the 64-row program. Suspected,
+not yet tested on the GPU: Triton sizes the one-warp program's mma.sync operands by the narrowest load
+behind them (kWidth 4 behind the 8-bit codes, 2 behind a BF16 cache), which moves the products within
+an MMA; bench/attention_fp8_variants.py tests dequantisations that hide the 8-bit load.
 
 FP8 KV cache (FP8_KV constexpr): the caches are FP8Tensors (float8_e4m3fn codes, FP32 scales per token
 and head). Each K/V tile is loaded as codes and scales and dequantised in registers as ops/attention.py's

@@ -9,6 +9,7 @@ arithmetic itself, the same on every launch and both sides:
   rounded to FP32 before the add: the launches pass `enable_fp_fusion=False`, so the compiler
   cannot contract a product and an add into one FMA. That is torch eager's arithmetic, so the
   kernel gives the reference's bits exactly.
+`write_kv` copies a step's K and V into their cache slots in one launch (a copy: no arithmetic).
 """
 from __future__ import annotations
 

@@ -11,7 +11,11 @@ with the optional fused residual add `s = round(x + residual, x.dtype)` (what a 
   carry an explicit 16-byte alignment hint, and every vector-loaded pointer (the weight included:
   the engine's copy may sit elsewhere than the trainer's) is 16-byte aligned by `aligned_rows`,
   because a different binary could lay the vector out differently and so sum it in another tree;
-- 1 / sqrt is IEEE (`sqrt_rn`, `div_rn`), not the approximate rsqrt, so the formula is portable.
+- 1 / sqrt is IEEE (`sqrt_rn`, `div_rn`), not the approximate rsqrt, so the formula is portable;
+- the squares are summed by explicit FMAs and the launches pass `enable_fp_fusion=False`, so no
+  other product and add is contracted at the compiler's choice.
+`qk_norm_rope` runs this reduction (`inv_rms`) and rounding on each head of q and k (Qwen3's QK-norm),
+then elementwise.py's RoPE arithmetic, in one launch: the bits of the two kernels.
 """
 from __future__ import annotations
 
