@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--decode-steps", type=int, default=64, help="steps in the timed all-decode window")
-    p.add_argument("--decode-prompts", default=None, metavar="N[,N...]",
+    p.add_argument("--decode-prompts", type=_lengths, default=None, metavar="N[,N...]",
                    help="prompt lengths of the all-decode windows, one window each (default: the first fixed "
                         "workload's prompt length); e.g. 150,1000,3000 times decode steps at three contexts")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's; 1 for tiny CPU runs)")
@@ -108,13 +108,21 @@ def run(args: argparse.Namespace, command: str) -> int:
     return 1 if any(errors(m) for m in result["models"].values()) else 0
 
 
+def _lengths(text: str) -> list[int]:
+    """--decode-prompts: a comma list of positive integers."""
+    lengths = text.split(",")
+    if not all(n.strip().isdigit() and int(n) > 0 for n in lengths):
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive integers, e.g. 150,1000")
+    return [int(n) for n in lengths]
+
+
 def _decode_prompts(args, decode_on: Workload | None) -> list[int]:
     """The decode windows' prompt lengths (none without a fixed workload to run them after)."""
     if decode_on is None:
         return []
     if args.decode_prompts is None:
         return [decode_on.prompt_len[0]]
-    return [int(n) for n in args.decode_prompts.split(",")]
+    return args.decode_prompts
 
 
 def _names(values: list[str], known, what: str) -> list[str]:
@@ -130,10 +138,6 @@ def _check(args) -> None:
         raise ValueError("--device cuda but torch sees no CUDA device: run on the GPU machine or pass --device cpu")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization {args.gpu_memory_utilization} must be in (0, 1]")
-    if args.decode_prompts is not None:
-        lengths = args.decode_prompts.split(",")
-        if not all(n.strip().isdigit() and int(n) > 0 for n in lengths):
-            raise ValueError(f"--decode-prompts {args.decode_prompts!r} must be positive integers, e.g. 150,1000")
     for name in ("requests", "hf_requests", "decode_steps", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")

@@ -30,13 +30,14 @@ class Linear(nn.Module):
 
 class StackedLinear(nn.Module):
     """One GEMM for the Linear layers that read the same input (q/k/v, gate/up): their weights stacked
-    along N, their outputs side by side (`sizes` columns each). On CUDA a column's bits do not depend on N (consistent:
-    each output element's K chain is the same in every tile config, tests/gpu/test_matmul.py), and both
-    sides run this same site, so it is a speed-up only: fewer, larger launches. The layers keep their
-    parameters (HF names, optimizer, gradients): the trainer stacks them at each forward (`torch.cat`,
-    differentiable); the engine calls `share_storage()` once, after which the layers' weights are views
-    of one stacked tensor that a forward without autograd reads as is (with autograd it stacks them
-    anew: the gradients reach the views), and `update_weights` copying into the views writes it."""
+    along N, their outputs side by side (`sizes` columns each). On CUDA a column's bits do not depend
+    on N (consistent: each output element's K chain is the same in every tile config,
+    tests/gpu/test_matmul.py), and both sides run this same site, so it is a speed-up only: fewer,
+    larger launches. The layers keep their parameters (HF names, optimizer, gradients): the trainer
+    stacks them at each forward (`torch.cat`, differentiable); the engine calls `share_storage()` once,
+    after which the layers' weights are views of one stacked tensor that a forward without autograd
+    reads as is (with autograd it stacks them anew: the gradients reach the views), and
+    `update_weights` copying into the views writes it."""
 
     def __init__(self, ops: Ops, parts: list[Linear]):
         super().__init__()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from onepath.models import dense
-from onepath.models.batch import ForwardBatch, SeqChunk
+from onepath.models.batch import ForwardBatch
 from onepath.models.kv_cache import KVCache
 from onepath.models.dense import DenseDecoder
 from onepath.numerics.spec import ExecutionSpec
@@ -33,14 +33,9 @@ def hidden_states(mode: str, stacked: bool, monkeypatch, lengths=(1, 37, 300, 5)
     assert hasattr(model.model.layers[0].self_attn, "qkv_proj") == stacked
     gen = torch.Generator().manual_seed(11)
     prompts = [random_prompts(gen, 1, low=n, high=n)[0] for n in lengths]
-    tables, chunks = [], []
-    for i, p in enumerate(prompts):
-        blocks = list(range(sum(map(len, tables)), sum(map(len, tables)) + -(-len(p) // 16)))
-        tables.append(blocks)
-        chunks.append(SeqChunk(p, 0, blocks))
-    cache = KVCache.for_model(model, num_blocks=sum(map(len, tables)) + 1, block_size=16)
+    batch, num_blocks = ForwardBatch.for_sequences(prompts, 16, device="cuda")
     with torch.no_grad():
-        return model(ForwardBatch.build(chunks, block_size=16, device="cuda"), cache)
+        return model(batch, KVCache.for_model(model, num_blocks=num_blocks, block_size=16))
 
 
 def test_stacked_projections_keep_the_bits_gpu(monkeypatch):
@@ -51,5 +46,6 @@ def test_stacked_projections_keep_the_bits_gpu(monkeypatch):
 
 def test_negative_control_n_dependent_gemm_moves_bits_gpu(monkeypatch):
     for lengths in ((1, 37, 300, 5), (129, 2)):
-        stacked, unstacked = (hidden_states("consistent", s, monkeypatch, lengths, SplitKBelowWideOps) for s in (True, False))
+        stacked, unstacked = (hidden_states("consistent", s, monkeypatch, lengths, SplitKBelowWideOps)
+                              for s in (True, False))
         assert not torch.equal(stacked, unstacked), lengths

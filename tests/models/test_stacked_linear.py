@@ -10,7 +10,7 @@ from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models import dense
-from onepath.models.batch import ForwardBatch, SeqChunk
+from onepath.models.batch import ForwardBatch
 from onepath.models.kv_cache import KVCache
 from tests.tiny import random_prompts, tiny_model
 
@@ -21,9 +21,8 @@ def stacked(monkeypatch):
 
 
 def forward(model, tokens: list[int]) -> torch.Tensor:
-    cache = KVCache.for_model(model, num_blocks=8, block_size=16)
-    batch = ForwardBatch.build([SeqChunk(tokens, 0, list(range(8)))], block_size=16, device=model.device)
-    return model(batch, cache)
+    batch, num_blocks = ForwardBatch.for_sequences([tokens], 16, device=model.device)
+    return model(batch, KVCache.for_model(model, num_blocks=num_blocks, block_size=16))
 
 
 def test_stacked_sites_keep_the_layers_parameters(stacked):
@@ -31,7 +30,8 @@ def test_stacked_sites_keep_the_layers_parameters(stacked):
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert isinstance(attn.qkv_proj, dense.StackedLinear) and isinstance(mlp.gate_up_proj, dense.StackedLinear)
     names = set(model.state_dict())
-    assert "model.layers.0.self_attn.q_proj.weight" in names and not any("qkv_proj" in n or "gate_up" in n for n in names)
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert not any("qkv_proj" in n or "gate_up" in n for n in names)
     plain = tiny_model("consistent", seed=3)
     assert set(plain.state_dict()) == names
 
