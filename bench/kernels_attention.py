@@ -3,7 +3,7 @@
     python bench/kernels_attention.py [--out bench/results/kernels-attention.json] [--variants V ...] [--graph]
 
 Decode: B sequences x context L, one query each, Qwen3-0.6B heads (H 16, Hkv 8, D 128), bf16, block 16,
-random non-contiguous block tables; ours with the launch it picks (split-KV at decode) and with the
+random non-contiguous block tables (--kv fp8: an FP8 cache, the spec's FP8_KV, codes and per-token scales); ours with the launch it picks (split-KV at decode) and with the
 in-register launch, vs SDPA flash (Lq = 1) on dense, GQA-expanded K/V (no paging cost, no invariance):
 median microseconds, GB/s of the K/V a step must read. Prefill: B x L causal tokens, ours vs SDPA flash
 (is_causal), TFLOP/s. --variants times other settings (q_rows, kv_tile, kv_split, num_warps give other bits:
@@ -54,15 +54,21 @@ def _dense(cache, tables, length):
     return x.repeat_interleave(HEADS // KV_HEADS, dim=2).transpose(1, 2).contiguous()
 
 
-def _inputs(batch, length, queries, gen):
+def _inputs(batch, length, queries, gen, kv="bf16"):
     """B sequences of `length` cached tokens, the last `queries` of each attending: q, the paged cache with
     the queries' positions, sequences and block tables (the paged_attention arguments, in order), and the
-    dense K/V for SDPA."""
+    dense K/V for SDPA (with kv="fp8" the cache is quantised, FP8_KV, and the dense K/V its dequantised values)."""
     k_cache, v_cache, tables = _paged([length] * batch, gen)
+    if kv == "fp8":
+        from onepath.numerics.quant import quantize_fp8
+        from onepath.numerics.spec import FP8_KV
+        k_cache, v_cache = quantize_fp8(k_cache, FP8_KV), quantize_fp8(v_cache, FP8_KV)
+        kd, vd = (_dense(c.dequantize(torch.bfloat16), tables, length) for c in (k_cache, v_cache))
+    else:
+        kd, vd = _dense(k_cache, tables, length), _dense(v_cache, tables, length)
     q = torch.randn(batch * queries, HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
     positions = torch.arange(length - queries, length, device="cuda").repeat(batch)
     seqs = torch.arange(batch, device="cuda").repeat_interleave(queries)
-    kd, vd = _dense(k_cache, tables, length), _dense(v_cache, tables, length)
     return q, k_cache, v_cache, positions, seqs, tables, kd, vd
 
 
@@ -110,21 +116,23 @@ def decode(args, A, gen):
           f"{'speed':>6s} {'GB/s':>6s}")
     for length in args.contexts:
         for batch in args.batches:
-            q, k_cache, v_cache, positions, seqs, tables, kd, vd = _inputs(batch, length, 1, gen)
+            q, k_cache, v_cache, positions, seqs, tables, kd, vd = _inputs(batch, length, 1, gen, args.kv)
             scale = HEAD_DIM ** -0.5
             qd = q[:, :, None]
             flash = kernel_us(lambda: _flash(qd, kd, vd, False), args.rep_ms)
             ref = _flash(qd, kd, vd, False)[:, :, 0].float()
-            moved = 2 * batch * length * KV_HEADS * HEAD_DIM * 2
+            # bytes a step must read: K and V per token and head, codes and an FP32 scale for an FP8 cache
+            moved = 2 * batch * length * KV_HEADS * (HEAD_DIM + 4 if args.kv == "fp8" else HEAD_DIM * 2)
             for name, kw in map(parse_variant, args.variants):
                 for launch, split in (("split-KV", True), ("in-register", False)):
                     derived = {}
                     fn = lambda: _call(A, kw, q, k_cache, v_cache, positions, seqs, tables, scale,
-                                       split_kv=split, max_context=length, derived=derived)
+                                       split_kv=split, max_context=max(length, args.max_context), derived=derived)
                     fn()
                     us = _timer(args, fn)
                     err = (fn().float() - ref).abs().max().item()
-                    rows.append(dict(batch=batch, context=length, variant=name, launch=launch, us=us,
+                    rows.append(dict(batch=batch, context=length, max_context=max(length, args.max_context), kv=args.kv,
+                                     variant=name, launch=launch, us=us,
                                      flash_us=flash, speed_vs_flash=flash / us, gb_s=moved / us * 1e-3,
                                      max_abs_diff_vs_flash=err))
                     print(f"{batch:8d} {length:5d} {name:>18s} {launch:>12s} {us:8.1f} {flash:8.1f} "
@@ -167,7 +175,7 @@ def run(args) -> dict:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     decode_rows = decode(args, A, gen)
-    prefill_rows = prefill(args, A, gen)
+    prefill_rows = [] if args.no_prefill else prefill(args, A, gen)
     return dict(
         environment("cuda"), sms=torch.cuda.get_device_properties(0).multi_processor_count,
         command="python " + " ".join(sys.argv),
@@ -176,7 +184,7 @@ def run(args) -> dict:
         shape=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK, dtype="bfloat16"),
         contract=dict(kv_tile=32, kv_split=inspect.signature(A.paged_attention).parameters["kv_split"].default,
                       num_warps=A.NUM_WARPS, block_m=A.BLOCK_M),
-        ceilings=CEILINGS, decode=decode_rows, prefill=prefill_rows,
+        kv=args.kv, ceilings=CEILINGS, decode=decode_rows, prefill=prefill_rows,
     )
 
 
@@ -188,6 +196,11 @@ def main():
                         "q_rows, kv_tile, kv_split, num_warps, num_stages, decode_program (e.g. q_rows=16,kv_tile=64; "
                         "decode_program=0: decode rows on the 64-row program)")
     p.add_argument("--graph", action="store_true", help="time CUDA graph replays (no launch cost)")
+    p.add_argument("--kv", choices=("bf16", "fp8"), default="bf16", help="the decode cache (prefill stays BF16)")
+    p.add_argument("--no-prefill", action="store_true", help="decode only")
+    p.add_argument("--max-context", type=int, default=0,
+                   help="decode's max_context when above the context (the engine's graphs pass max_model_len): "
+                        "the split-KV grid's size")
     p.add_argument("--batches", type=int, nargs="+", default=DECODE_BATCH)
     p.add_argument("--contexts", type=int, nargs="+", default=DECODE_CONTEXT)
     p.add_argument("--rep-ms", type=int, default=50, help="do_bench time budget per measurement")

@@ -6,7 +6,8 @@ The sampler rows run the engine's whole sampler as ModelRunner calls it (keys a 
 without top-k/top-p: fused (ops.sample_with_logprobs) and as three calls (ops.probs -> ops.sample ->
 ops.token_logprobs); their bytes are one read of the logits, the least any sampler moves. Stock: softmax,
 torch.multinomial, log_softmax.
-Run on the GPU: `python bench/kernels_pointwise.py --out bench/results/kernels-pointwise.json`.
+Run on the GPU: `python bench/kernels_pointwise.py --out bench/results/kernels-pointwise.json` (--graph: CUDA
+graph replays, without the launch cost that dominates the small rows; each row says how it was timed).
 """
 from __future__ import annotations
 
@@ -21,9 +22,16 @@ COPY_TB_S = 4.2
 ROWS = (1, 64, 256, 4096, 16384)
 
 
-def _time_us(fn, rep_ms):
-    import triton.testing
-    return triton.testing.do_bench(fn, rep=rep_ms, return_mode="median") * 1e3
+def _time_us(fn, args) -> tuple[float, str]:
+    """fn's median microseconds and how they were taken: with --graph, CUDA graph replays (no launch cost,
+    as the engine's decode runs), falling back to eager launches where fn cannot be captured."""
+    from onepath.bench.results import kernel_us
+    if args.graph:
+        try:
+            return kernel_us(fn, args.rep_ms, graph=True), "graph"
+        except Exception:  # noqa: BLE001 - e.g. a host-to-device copy of pageable memory inside fn
+            torch.cuda.synchronize()
+    return kernel_us(fn, args.rep_ms), "eager"
 
 
 def _stock_sampler(logits, temperature):
@@ -77,17 +85,19 @@ def run(args) -> dict:
         for name, nbytes, ours, stock in cases(m):
             if args.ops and not name.startswith(tuple(args.ops)):
                 continue
-            t_ours, t_stock = _time_us(ours, args.rep_ms), _time_us(stock, args.rep_ms)
+            (t_ours, how_ours), (t_stock, how_stock) = _time_us(ours, args), _time_us(stock, args)
             gbs = nbytes / t_ours / 1e3
             row = dict(op=name, M=m, bytes=nbytes, ours_us=t_ours, stock_us=t_stock, speed_vs_stock=t_stock / t_ours,
-                       ours_gb_s=gbs, fraction_of_bound=gbs / (COPY_TB_S * 1e3))
+                       ours_gb_s=gbs, fraction_of_bound=gbs / (COPY_TB_S * 1e3), ours_timing=how_ours,
+                       stock_timing=how_stock)
             rows.append(row)
             print(f"{name:<26} {m:>6} {t_ours:>9.1f} {t_stock:>9.1f} {row['speed_vs_stock']:>8.2f} {gbs:>10.0f} "
                   f"{row['fraction_of_bound']:>8.2f}")
     import triton
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, command=" ".join(["python"] + sys.argv),
-                timing="triton.testing.do_bench median", bound=f"bytes / {COPY_TB_S} TB/s device copy", rows=rows)
+                timing=("CUDA graph replays (do_bench_cudagraph median) where capturable, else eager"
+                        if args.graph else "triton.testing.do_bench median"), bound=f"bytes / {COPY_TB_S} TB/s device copy", rows=rows)
 
 
 def main():
@@ -95,6 +105,7 @@ def main():
     p.add_argument("--out", default="bench/results/kernels-pointwise.json")
     p.add_argument("--rows", type=int, nargs="+", default=ROWS)
     p.add_argument("--rep-ms", type=int, default=50)
+    p.add_argument("--graph", action="store_true", help="time CUDA graph replays (no launch cost)")
     p.add_argument("--ops", nargs="+", help="only the ops whose name starts with one of these (e.g. logprobs sampler)")
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -60,6 +60,12 @@ def compile_sm90(kernel, sig: dict, consts: dict, aligned, config):
     sig: argument -> Triton type; consts: constexpr argument -> value; aligned: arguments divisible by 16;
     config: the TileConfig (warps, stages). Skips where the NVIDIA backend is missing or the kernels are
     interpreted."""
+    compiled = build_sm90(kernel, sig, consts, aligned, config)
+    return compiled.asm["ptx"], compiled.metadata.shared
+
+
+def build_sm90(kernel, sig: dict, consts: dict, aligned, config):
+    """compile_sm90's build itself, every stage's text in its .asm (ttgir, ptx, ...)."""
     pytest.importorskip("triton.backends.nvidia")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set: the kernel is an interpreted function, not compilable")
@@ -71,9 +77,8 @@ def compile_sm90(kernel, sig: dict, consts: dict, aligned, config):
     sig = {**sig, **{n: "constexpr" for n in consts}}
     src = ASTSource(kernel, {n: sig[n] for n in names}, constexprs={(names.index(n),): v for n, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
-    return compiled.asm["ptx"], compiled.metadata.shared
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
 
 
 def patch_bf16_rounding() -> None:

@@ -71,11 +71,19 @@ class StackedLinear(nn.Module):
         return self.ops.linear(x, self.stacked("weight"), self.stacked("bias"))
 
 
-def stack_projections(ops: Ops) -> bool:
-    """Whether the layers that share an input run as one StackedLinear: on CUDA, unquantised linears.
-    (A quantised weight's scales may span the stacked layers: NVFP4's global scale is the tensor's amax.)"""
-    linear = ops.spec.op("linear")
-    return ops.spec.device == "cuda" and linear.weight is None and linear.act is None
+def stack_projections(ops: Ops, sizes: list[int]) -> bool:
+    """Whether the layers that share an input (output sizes `sizes`) run as one StackedLinear: on CUDA, for
+    unquantised linears, and for block-FP8 weights whose blocks each lie within one layer (every size a
+    multiple of the block's rows), so the stacked weight's codes and scales are the layers' own and each
+    token's activation codes do not depend on N. Not NVFP4: its global scale is the whole tensor's amax."""
+    linear, device = ops.spec.op("linear"), ops.spec.device
+    if device != "cuda":
+        return False
+    if linear.weight is None:
+        return linear.act is None
+    w = linear.weight
+    return (w.format == "fp8_e4m3" and w.scale_domain == "per_block" and all(n % w.block[0] == 0 for n in sizes)
+            and (linear.act is None or linear.act.format == "fp8_e4m3"))
 
 
 class RMSNorm(nn.Module):
@@ -103,7 +111,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(ops, self.head_dim, config.rms_norm_eps, dtype)
         self.sliding_window = config.sliding_window if config.model_type == "mistral" else None
         self.scale = self.head_dim ** -0.5
-        if stack_projections(ops):
+        if stack_projections(ops, [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2):
             self.qkv_proj = StackedLinear(ops, [self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x, batch: ForwardBatch, k_cache, v_cache, cos, sin):
@@ -144,7 +152,7 @@ class MLP(nn.Module):
         self.gate_proj = Linear(ops, h, i, bias, dtype)
         self.up_proj = Linear(ops, h, i, bias, dtype)
         self.down_proj = Linear(ops, i, h, bias, dtype)
-        if stack_projections(ops):
+        if stack_projections(ops, [i, i]):
             self.gate_up_proj = StackedLinear(ops, [self.gate_proj, self.up_proj])
 
     def forward(self, x):

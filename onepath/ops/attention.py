@@ -63,13 +63,17 @@ BASELINE_KV_TILE = 32
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping, kv: QuantSpec | None = None):
     """This step's K/V [T, Hkv, D] into their slots; quantised by `kv` (the spec's attention.kv) when
-    the cache is FP8. A plain cache on CUDA takes both in one launch (ops/cuda/elementwise.write_kv)."""
+    the cache is FP8. On CUDA both take one launch: a plain cache's copy (ops/cuda/elementwise.write_kv), an
+    FP8 cache's quantisation by the same rule (ops/cuda/quant.write_kv_fp8)."""
     if isinstance(k_cache, FP8Tensor) != (kv is not None):
         raise TypeError(f"KV cache of {type(k_cache).__name__} with the spec's attention.kv {kv}: build the "
                         "cache from the model's spec (KVCache.for_model) so its format follows the spec")
     if kv is None and k_cache.is_cuda:
         from onepath.ops.cuda.elementwise import write_kv as triton_write_kv
         return triton_write_kv(k_cache, v_cache, k.detach(), v.detach(), slot_mapping)
+    if kv is not None and k_cache.codes.is_cuda:
+        from onepath.ops.cuda.quant import write_kv_fp8
+        return write_kv_fp8(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, kv)
     for cache, x in ((k_cache, k), (v_cache, v)):
         if kv is None:
             cache.view(-1, *cache.shape[2:])[slot_mapping] = x.detach().to(cache.dtype)

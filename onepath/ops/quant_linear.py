@@ -96,12 +96,17 @@ def _copy_into(old, new) -> bool:
 
 @torch.no_grad()
 def refresh_quantized(module: torch.nn.Module) -> None:
-    """Re-quantise every cached weight of `module` whose parameter changed, into the cache's own storage:
-    after an in-place weight update, before a captured graph replays (it does not pass through Python)."""
-    for p in module.parameters():
-        hit = getattr(p, "_quantized", None)
-        if hit is not None:
-            prepared_weight(p, *hit[0][:2])
+    """Re-quantise every cached weight of `module` whose values changed, into the cache's own storage:
+    after an in-place weight update, before a captured graph replays (it does not pass through Python).
+    The weights are the parameters and the plain tensors modules hold (a StackedLinear's stacked weight,
+    whose views the layers' parameters are)."""
+    seen = set()
+    for m in module.modules():
+        for t in [*m._parameters.values(), *(v for v in vars(m).values() if isinstance(v, torch.Tensor))]:
+            hit = getattr(t, "_quantized", None)
+            if hit is not None and id(t) not in seen:
+                seen.add(id(t))
+                prepared_weight(t, *hit[0][:2])
 
 
 def quant_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -1,7 +1,8 @@
 """The Triton paged attention kernel on the GPU (BF16, paged cache, non-contiguous random block tables):
 a probe's bits alone == inside batches of 2..32 sequences of 1..3000 tokens; prefill == chunked prefill
 (7, 64, 512) == decode token by token; in-register == split-KV launch; the 16-row one-warp decode
-program == the 64-row program in every phase (negative control: 16 rows on two warps); sliding window; run-to-run
+program == the 64-row program in every phase, over BF16 and FP8 caches (negative controls: 16 rows on two
+warps; an FP8 cache without the operand barrier); sliding window; run-to-run
 determinism, with the kernel's 64 rows per program and the spec's alternative 16 (attention.q_rows);
 values within 1e-2 + 1e-2|ref| of an FP32 reference. Negative controls: SDPA flash's
 prefill last row differs from its decode, and a split-KV whose split count follows the batch differs
@@ -127,18 +128,27 @@ def test_prefill_equals_chunks_equals_decode(shape, window, rows, monkeypatch):
 PROGRAM_SHAPES = [*SHAPES, (8, 4, 64), (32, 2, 128), (32, 1, 128)]  # groups 2, 8, 2 (D 64), 16, 32
 
 
-@pytest.mark.parametrize("window", [None, 200])
-@pytest.mark.parametrize("shape", PROGRAM_SHAPES, ids=lambda s: f"H{s[0]}-Hkv{s[1]}-D{s[2]}")
-def test_decode_program_equals_64_row_program(shape, window):
-    """The 16-row one-warp decode program (mma.sync) gives each query the bits of the 64-row four-warp
-    program (wgmma), in every phase and both launches: prefill, chunks and decode run by either program
-    all equal the 64-row whole prefill."""
+def _program_runner(shape, window=None, kv=None):
+    """run(sizes, **kw): one PHASE_LEN-token sequence through steps of `sizes` tokens over a fresh paged
+    cache (FP8 with kv=FP8_KV), every step's outputs concatenated."""
     gen, cuda_gen = torch.Generator().manual_seed(3), torch.Generator(DEVICE).manual_seed(3)
     q, k, v = _seq(PHASE_LEN, shape, cuda_gen)
 
     def run(sizes, **kw):
-        cache = PagedCache(-(-PHASE_LEN // 16) + 9, shape[1], shape[2], DTYPE, DEVICE, gen)
+        cache = PagedCache(-(-PHASE_LEN // 16) + 9, shape[1], shape[2], DTYPE, DEVICE, gen, kv=kv)
         return phases(attn, q, k, v, sizes, cache, shape[2] ** -0.5, sliding_window=window, **kw)
+    return run
+
+
+@pytest.mark.parametrize("kv", [None, "fp8"], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("window", [None, 200])
+@pytest.mark.parametrize("shape", PROGRAM_SHAPES, ids=lambda s: f"H{s[0]}-Hkv{s[1]}-D{s[2]}")
+def test_decode_program_equals_64_row_program(shape, window, kv):
+    """The 16-row one-warp decode program (mma.sync) gives each query the bits of the 64-row four-warp
+    program (wgmma), in every phase and both launches: prefill, chunks and decode run by either program
+    all equal the 64-row whole prefill; over a BF16 cache and over an FP8 one."""
+    from onepath.numerics.spec import FP8_KV
+    run = _program_runner(shape, window, FP8_KV if kv else None)
 
     whole = run([PHASE_LEN], decode_program=False)
     prefix = 3 * PHASE_LEN // 7
@@ -154,16 +164,22 @@ def test_decode_program_equals_64_row_program(shape, window):
 def test_negative_control_16_rows_on_two_warps():
     """The decode program's equality is a property of its layout, not of any 16-row program: 16 rows on
     two warps split the key columns between the warps, and decode then differs from the 64-row prefill."""
-    shape = SHAPES[0]
-    gen, cuda_gen = torch.Generator().manual_seed(3), torch.Generator(DEVICE).manual_seed(3)
-    q, k, v = _seq(PHASE_LEN, shape, cuda_gen)
-
-    def run(sizes, **kw):
-        cache = PagedCache(-(-PHASE_LEN // 16) + 9, shape[1], shape[2], DTYPE, DEVICE, gen)
-        return phases(attn, q, k, v, sizes, cache, shape[2] ** -0.5, **kw)
-
+    run = _program_runner(SHAPES[0])
     whole = run([PHASE_LEN], decode_program=False)
     assert not torch.equal(run([1] * PHASE_LEN, block_m=16, num_warps=2), whole)
+
+
+def test_negative_control_fp8_tiles_without_the_barrier(monkeypatch):
+    """Over an FP8 cache the equality rests on `_opaque`: without it Triton gives the one-warp program's
+    mma.sync operands kWidth 4 (behind the 8-bit loads), and its decode differs from the 64-row prefill."""
+    from onepath.numerics.spec import FP8_KV
+    from onepath.ops.cuda import attention as A
+    run = _program_runner(SHAPES[0], kv=FP8_KV)
+    whole = run([PHASE_LEN], decode_program=False)
+    assert torch.equal(run([1] * PHASE_LEN, decode_program=True), whole)
+    monkeypatch.setattr(A, "OPAQUE_FP8_TILES", False)
+    assert torch.equal(run([PHASE_LEN], decode_program=False), whole)  # wgmma reads B from shared memory
+    assert not torch.equal(run([1] * PHASE_LEN, decode_program=True), whole)
 
 
 def _sdpa_flash(q, k, v, causal):

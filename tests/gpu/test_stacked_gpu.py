@@ -24,7 +24,7 @@ SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=2, num_
 
 def hidden_states(mode: str, stacked: bool, monkeypatch, lengths=(1, 37, 300, 5), ops_factory=None):
     with monkeypatch.context() as m:
-        m.setattr(dense, "stack_projections", lambda ops: stacked and ops.spec.device == "cuda")
+        m.setattr(dense, "stack_projections", lambda ops, sizes: stacked and ops.spec.device == "cuda")
         if ops_factory is None:
             model = tiny_model(mode, seed=4, std=0.05, device="cuda", max_positions=1024, **SHAPE)
         else:

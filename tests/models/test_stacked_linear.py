@@ -17,7 +17,7 @@ from tests.tiny import random_prompts, tiny_model
 
 @pytest.fixture
 def stacked(monkeypatch):
-    monkeypatch.setattr(dense, "stack_projections", lambda ops: True)
+    monkeypatch.setattr(dense, "stack_projections", lambda ops, sizes: True)
 
 
 def forward(model, tokens: list[int]) -> torch.Tensor:
@@ -49,7 +49,7 @@ def test_shared_storage_equals_stacking_per_forward_and_takes_updates(stacked):
 
     # gradients reach the layers' parameters through the per-forward stack, as without stacking
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(dense, "stack_projections", lambda ops: False)
+        m.setattr(dense, "stack_projections", lambda ops, sizes: False)
         unstacked = tiny_model("consistent", seed=5)
     forward(trainer, tokens).square().sum().backward()
     forward(unstacked, tokens).square().sum().backward()
@@ -89,3 +89,72 @@ def test_engine_outputs_are_the_trainers_with_stacked_projections(stacked):
         n = len(out.token_ids)
         recomputed, _ = trainer.ops.token_logprobs(logits[-n - 1:-1], torch.tensor(out.token_ids), torch.ones(n))
         assert torch.equal(recomputed, torch.tensor(out.logprobs))
+
+
+def test_which_sites_stack():
+    """On CUDA: unquantised linears, and block-FP8 weights whose 128-row blocks each lie within one layer;
+    not NVFP4 (its global scale is the whole tensor's), nothing on the CPU."""
+    from onepath.numerics.spec import ExecutionSpec
+    from onepath.ops import Ops
+
+    ops = lambda device, quant=None: Ops(ExecutionSpec.default("consistent", device, quant=quant))
+    assert dense.stack_projections(ops("cuda"), [72, 40, 40])
+    assert dense.stack_projections(ops("cuda", "fp8"), [2048, 1024, 1024])
+    assert not dense.stack_projections(ops("cuda", "fp8"), [2048, 64, 64])
+    assert not dense.stack_projections(ops("cuda", "nvfp4_w4a16"), [2048, 1024, 1024])
+    assert not dense.stack_projections(ops("cpu"), [2048, 1024, 1024])
+
+
+def _fp8_sites(monkeypatch):
+    """The CUDA predicate for FP8 forced onto this CPU spec: stack where the blocks allow."""
+    predicate = dense.stack_projections
+
+    def on_cpu(ops, sizes):
+        spec = ops.spec
+        object.__setattr__(spec, "device", "cuda")
+        try:
+            return predicate(ops, sizes)
+        finally:
+            object.__setattr__(spec, "device", "cpu")
+    monkeypatch.setattr(dense, "stack_projections", on_cpu)
+
+
+# q, k, v, gate, up each 128 rows: every 128x128 weight block within one layer
+FP8_SHAPE = dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=8, head_dim=16, intermediate_size=128)
+
+
+def test_fp8_stacked_weights_give_the_layers_bits_and_take_updates(monkeypatch):
+    """Block-FP8 W8A8 stacked: the engine's shared stacked weight gives the unstacked layers' bits; after an
+    in-place update the cached FP8 copy of the stacked weight (the storage a captured graph reads) is
+    rewritten with the new weights' codes. Negative control: blocks that span two layers (64-row k/v)
+    forced into one stack give other bits."""
+    from onepath.numerics.quant import quantize
+
+    gen = torch.Generator().manual_seed(2)
+    tokens = random_prompts(gen, 1, low=41, high=41)[0]
+    plain = tiny_model("consistent", seed=4, quant="fp8", **FP8_SHAPE)
+    with pytest.MonkeyPatch.context() as m:
+        _fp8_sites(m)
+        engine_model = tiny_model("consistent", seed=4, quant="fp8", **FP8_SHAPE)
+    attn = engine_model.model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, dense.StackedLinear) and not hasattr(plain.model.layers[0].self_attn, "qkv_proj")
+    engine = LLMEngine(engine_model, num_blocks=16, block_size=16, scheduler=SchedulerConfig(max_model_len=64))
+    with torch.no_grad():
+        assert torch.equal(forward(engine_model, tokens), forward(plain, tokens))
+
+    cached = attn.qkv_proj.weight._quantized[1]
+    new = tiny_model("consistent", seed=8, quant="fp8", **FP8_SHAPE)
+    engine.update_weights(new.named_parameters())
+    want = quantize(attn.qkv_proj.weight, engine_model.ops.spec.op("linear").weight)
+    assert torch.equal(cached.codes.view(torch.uint8), want.codes.view(torch.uint8))
+    assert torch.equal(cached.scales, want.scales)
+    with torch.no_grad():
+        assert torch.equal(forward(engine_model, tokens), forward(new, tokens))
+
+    spanning = dict(FP8_SHAPE, num_key_value_heads=4)
+    monkeypatch.setattr(dense, "stack_projections", lambda ops, sizes: True)
+    forced = tiny_model("consistent", seed=4, quant="fp8", **spanning)
+    monkeypatch.setattr(dense, "stack_projections", lambda ops, sizes: False)
+    unstacked = tiny_model("consistent", seed=4, quant="fp8", **spanning)
+    with torch.no_grad():
+        assert not torch.equal(forward(forced, tokens), forward(unstacked, tokens))

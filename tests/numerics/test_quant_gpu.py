@@ -80,3 +80,32 @@ def test_triton_kernel_equals_torch_rule(k, rule):
         got = quantize_fp8(batch, rule)
         assert torch.equal(_bits(got.codes[m // 2]), _bits(alone.codes[0]))
         assert torch.equal(_bits(got.scales[m // 2]), _bits(alone.scales[0]))
+
+
+@pytest.mark.parametrize("dim", [128, 64, 72])
+@pytest.mark.parametrize("rule", [FP8_KV, replace(FP8_KV, scale_dtype="ue8m0", scale_apply="divide")],
+                         ids=["fp8_kv", "ue8m0_div"])
+def test_write_kv_fp8_equals_torch_rule(dim, rule):
+    """The one-launch FP8 KV write: each token and head's codes and scale in its slot equal the torch rule's
+    (quantize, then index-put), adversarial rows included; slots not written keep their contents."""
+    pytest.importorskip("triton")
+    from onepath.numerics.quant import FP8Tensor
+    from onepath.ops.cuda.quant import write_kv_fp8
+
+    heads, blocks, block_size = 8, 40, 16
+    x = _inputs(dim, rows=2 * 300 * heads).bfloat16().to(DEVICE).view(2, 300, heads, dim)
+    k, v = x[0], x[1]
+    slots = torch.randperm(blocks * block_size, device=DEVICE)[:300]
+
+    def cache():
+        return FP8Tensor(torch.zeros(blocks, block_size, heads, dim, device=DEVICE).to(torch.float8_e4m3fn),
+                         torch.full((blocks, block_size, heads, 1), -1.0, device=DEVICE), (1, dim))
+
+    got = cache(), cache()
+    write_kv_fp8(*got, k, v, slots, rule)
+    for c, t in zip(got, (k, v)):
+        want = cache()
+        fp8 = quantize(t, rule)
+        want.codes.view(-1, heads, dim)[slots] = fp8.codes
+        want.scales.view(-1, heads, 1)[slots] = fp8.scales
+        assert _same(c, want)

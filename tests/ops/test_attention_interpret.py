@@ -219,15 +219,20 @@ def check_decode_program():
             for program in ((None, True) if sizes == [1] * 40 else (True,)):
                 out = phases(_attn(decode_program=program, split_kv=split), q, k, v, sizes, cache(), SCALE)
                 assert torch.equal(out, first), (sizes[:2], split, program)
+    # over an FP8 cache too (its tiles pass the operand barrier on the GPU; the interpreter runs none)
     fp8_cache = lambda: PagedCache(8, KV_HEADS, HEAD_DIM, torch.float32, "cpu", gen, kv=FP8_KV)
-    for kw, make in ((dict(block_m=16), cache), (dict(num_warps=8), cache), ({}, fp8_cache)):
+    fp8_first = phases(_attn(decode_program=True), q, k, v, [40], fp8_cache(), SCALE)
+    for split in (False, True):
+        for program in (None, True):
+            out = phases(_attn(decode_program=program, split_kv=split), q, k, v, [1] * 40, fp8_cache(), SCALE)
+            assert torch.equal(out, fp8_first), ("fp8", split, program)
+    for kw in (dict(block_m=16), dict(num_warps=8)):
         try:
-            phases(_attn(decode_program=True, **kw), q, k, v, [1] * 3, make(), SCALE)
+            phases(_attn(decode_program=True, **kw), q, k, v, [1] * 3, cache(), SCALE)
         except ValueError as e:
             assert "decode program" in str(e)
         else:
-            raise AssertionError(f"decode_program=True with {kw} ({make is fp8_cache and 'FP8' or 'plain'} cache) "
-                                 "was not refused")
+            raise AssertionError(f"decode_program=True with {kw} was not refused")
 
 
 def check_batch_invariance_16_rows():
@@ -307,31 +312,41 @@ def test_interpreted(check):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
 
 
-@pytest.mark.parametrize("program", ["64 rows", "16 rows", "decode"])
+@pytest.mark.parametrize("program", ["64 rows", "16 rows", "decode", "64 rows fp8", "decode fp8"])
 def test_kernel_builds_for_sm90(program):
-    """The programs paged_attention launches build for the H200 (the Triton wheel's ptxas, no GPU): BF16,
-    Qwen3's GQA group of 2 and head_dim 128, kv_tile 32, within the 227 KiB of shared memory; 64 rows
-    run on wgmma, 16 on mma.sync (Hopper's wgmma takes M >= 64): the spec's 16 rows on 4 warps and the
-    decode program's 16 rows on one."""
-    from onepath.ops.cuda import attention as A
-    from tests.interpret import SM90_SHARED_BYTES, compile_sm90
+    """The programs paged_attention launches build for the H200 (the Triton wheel's ptxas, no GPU): Qwen3's
+    GQA group of 2 and head_dim 128, kv_tile 32, within the 227 KiB of shared memory; 64 rows run on
+    wgmma, 16 on mma.sync (Hopper's wgmma takes M >= 64): the spec's 16 rows on 4 warps and the decode
+    program's 16 rows on one. Over an FP8 cache the dequantised tiles pass `_opaque`, so the decode
+    program's mma.sync operands get the BF16 cache's kWidth 2 (4 without it: other bits than the 64-row
+    program's, bench/results/attention-fp8-variants.json)."""
+    import re
 
+    from onepath.ops.cuda import attention as A
+    from tests.interpret import SM90_SHARED_BYTES, build_sm90
+
+    fp8 = program.endswith("fp8")
     rows, warps, stages = {"64 rows": (64, A.NUM_WARPS, A.NUM_STAGES), "16 rows": (16, A.NUM_WARPS, A.NUM_STAGES),
-                           "decode": (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES)}[program]
+                           "decode": (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES)}[
+                               program.removesuffix(" fp8")]
     ptrs = ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
     ints = ("num_tokens", "window", "num_splits", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb",
             "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_table", "stride_ksb",
             "stride_kss", "stride_ksh", "stride_vsb", "stride_vss", "stride_vsh")
-    sig = {**{p: "*bf16" for p in ptrs}, "ks_ptr": "*bf16", "vs_ptr": "*bf16", "pos_ptr": "*i64", "seq_ptr": "*i64",
-           "table_ptr": "*i32", "starts_ptr": "*i64", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
-           "part_l_ptr": "*fp32", "qk_scale": "fp32", **{n: "i32" for n in ints}}
+    cache, scales = ("*fp8e4nv", "*fp32") if fp8 else ("*bf16", "*bf16")
+    sig = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "out_ptr": "*bf16", "ks_ptr": scales, "vs_ptr": scales,
+           "pos_ptr": "*i64", "seq_ptr": "*i64", "table_ptr": "*i32", "starts_ptr": "*i64", "part_acc_ptr": "*fp32",
+           "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32", **{n: "i32" for n in ints}}
     bad = []
     for split in (False, True):
         consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=32, SPLIT_TILES=8,
-                      BLOCK_M=rows, BLOCK_Q=min(rows // 2, 32), SPLIT=split, FP8_KV=False)
+                      BLOCK_M=rows, BLOCK_Q=min(rows // 2, 32), SPLIT=split, FP8_KV=fp8, OPAQUE=fp8)
         config = type("Launch", (), dict(num_warps=warps, num_stages=stages))
-        ptx, shared = compile_sm90(A._paged_attention_kernel, sig, consts, ptrs + ("stride_qt", "stride_ot"), config)
+        built = build_sm90(A._paged_attention_kernel, sig, consts, ptrs + ("stride_qt", "stride_ot"), config)
+        ptx, shared = built.asm["ptx"], built.metadata.shared
         mma = "wgmma.mma_async" in ptx if rows >= 64 else ("mma.sync" in ptx and "wgmma" not in ptx)
-        if shared > SM90_SHARED_BYTES or not mma:
-            bad.append((split, shared, "wgmma" in ptx, "mma.sync" in ptx))
-    assert not bad, f"(split, shared bytes, wgmma, mma.sync): {bad}"
+        dots = [line for line in built.asm["ttgir"].splitlines() if " tt.dot " in line]
+        kwidth = {int(x) for line in dots for x in re.findall(r"kWidth = (\d+)", line)}
+        if shared > SM90_SHARED_BYTES or not mma or (rows < 64 and kwidth != {2}):
+            bad.append((split, shared, "wgmma" in ptx, "mma.sync" in ptx, kwidth))
+    assert not bad, f"(split, shared bytes, wgmma, mma.sync, kWidth): {bad}"

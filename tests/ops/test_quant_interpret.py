@@ -1,5 +1,6 @@
 """onepath.ops.cuda.quant (the Triton block-FP8 activation quantiser) run by Triton's CPU interpreter
-(TRITON_INTERPRET=1): the same codes and scales as onepath.numerics.quant's torch rule, bit for bit.
+(TRITON_INTERPRET=1): the same codes and scales as onepath.numerics.quant's torch rule, bit for bit; and
+write_kv_fp8 (FP8_KV, per token and head, into cache slots) the same cache as quantising in torch.
 
 The interpreter must be on before the kernel is decorated, so the checks run in a subprocess: this
 file, run as a script, prints one JSON line of results that the tests below assert on. Triton 3.6's
@@ -16,7 +17,7 @@ from __future__ import annotations
 from tests.interpret import check_recorder, interpreted_checks, print_checks
 
 CHECKS = ["random_equal_torch", "adversarial_equal_torch", "rows_alone_equal_rows_in_batch", "strided_input",
-          "other_group_size", "rejects_other_rules", "interpreter_cast_is_not_rne"]
+          "other_group_size", "rejects_other_rules", "interpreter_cast_is_not_rne", "write_kv_fp8_equals_torch"]
 
 
 def _patch_fp8_rounding():
@@ -47,7 +48,7 @@ def _run_checks() -> dict:
     from triton.runtime import interpreter
 
     from onepath.numerics import quant as torch_quant
-    from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
+    from onepath.numerics.spec import FP8_ACT, FP8_KV, FP8_WEIGHT
     from onepath.ops.cuda import quant as triton_quant
 
     gen = torch.Generator().manual_seed(0)
@@ -122,6 +123,31 @@ def _run_checks() -> dict:
             record("rejects_other_rules", False, f"{bad.block} accepted")
         except ValueError as e:
             record("rejects_other_rules", "numerics.quant" in str(e), str(e))
+
+    # write_kv_fp8: per token and head (FP8_KV), k and v strided views of a stacked projection, scattered
+    # slots, one head poisoned by inf / NaN, one all zero; the caches equal torch's quantise-then-index-put
+    for heads, dim in ((3, 24), (2, 128)):
+        for rule in (FP8_KV, replace(FP8_KV, scale_dtype="ue8m0", scale_apply="divide")):
+            tokens, blocks, block_size = 6, 4, 4
+            stacked = spread(tokens, 3 * heads * dim, dtype=torch.bfloat16)
+            k = stacked[:, heads * dim:2 * heads * dim].view(tokens, heads, dim)
+            v = stacked[:, 2 * heads * dim:].view(tokens, heads, dim)
+            stacked[1, heads * dim + 5], stacked[2, 2 * heads * dim] = math.inf, math.nan
+            stacked[3, heads * dim:heads * dim + dim] = 0.0
+            slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+
+            def cache():
+                return torch_quant.FP8Tensor(torch.zeros(blocks, block_size, heads, dim).to(torch.float8_e4m3fn),
+                                             torch.full((blocks, block_size, heads, 1), -1.0), (1, dim))
+
+            got_k, got_v, want_k, want_v = cache(), cache(), cache(), cache()
+            triton_quant.write_kv_fp8(got_k, got_v, k, v, slots, rule)
+            for c, x in ((want_k, k), (want_v, v)):
+                fp8 = torch_quant.quantize_fp8(x, rule)
+                c.codes.view(-1, heads, dim)[slots] = fp8.codes
+                c.scales.view(-1, heads, 1)[slots] = fp8.scales
+            record("write_kv_fp8_equals_torch", same(got_k, want_k) and same(got_v, want_v)
+                   and int(got_k.scales.isnan().sum() + got_v.scales.isnan().sum()) == 2, f"Hkv {heads} D {dim}")
 
     # negative control: the interpreter's own FP32 -> fp8 conversion is not RNE; the check sees it
     ours = interpreter._convert_float

@@ -38,13 +38,11 @@ in-thread and in-quad order of its max and sum in both, so its bits do not depen
 holds it (tests/gpu/test_attention_gpu.py; a 16-row program of TWO warps splits the key columns between
 them and gives other bits: the test's negative control). A decode program wastes 14 of its 16 rows
 instead of 62 of 64, and ran 1.6x faster at batch 256 (bench/results/kernels-attention-warps.json); a
-launch of one query per sequence takes it, any other the 64-row one. Not over an FP8 cache: there
-every one-warp program gave other bits than the 64-row one on the H200, on 194 of 700 tokens at every
-pipeline depth (bench/attention_program_bits.py --fp8-kv, bench/results/attention-fp8-kv-program-
-bits.log; the same PTX conversions in both), so FP8_KV launches keep the 64-row program. Suspected,
-not yet tested on the GPU: Triton sizes the one-warp program's mma.sync operands by the narrowest load
-behind them (kWidth 4 behind the 8-bit codes, 2 behind a BF16 cache), which moves the products within
-an MMA; bench/attention_fp8_variants.py tests dequantisations that hide the 8-bit load.
+launch of one query per sequence takes it, any other the 64-row one. Over an FP8 cache too, because each
+dequantised tile passes `_opaque`: without it the one-warp program gave other bits on 190 of 700 tokens
+(Triton sized its mma.sync operands by the 8-bit loads behind them), with it none, and it decodes 1.44x
+faster than the 64-row program at batch 256 and context 1024 (bench/attention_fp8_variants.py,
+bench/results/attention-fp8-variants.json).
 
 FP8 KV cache (FP8_KV constexpr): the caches are FP8Tensors (float8_e4m3fn codes, FP32 scales per token
 and head). Each K/V tile is loaded as codes and scales and dequantised in registers as ops/attention.py's
@@ -52,6 +50,8 @@ and head). Each K/V tile is loaded as codes and scales and dequantised in regist
 reading a cache of q's dtype that holds the dequantised values. The kernel only reads; write_kv quantises.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -68,8 +68,18 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 # The decode program: rows, warps, pipeline stages (its bits are the 64-row program's, see above).
 DECODE_BLOCK_M, DECODE_NUM_WARPS, DECODE_NUM_STAGES = 16, 1, 2
+# Over an FP8 cache the decode program waits on each tile's dequantisation as well as its load: three
+# stages ran faster than two at batch 256, contexts 200-4096 (bench/results/kernels-attention-decode-fp8.json:
+# 322 vs 341 us at 1024 in-register); over BF16 two did (kernels-attention-decode-bf16.json). Speed only.
+# The split-KV launch ran faster still where its grid matched the context (287 vs 322 us), but an engine's
+# graphs size that grid by max_model_len, and its empty programs then cost more than it saves (160 vs 83 us
+# at context 200 with 4096; kernels-attention-decode-fp8-max*.json): FP8 keeps the BF16 launch rule.
+DECODE_NUM_STAGES_FP8 = 3
 # split-KV launch when the in-register grid would give fewer than this many programs per SM.
 SPLIT_BELOW_PROGRAMS_PER_SM = 4
+# FP8 cache tiles pass `_opaque` after their dequantisation, so the one-warp program keeps the 64-row
+# program's bits (off: the bits it had without, the GPU test's negative control).
+OPAQUE_FP8_TILES = True
 # "No window": a lower key bound below every position.
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
@@ -92,9 +102,24 @@ def _merge(m, l, acc, m_split, l_split, acc_split):
 
 
 @triton.jit
+def _opaque(x, OPAQUE: tl.constexpr):
+    """x unchanged, through an identity the compiler may not look through (an impure inline asm move).
+    Triton sizes an mma.sync operand (kWidth) by the narrowest tensor loaded behind it: behind FP8 codes
+    the one-warp program's dots get kWidth 4, which places each lane's products in other MMA slots than
+    the 64-row program's wgmma order and gave other bits on 190 of 700 tokens; behind the barrier the
+    dequantised tile counts as 32-bit and the dots get kWidth 2, the BF16 cache's layout, and the two
+    programs' bits agree (bench/attention_fp8_variants.py, bench/results/attention-fp8-variants.json).
+    OPAQUE is off under the CPU interpreter, which runs no inline asm (the identity changes no value)."""
+    if OPAQUE:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
+    return x
+
+
+@triton.jit
 def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, table, k_base, v_base, ks_base,
                  vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss,
-                 stride_vsb, stride_vss, BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr, FP8_KV: tl.constexpr):
+                 stride_vsb, stride_vss, BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr, FP8_KV: tl.constexpr,
+                 OPAQUE: tl.constexpr):
     """Fold KV tile j into the running (max, sum, acc); shared by both launches."""
     key = j * KV_TILE + tl.arange(0, KV_TILE)
     # Only the program's keys are read: later slots may be unwritten, earlier ones (out of
@@ -110,8 +135,8 @@ def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, 
         # CPU path undoes it; masked keys load code 0 and scale 0, the zeros a plain cache gives
         k_scale = tl.load(ks_base + block * stride_ksb + slot * stride_kss, mask=load_ok, other=0.0)
         v_scale = tl.load(vs_base + block * stride_vsb + slot * stride_vss, mask=load_ok, other=0.0)
-        k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
-        v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+        k = _opaque(k.to(tl.float32) * k_scale[:, None], OPAQUE).to(q.dtype)
+        v = _opaque(v.to(tl.float32) * v_scale[:, None], OPAQUE).to(q.dtype)
     # ieee: fp32 inputs stay fp32 (the default would be TF32); 16-bit inputs ignore it.
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     valid = row_ok[:, None] & (key[None, :] <= pos[:, None]) & (key[None, :] >= first_key[:, None])
@@ -134,7 +159,7 @@ def _paged_attention_kernel(
     stride_ksb, stride_kss, stride_ksh, stride_vsb, stride_vss, stride_vsh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, FP8_KV: tl.constexpr,
+    BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, FP8_KV: tl.constexpr, OPAQUE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -189,7 +214,7 @@ def _paged_attention_kernel(
             m_i, l_i, acc = _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, table, k_base,
                                          v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
                                          stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE,
-                                         KV_TILE, FP8_KV)
+                                         KV_TILE, FP8_KV, OPAQUE)
         part = (tok_c * num_heads + head) * num_splits + s
         keep = row_ok & (s >= split_lo) & (s < split_end) & (s < num_splits)
         tl.store(part_m_ptr + part, m_i, mask=keep)
@@ -211,7 +236,7 @@ def _paged_attention_kernel(
             m_i, l_i, acc = _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, table, k_base,
                                          v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
                                          stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE,
-                                         KV_TILE, FP8_KV)
+                                         KV_TILE, FP8_KV, OPAQUE)
         m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
         out = acc_run / tl.where(row_ok, l_run, 1.0)[:, None]
         tl.store(out_ptr + tok_c[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -272,7 +297,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
                     query_seq: torch.Tensor, block_tables: torch.Tensor, scale: float,
                     sliding_window: int | None = None, kv_tile: int = 32, kv_split: int = 256,
                     split_kv: bool | None = None, max_context: int | None = None,
-                    num_stages: int = NUM_STAGES, derived: dict | None = None,
+                    num_stages: int | None = None, derived: dict | None = None,
                     block_m: int | None = None, num_warps: int = NUM_WARPS,
                     decode_program: bool | None = None) -> torch.Tensor:
     """Causal attention of each query over its own sequence's keys in a paged KV cache.
@@ -336,16 +361,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     if block_m is not None and (block_m < 16 or block_m & (block_m - 1)):
         raise ValueError(f"paged_attention: block_m {block_m} must be a power of two >= 16 (a tl.dot dimension)")
     default_program = ((block_m or BLOCK_M) == BLOCK_M and num_warps == NUM_WARPS
-                       and group_pad <= 2 * DECODE_BLOCK_M and not fp8_kv)
+                       and group_pad <= 2 * DECODE_BLOCK_M)
     if decode_program is None:
         decode_program = default_program and num_tokens <= block_tables.shape[0]
     elif decode_program and not default_program:
         raise ValueError(f"paged_attention: the decode program gives the bits of the default {BLOCK_M}-row "
-                         f"{NUM_WARPS}-warp program over a cache of q's dtype only; got block_m {block_m}, "
-                         f"num_warps {num_warps}, {group} query heads per KV head (at most {2 * DECODE_BLOCK_M}), "
-                         f"{'an FP8' if fp8_kv else 'a plain'} cache")
+                         f"{NUM_WARPS}-warp program only; got block_m {block_m}, num_warps {num_warps}, "
+                         f"{group} query heads per KV head (at most {2 * DECODE_BLOCK_M})")
     if decode_program:
-        block_m, num_warps, num_stages = max(DECODE_BLOCK_M, group_pad), DECODE_NUM_WARPS, DECODE_NUM_STAGES
+        block_m, num_warps = max(DECODE_BLOCK_M, group_pad), DECODE_NUM_WARPS
+    if num_stages is None:
+        num_stages = (DECODE_NUM_STAGES_FP8 if fp8_kv else DECODE_NUM_STAGES) if decode_program else NUM_STAGES
     block_m = max(block_m or BLOCK_M, group_pad)
     block_q = min(block_m // group_pad, kv_tile)
     d_pad = max(16, triton.next_power_of_2(head_dim))
@@ -382,7 +408,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
         k_scales.stride(0), k_scales.stride(1), k_scales.stride(2),
         v_scales.stride(0), v_scales.stride(1), v_scales.stride(2),
         BLOCK_SIZE=block_size, KV_TILE=kv_tile, SPLIT_TILES=kv_split // kv_tile, BLOCK_M=block_m,
-        BLOCK_Q=block_q, SPLIT=split, FP8_KV=fp8_kv, num_stages=num_stages, **common,
+        BLOCK_Q=block_q, SPLIT=split, FP8_KV=fp8_kv,
+        OPAQUE=fp8_kv and OPAQUE_FP8_TILES and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+        num_stages=num_stages, **common,
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_kv_heads)](

@@ -94,14 +94,21 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_tok_stride, k_head_stride, v_tok_stride,
-                     v_head_stride, cache_slot_stride, cache_head_stride, heads, D,
-                     BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
+def kv_write_rows(slot_ptr, heads, D, BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A KV write program's token (one per program), its heads and head dims with their mask, and the
+    cache slot it writes; shared with ops/cuda/quant.py's FP8 write."""
     tok = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_HEADS)
     d = tl.arange(0, BLOCK_D)
     mask = (h < heads)[:, None] & (d < D)[None, :]
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    return tok, h, d, mask, tl.load(slot_ptr + tok).to(tl.int64)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, k_tok_stride, k_head_stride, v_tok_stride,
+                     v_head_stride, cache_slot_stride, cache_head_stride, heads, D,
+                     BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok, h, d, mask, slot = kv_write_rows(slot_ptr, heads, D, BLOCK_HEADS, BLOCK_D)
     dst = slot * cache_slot_stride + h[:, None] * cache_head_stride + d[None, :]
     k = tl.load(k_ptr + tok * k_tok_stride + h[:, None] * k_head_stride + d[None, :], mask=mask)
     v = tl.load(v_ptr + tok * v_tok_stride + h[:, None] * v_head_stride + d[None, :], mask=mask)

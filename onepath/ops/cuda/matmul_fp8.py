@@ -11,8 +11,17 @@ tile config, so a row's chain of MMAs and FMAs is a function of K alone; no spli
 rows past M masked; one program per output tile.
 The promotion is done by hand (one dot per K block, then the FMA): Triton on SM90 would otherwise
 keep the whole K loop in the FP8 MMA's imprecise accumulator (max_num_imprecise_acc = 2^30).
+
+Two kernels keep that chain: this file's Triton kernel and matmul_fp8_ws.py's warp-specialized Gluon
+kernel (Hopper only; 2.2-2.8x faster at training shapes). The pick follows M like the tile ladder
+(pick_kernel): the Gluon kernel from WS_MIN_ROWS rows on, where it fits, the Triton tiles below. That
+cannot move a row's bits, because each output element's MMA and FMA chain over K is the same in every
+kernel and tile; tests/gpu/test_fp8_matmul_ws_gpu.py proves the candidates give equal bits.
 """
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
@@ -20,6 +29,7 @@ import triton.language as tl
 
 from onepath.numerics.quant import FP8Tensor
 from onepath.ops.cuda.matmul import TileConfig, _num_sms, _tile_offsets, first_filling
+from onepath.ops.cuda.matmul_fp8_ws import OUT_DTYPES, TMA_ALIGN, WSConfig, matmul_fp8_ws
 
 # One K step = one scale group: the partial a scale multiplies is exactly one tl.dot.
 BLOCK_K = 128
@@ -30,11 +40,18 @@ BLOCK_K = 128
 # 128x128 eight-warp kernel at training shapes (bench/fp8_variants.py,
 # bench/results/fp8-variants-before-tiles.json; same bits in every variant). Three stages on that tile
 # ran 1.03-1.06x faster than four, and a Gluon kernel that promotes block kb-1 while kb's MMA runs
-# 0.38-0.71x as fast as the Triton one (bench/results/fp8-variants.json; same bits).
+# 0.38-0.71x as fast as the Triton one (bench/results/fp8-variants.json; same bits; no warp specialization,
+# unlike matmul_fp8_ws.py).
 TILES_FP8 = (
     TileConfig(64, 128, num_warps=4, num_stages=3),
     TileConfig(64, 64, num_warps=4, num_stages=4),
 )
+# The warp-specialized kernel's config: 128x256, 4 stages, persistent, the fastest in the sweep
+# (bench/results/fp8-gluon.json). It takes M >= WS_MIN_ROWS: from 512 rows on it ran faster than the Triton
+# tiles at every shape of bench/kernels_fp8.py (CUDA graphs, bench/results/kernels-fp8-graph.json); at 256
+# the down projection (K 8192, N 2048: 16 tiles of 128x256 for 132 SMs) still ran faster on Triton's tiles.
+WS_CONFIG = WSConfig(block_n=256, num_stages=4, persistent=True)
+WS_MIN_ROWS = 512
 
 
 @triton.jit(do_not_specialize=["M", "NUM_PROGRAMS"])
@@ -81,9 +98,29 @@ def pick_config(m: int, n: int, num_sms: int) -> TileConfig:
     return first_filling(TILES_FP8, m, n, num_sms)
 
 
+@functools.lru_cache(maxsize=None)
+def is_hopper(device: torch.device) -> bool:
+    """Compute capability 9.0 exactly: wgmma, setmaxnreg and the TMA the Gluon kernel is built on are
+    sm_90a's (Blackwell has none of the first two)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def pick_kernel(m: int, n: int, k: int, out_dtype: torch.dtype, device: torch.device) -> TileConfig | WSConfig:
+    """WS_CONFIG from WS_MIN_ROWS rows on where it runs without a copy (on Hopper, not interpreted; rows of
+    the codes and the output in 16-byte multiples, else its launcher pads them), the Triton tile ladder
+    otherwise. Either gives the same bits."""
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    rows_aligned = k % TMA_ALIGN == 0 and out_dtype in OUT_DTYPES and n * out_dtype.itemsize % TMA_ALIGN == 0
+    if m >= WS_MIN_ROWS and rows_aligned and not interpreted and is_hopper(device):
+        return WS_CONFIG
+    return pick_config(m, n, _num_sms(device))
+
+
 def matmul_fp8(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype = torch.bfloat16, config: TileConfig | None = None) -> torch.Tensor:
-    """qa: codes [M, K] with (1, 128) groups; qw: codes [N, K] with (r, 128) blocks -> [M, N] in out_dtype."""
+               out_dtype: torch.dtype = torch.bfloat16, config: TileConfig | WSConfig | None = None) -> torch.Tensor:
+    """qa: codes [M, K] with (1, 128) groups; qw: codes [N, K] with (r, 128) blocks -> [M, N] in out_dtype.
+    `config` forces a kernel (tests and benchmarks): a TileConfig the Triton kernel, a WSConfig the
+    warp-specialized one; by default pick_kernel's, which follows M and cannot move a row's bits."""
     a, w = qa.codes, qw.codes
     if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
         raise ValueError(f"matmul_fp8: codes {tuple(a.shape)} and {tuple(w.shape)} do not match (expected [M, K], [N, K])")
@@ -91,15 +128,15 @@ def matmul_fp8(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None = None,
         raise ValueError(f"matmul_fp8: scale blocks {qa.block} x {qw.block} must be (1, {BLOCK_K}) x (r, {BLOCK_K}): "
                          "one scale per operand per K step")
     (m, k), n = a.shape, w.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        out = torch.zeros((m, n), device=a.device, dtype=out_dtype)
+        return out if bias is None else out.copy_(bias.expand(m, n))
+    config = config or pick_kernel(m, n, k, out_dtype, a.device)
+    if isinstance(config, WSConfig):
+        return matmul_fp8_ws(qa, qw, bias, out_dtype, config)
     out = torch.empty((m, n), device=a.device, dtype=out_dtype)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     a, w = a.contiguous(), w.contiguous()
     sa, sw = qa.scales.reshape(m, -1).contiguous(), qw.scales.contiguous()
-    num_sms = _num_sms(a.device)
-    config = config or pick_config(m, n, num_sms)
     # one program per tile: the persistent walk (grid = #SMs) ran up to 1.3x slower here (fp8_variants.py)
     grid = (config.tiles(m, n),)
     _matmul_fp8_kernel[grid](

@@ -10,6 +10,8 @@ Per row, per group of G consecutive elements along K (G = 128: QuantSpec.block (
   to propagate NaN, the finiteness is tested explicitly;
 - max is exact in any order, so a group's bits depend on that group alone: any M, any grid.
 The engine and the trainer call this one kernel on the GPU; numerics/quant.py is the same rule in torch.
+`write_kv_fp8` applies the same rule per token and head (FP8_KV: one group = one head's D values) and
+writes K and V's codes and scales into their cache slots in one launch.
 """
 from __future__ import annotations
 
@@ -19,20 +21,16 @@ import triton.language as tl
 
 from onepath.numerics.quant import FP8Tensor
 from onepath.numerics.spec import FP8_ACT, QuantSpec
+from onepath.ops.cuda.elementwise import kv_write_rows
 
 GROUPS_PER_PROGRAM = 4
 NUM_WARPS = 4
 
 
 @triton.jit
-def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, x_stride, q_stride, s_stride, K, n_groups, amax_floor,
-                      UE8M0: tl.constexpr, DIVIDE: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    mask = (groups[:, None] < n_groups) & (cols < K)
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-
+def _quantize_rows(x, amax_floor, UE8M0: tl.constexpr, DIVIDE: tl.constexpr):
+    """x [R, G] FP32 (masked elements 0) -> (y [R, G] FP32 in range, ready for the e4m3 cast; scale [R]):
+    the rule above for each row of x, one group each. Shared by the activation quantiser and write_kv_fp8."""
     finite = (x == x) & (tl.abs(x) < float("inf"))
     bad = tl.max(tl.where(finite, 0, 1), axis=1)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), amax_floor)
@@ -47,9 +45,38 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, x_stride, q_stride, s_stride, K, n_gr
     else:
         y = x * tl.math.div_rn(1.0, scale)[:, None]
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    y = tl.where(bad[:, None] == 0, y, 0.0)
+    return tl.where(bad[:, None] == 0, y, 0.0), scale
+
+
+@triton.jit
+def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, x_stride, q_stride, s_stride, K, n_groups, amax_floor,
+                      UE8M0: tl.constexpr, DIVIDE: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = (groups[:, None] < n_groups) & (cols < K)
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    y, scale = _quantize_rows(x, amax_floor, UE8M0, DIVIDE)
     tl.store(q_ptr + row * q_stride + cols, y.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + row * s_stride + groups, scale, mask=groups < n_groups)
+
+
+@triton.jit
+def _write_kv_fp8_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_tok_stride, k_head_stride,
+                         v_tok_stride, v_head_stride, code_slot_stride, code_head_stride, scale_slot_stride,
+                         scale_head_stride, heads, D, amax_floor, UE8M0: tl.constexpr, DIVIDE: tl.constexpr,
+                         BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
+    tok, h, d, mask, slot = kv_write_rows(slot_ptr, heads, D, BLOCK_HEADS, BLOCK_D)
+    codes_at = slot * code_slot_stride + h[:, None] * code_head_stride + d[None, :]
+    scales_at = slot * scale_slot_stride + h * scale_head_stride
+    k = tl.load(k_ptr + tok * k_tok_stride + h[:, None] * k_head_stride + d[None, :], mask=mask, other=0.0)
+    y, scale = _quantize_rows(k.to(tl.float32), amax_floor, UE8M0, DIVIDE)
+    tl.store(kc_ptr + codes_at, y.to(tl.float8e4nv), mask=mask)
+    tl.store(ks_ptr + scales_at, scale, mask=h < heads)
+    v = tl.load(v_ptr + tok * v_tok_stride + h[:, None] * v_head_stride + d[None, :], mask=mask, other=0.0)
+    y, scale = _quantize_rows(v.to(tl.float32), amax_floor, UE8M0, DIVIDE)
+    tl.store(vc_ptr + codes_at, y.to(tl.float8e4nv), mask=mask)
+    tl.store(vs_ptr + scales_at, scale, mask=h < heads)
 
 
 def quantize_fp8(x: torch.Tensor, q: QuantSpec = FP8_ACT) -> FP8Tensor:
@@ -72,3 +99,33 @@ def quantize_fp8(x: torch.Tensor, q: QuantSpec = FP8_ACT) -> FP8Tensor:
                                 q.amax_floor, UE8M0=q.scale_dtype == "ue8m0", DIVIDE=q.scale_apply == "divide",
                                 GROUP=group, GROUPS=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS)
     return FP8Tensor(codes.reshape(x.shape), scales.reshape(*x.shape[:-1], n_groups), q.block)
+
+
+def write_kv_fp8(k_cache: FP8Tensor, v_cache: FP8Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor, q: QuantSpec) -> None:
+    """k, v [T, Hkv, D] quantised per token and head by `q` (a per_token fp8_e4m3 rule, FP8_KV) into FP8
+    caches (codes [blocks, block_size, Hkv, D], scales [blocks, block_size, Hkv, 1]) at slot_mapping [T],
+    both in one launch: the codes and scales of onepath.numerics.quant.quantize_fp8(k, q), bit for bit."""
+    tokens, heads, dim = k.shape
+    codes, scales = k_cache.codes, k_cache.scales
+    if q.format != "fp8_e4m3" or q.scale_domain != "per_token":
+        raise ValueError(f"write_kv_fp8 takes a per_token fp8_e4m3 rule (FP8_KV), got {q.format} {q.scale_domain}")
+    if (v.shape != k.shape or codes.shape[2:] != (heads, dim) or v_cache.codes.shape != codes.shape
+            or scales.shape != (*codes.shape[:3], 1) or v_cache.scales.shape != scales.shape
+            or codes.stride() != v_cache.codes.stride() or scales.stride() != v_cache.scales.stride()
+            or codes.stride(-1) != 1 or codes.stride(0) != codes.shape[1] * codes.stride(1)
+            or scales.stride(0) != scales.shape[1] * scales.stride(1) or slot_mapping.shape != (tokens,)):
+        raise ValueError(f"write_kv_fp8: k {tuple(k.shape)}, v {tuple(v.shape)}, codes {tuple(codes.shape)}, "
+                         f"scales {tuple(scales.shape)}, slots {tuple(slot_mapping.shape)} (expected k, v [T, Hkv, D], "
+                         "codes [blocks, block_size, Hkv, D] and scales [..., Hkv, 1] alike for K and V, each "
+                         "block's slots contiguous, slots [T])")
+    if tokens == 0:
+        return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    _write_kv_fp8_kernel[(tokens,)](
+        k, v, slot_mapping.contiguous(), codes, v_cache.codes, scales, v_cache.scales,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), codes.stride(1), codes.stride(2),
+        scales.stride(1), scales.stride(2), heads, dim, q.amax_floor,
+        UE8M0=q.scale_dtype == "ue8m0", DIVIDE=q.scale_apply == "divide",
+        BLOCK_HEADS=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim), num_warps=NUM_WARPS)

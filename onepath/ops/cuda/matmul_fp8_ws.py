@@ -1,0 +1,370 @@
+"""matmul_fp8_ws: ops/cuda/matmul_fp8.py's block-FP8 GEMM as a warp-specialized Gluon kernel for Hopper,
+with the Triton kernel's bits.
+
+The contract per output element is matmul_fp8's: for K blocks kb = 0, 1, ... (128 wide, ascending) a
+fresh FP32 wgmma partial of that block (four chained m64n128k32 steps, the first from zero), then
+acc = fma(partial, sa[m, kb] * sw[n // 128, kb], acc), then one rounding of acc (+ bias in FP32) to
+out_dtype. No split-K, no atomics, one program per output tile at a time: a row's bits depend on K
+alone, never on M, the tile or the kernel, which is why matmul_fp8 may pick this kernel or the Triton
+one by M (tests/gpu/test_fp8_matmul_ws_gpu.py: torch.equal between them).
+
+Why warp specialization: Triton waits for every wgmma whose result feeds an FMA, so its tensor core
+idles during each block's promotion. Here a CTA (128 rows x BLOCK_N) runs three partitions:
+  producer      1 warp, 40 registers: TMA loads of the A [128, 128] and W [BLOCK_N, 128] tiles of each
+                K block into a ring of NUM_STAGES shared-memory stages (ready/empty mbarriers)
+  consumer 0/1  one warpgroup each, 232 registers, rows 0-63 / 64-127: wgmma over the block into a fresh
+                partial, wait, release the stage, FMA-promote. Neither waits for the other, so one's
+                promotion runs under the other's MMA while the producer keeps the ring full; the
+                output goes out through shared memory by TMA stores.
+On the H200 (bench/fp8_gluon.py, bench/results/fp8-gluon.json; M 4096-8192, N 2048-11008, K 2048-8192) the
+shipped config, 128x256 with 4 stages and persistent, ran 1,138-1,245 TFLOP/s: 1.52-1.66x our BF16
+GEMM and 2.2-2.8x the Triton FP8 kernel (128x128 with 4 stages: 977-1,115); every config gave the
+Triton kernel's bits, with no spills.
+Switches (WSConfig): BLOCK_N 128 or 256 (two n128 chains per block, promoted one after the other in one
+register block: a 64x256 partial and its accumulator would need 256 registers a thread); WAIT1 (BLOCK_N
+128): issue block kb's wgmma, `wgmma.wait_group 1`, promote kb-1 under it; persistent (#SMs programs
+walking the tiles in grouped order) or one program per tile. Rows past M, columns past N and the
+ragged last K block are TMA's zero fill: the zero codes the Triton kernel's masked loads give the MMA.
+tests/ops/test_fp8_gluon_build.py builds it for sm_90 without a GPU (Gluon is not interpreted).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from onepath.numerics.quant import FP8Tensor
+from onepath.ops.cuda.matmul import _num_sms
+
+BLOCK_K = 128  # one scale group: the partial a scale multiplies is one wgmma chain over 128 K values
+BLOCK_M = 128  # two consumer warpgroups of wgmma's 64 rows
+WG_M = 64
+MMA_N = 128  # one partial's wgmma: m64n128k32, the Triton kernel's 64x128 tile's instruction
+TMA_ALIGN = 16  # bytes: TMA wants 16-byte aligned rows
+SM90_SHARED_BYTES = 232448  # opt-in shared memory per block
+LAUNCH_REGS = 168  # registers a thread at launch: 3 warpgroups x 128 threads x 168 = 64512 of the SM's 65536
+EPI_BYTES = 256  # bytes of a row of the epilogue's staging tile: 128 bf16 or 64 fp32 columns
+OUT_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+
+
+@gluon.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
+    group_size_m = gl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    k_tiles = gl.cdiv(K, BK)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        for kb in range(k_tiles):
+            s = it % STAGES
+            # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kb * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [pid_n * BN, kb * BK], ready.index(s), w_bufs.index(s))
+            it += 1
+
+
+@gluon.jit
+def _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, kb, stride_swn, W_BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """sa[m, kb] * sw[n // W_BLOCK_N, kb] for the MMA_N columns from off_n, in FP32: the FMA's multiplier,
+    loaded before the block's MMA is waited for so that the promotion after the wait does not stall."""
+    MMA_N: gl.constexpr = layout.instr_shape[1]
+    sa = gl.load(sa_ptrs + kb, mask=row_ok, other=1.0)
+    if W_BLOCK_N % MMA_N == 0:
+        # the partial's columns share one weight block: one scalar gives every column the same sa * sw
+        sw = gl.load(sw_ptr + (gl.minimum(off_n, N - 1) // W_BLOCK_N) * stride_swn + kb)
+        return gl.expand_dims(sa * sw, 1)
+    else:
+        cols = off_n + gl.arange(0, MMA_N, layout=gl.SliceLayout(0, layout))
+        sw = gl.load(sw_ptr + (gl.where(cols < N, cols, 0) // W_BLOCK_N) * stride_swn + kb)
+        return gl.expand_dims(sa, 1) * gl.expand_dims(sw, 0)
+
+
+@gluon.jit
+def _promote(partial, scale, acc):
+    scale, partial = gl.broadcast(scale, partial)
+    return gl.fma(partial, scale, acc)
+
+
+@gluon.jit
+def _issue(a_bufs, w_bufs, ready, it, into, WG: gl.constexpr, PART: gl.constexpr):
+    """Wait for the stage of the it-th K block loaded, issue its wgmma into a fresh partial (async):
+    rows WG*64.. of A against the PART-th MMA_N columns of W, four chained k32 steps from zero
+    (use_acc=False: `into` only names the registers, its values are not read)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    WG_M: gl.constexpr = into.shape[0]
+    MMA_N: gl.constexpr = into.shape[1]
+    s = it % STAGES
+    if PART == 0:  # a second part reads the stage the first waited for
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+    a = a_bufs.index(s).slice(WG * WG_M, WG_M)
+    w = w_bufs.index(s).slice(PART * MMA_N, MMA_N)
+    return warpgroup_mma(a, w.permute((1, 0)), into, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _pinned(x):
+    """x, through an empty volatile asm: the compiler must finish x before any later wgmma (also volatile),
+    not sink its FMAs below it, which would keep two partials live."""
+    return gl.inline_asm_elementwise("", "=f,0", [x], dtype=gl.float32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _release(empty, it):
+    STAGES: gl.constexpr = empty.shape[0]
+    mbarrier.arrive(empty.index(it % STAGES))
+
+
+@gluon.jit
+def _store(piece, c_smem, out_desc, bias_ptr, row0, col0, N, HAS_BIAS: gl.constexpr):
+    """piece (+ bias in FP32), one rounding to the output dtype, a TMA store at (row0, col0) through c_smem
+    (rows past M and columns past N are clipped)."""
+    if HAS_BIAS:
+        cols = col0 + gl.arange(0, piece.shape[1], layout=gl.SliceLayout(0, piece.type.layout))
+        piece += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
+    tma.store_wait(0)  # the previous store out of c_smem has read it
+    c_smem.store(piece.to(out_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [row0, col0], c_smem)
+
+
+@gluon.jit
+def _epilogue(acc, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS: gl.constexpr):
+    EPI_N: gl.constexpr = c_smem.shape[1]
+    if EPI_N == acc.shape[1]:
+        _store(acc, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS)
+    else:  # 4-byte outputs: two 64-column pieces, half the staging memory
+        lo, hi = acc.reshape([acc.shape[0], 2, EPI_N]).permute(0, 2, 1).split()
+        _store(lo, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS)
+        _store(hi, c_smem, out_desc, bias_ptr, row0, off_n + EPI_N, N, HAS_BIAS)
+
+
+@gluon.jit
+def _mma_partition(a_bufs, w_bufs, ready, empty, c_smem, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K, stride_sam,
+                   stride_swn, NUM_PROGRAMS, WG: gl.constexpr, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
+                   GROUP_M: gl.constexpr, WAIT1: gl.constexpr):
+    BM: gl.constexpr = a_bufs.type.shape[1]
+    BK: gl.constexpr = a_bufs.type.shape[2]
+    BN: gl.constexpr = w_bufs.type.shape[1]
+    WG_M: gl.constexpr = 64
+    MMA_N: gl.constexpr = 128
+    TWO: gl.constexpr = BN == 2 * MMA_N
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, MMA_N, 32])
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    k_tiles = gl.cdiv(K, BK)
+    zero = gl.zeros((WG_M, MMA_N), gl.float32, layout)
+    it = 0  # K blocks this program has consumed: the ring position, as the producer counts them
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        row0 = pid_m * BM + WG * WG_M
+        offs_m = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))
+        row_ok = offs_m < M
+        sa_ptrs = sa_ptr + gl.where(row_ok, offs_m, 0) * stride_sam
+        off_n = pid_n * BN
+        acc0 = gl.zeros((WG_M, MMA_N), gl.float32, layout)
+        acc1 = gl.zeros((WG_M, MMA_N), gl.float32, layout)
+        if WAIT1:
+            # Two partials in fixed registers, even and odd K blocks: block kb's wgmma runs while kb-1 is
+            # promoted (`wgmma.wait_group 1`). Unrolled by two so that no register copy of an in-flight
+            # partial is needed (ptxas serializes every wgmma if one is read before its wait).
+            scale_e = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, 0, stride_swn, W_BLOCK_N, layout)
+            p_e = _issue(a_bufs, w_bufs, ready, it, zero, WG, 0)
+            for kb in range(1, k_tiles - 1, 2):
+                scale_o = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, kb, stride_swn, W_BLOCK_N, layout)
+                p_o = _issue(a_bufs, w_bufs, ready, it + 1, zero, WG, 0)
+                partial = warpgroup_mma_wait(1, deps=[p_e])
+                _release(empty, it)
+                acc0 = _promote(partial, scale_e, acc0)
+                scale_e = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, kb + 1, stride_swn, W_BLOCK_N, layout)
+                p_e = _issue(a_bufs, w_bufs, ready, it + 2, zero, WG, 0)
+                partial = warpgroup_mma_wait(1, deps=[p_o])
+                _release(empty, it + 1)
+                acc0 = _promote(partial, scale_o, acc0)
+                it += 2
+            if k_tiles % 2 == 0:  # the last block is odd: issue it, then promote the last two
+                scale_o = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, k_tiles - 1, stride_swn, W_BLOCK_N, layout)
+                p_o = _issue(a_bufs, w_bufs, ready, it + 1, zero, WG, 0)
+                partial = warpgroup_mma_wait(1, deps=[p_e])
+                _release(empty, it)
+                acc0 = _promote(partial, scale_e, acc0)
+                partial = warpgroup_mma_wait(0, deps=[p_o])
+                _release(empty, it + 1)
+                acc0 = _promote(partial, scale_o, acc0)
+                it += 2
+            else:
+                partial = warpgroup_mma_wait(0, deps=[p_e])
+                _release(empty, it)
+                acc0 = _promote(partial, scale_e, acc0)
+                it += 1
+        else:
+            # the scales one block ahead: their loads are in flight under a whole block's MMA
+            next0 = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, 0, stride_swn, W_BLOCK_N, layout)
+            next1 = next0
+            if TWO:
+                next1 = _scale(sa_ptrs, row_ok, sw_ptr, off_n + MMA_N, N, 0, stride_swn, W_BLOCK_N, layout)
+            for kb in range(k_tiles):
+                scale0, scale1 = next0, next1
+                ahead = gl.minimum(kb + 1, k_tiles - 1)
+                next0 = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, ahead, stride_swn, W_BLOCK_N, layout)
+                if TWO:
+                    next1 = _scale(sa_ptrs, row_ok, sw_ptr, off_n + MMA_N, N, ahead, stride_swn, W_BLOCK_N, layout)
+                partial = warpgroup_mma_wait(0, deps=[_issue(a_bufs, w_bufs, ready, it, zero, WG, 0)])
+                if not TWO:
+                    _release(empty, it)
+                acc0 = _promote(partial, scale0, acc0)
+                if TWO:
+                    # the second half reuses the first's registers (a 64x256 partial and its accumulator
+                    # would not fit): the first's FMAs pinned before it, its partial named as the target
+                    acc0 = _pinned(acc0)
+                    partial = warpgroup_mma_wait(0, deps=[_issue(a_bufs, w_bufs, ready, it, partial, WG, 1)])
+                    _release(empty, it)
+                    acc1 = _promote(partial, scale1, acc1)
+                it += 1
+        _epilogue(acc0, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS)
+        if TWO:
+            _epilogue(acc1, c_smem, out_desc, bias_ptr, row0, off_n + MMA_N, N, HAS_BIAS)
+    tma.store_wait(0)
+
+
+# no integer specialization: nothing here gets faster for N or K multiples of 16 (TMA does the bounds),
+# and one build per config, out dtype and bias keeps compile time down (no build per shape in training)
+@gluon.jit(do_not_specialize=["M", "N", "K", "stride_sam", "stride_swn", "NUM_PROGRAMS"])
+def _fp8_gemm_ws_kernel(a_desc, w_desc, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K, stride_sam, stride_swn,
+                        NUM_PROGRAMS, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                        NUM_STAGES: gl.constexpr, WAIT1: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
+    c_smem0 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+    c_smem1 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
+    fence_async_shared()
+    # (the constexpr switches are listed per partition: a tuple built here would turn them into tensors)
+    gl.warp_specialize([
+        (_mma_partition, (a_bufs, w_bufs, ready, empty, c_smem0, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K,
+                          stride_sam, stride_swn, NUM_PROGRAMS, 0, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1)),
+        (_mma_partition, (a_bufs, w_bufs, ready, empty, c_smem1, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K,
+                          stride_sam, stride_swn, NUM_PROGRAMS, 1, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1)),
+        (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@dataclass(frozen=True)
+class WSConfig:
+    block_n: int = 256
+    num_stages: int = 4
+    persistent: bool = True
+    wait1: bool = False  # BLOCK_N 128 only: two partials live (192 accumulator registers a thread)
+    # launched at 168 registers a thread in 3 warpgroups, setmaxnreg moves them: each consumer warpgroup
+    # consumer_regs, the producer's producer_regs (2 * 232 + 40 = 3 * 168)
+    consumer_regs: int = 232
+    producer_regs: int = 40
+    group_m: int = 8
+
+    def __str__(self) -> str:
+        flags = [f for f, on in (("persistent", self.persistent), ("wait1", self.wait1)) if on]
+        return "+".join([f"ws{BLOCK_M}x{self.block_n}s{self.num_stages}", *flags])
+
+    def check(self) -> None:
+        if self.block_n not in (MMA_N, 2 * MMA_N):
+            raise ValueError(f"{self}: block_n {self.block_n} must be {MMA_N} or {2 * MMA_N} "
+                             f"(the partial is one or two n{MMA_N} wgmma chains)")
+        if self.wait1 and self.block_n != MMA_N:
+            raise ValueError(f"{self}: wait1 keeps two partials live; at block_n {self.block_n} they and the "
+                             "accumulator need 256+ registers a thread: use block_n 128")
+        if self.num_stages < 2:
+            raise ValueError(f"{self}: num_stages {self.num_stages} < 2 leaves the producer nothing to prefetch")
+        if 2 * self.consumer_regs + self.producer_regs > 3 * LAUNCH_REGS or self.producer_regs < 24 \
+                or self.consumer_regs > 256 or (self.consumer_regs | self.producer_regs) % 8:
+            raise ValueError(f"{self}: setmaxnreg budgets {self.consumer_regs} x 2 + {self.producer_regs} must be "
+                             f"multiples of 8 in [24, 256] summing to <= {3 * LAUNCH_REGS}")
+        if self.shared_bytes() > SM90_SHARED_BYTES:
+            raise ValueError(f"{self}: {self.shared_bytes()} bytes of shared memory > {SM90_SHARED_BYTES} on Hopper: "
+                             "use fewer stages")
+
+    def shared_bytes(self) -> int:
+        """The ring of A and W stages, the two consumers' epilogue tiles, the mbarriers (the compiler adds
+        a few hundred bytes)."""
+        return self.num_stages * (BLOCK_M + self.block_n) * BLOCK_K + 2 * WG_M * EPI_BYTES + 2 * self.num_stages * 8
+
+
+def _tma_ready(codes: torch.Tensor) -> torch.Tensor:
+    """codes [R, K] as TMA reads them: contiguous rows of 16-byte multiples from a 16-byte aligned base.
+    A K that is not a multiple of 16 is padded with zero codes (a copy): the zeros the Triton kernel's
+    masked loads give the MMA past K, so the partial is unchanged."""
+    codes = codes.contiguous()
+    pad = -codes.shape[1] % TMA_ALIGN
+    if pad or codes.data_ptr() % TMA_ALIGN:
+        codes = torch.nn.functional.pad(codes.view(torch.uint8), (0, pad)).view(codes.dtype)
+    return codes
+
+
+def launch_args(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out: torch.Tensor, config: WSConfig):
+    """(grid, positional arguments, constexpr keywords) of _fp8_gemm_ws_kernel for out = qa qw^T (+ bias);
+    out [M, N] with 16-byte aligned rows (output() makes one)."""
+    config.check()
+    a, w = _tma_ready(qa.codes), _tma_ready(qw.codes)
+    (m, k), n = qa.codes.shape, qw.codes.shape[0]
+    sa, sw = qa.scales.reshape(m, -1).contiguous(), qw.scales.contiguous()
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
+    a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], layout)
+    w_desc = TensorDescriptor.from_tensor(w, [config.block_n, BLOCK_K], layout)
+    epi = [WG_M, EPI_BYTES // out.element_size()]
+    out_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], epi,
+                                gl.NVMMASharedLayout.get_default_for(epi, OUT_DTYPES[out.dtype]))
+    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, config.block_n)
+    programs = min(_num_sms(a.device), tiles) if config.persistent else tiles
+    args = (a_desc, w_desc, out_desc, sa, sw, bias.contiguous() if bias is not None else None, m, n, k,
+            sa.stride(0), sw.stride(0), programs)
+    consts = dict(W_BLOCK_N=qw.block[0], HAS_BIAS=bias is not None, GROUP_M=config.group_m,
+                  NUM_STAGES=config.num_stages, WAIT1=config.wait1, CONSUMER_REGS=config.consumer_regs,
+                  PRODUCER_REGS=config.producer_regs)
+    return (programs,), args, consts
+
+
+def output(m: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An [M, N] output whose rows TMA can store: N padded to 16 bytes where it is not (a view then)."""
+    per_row = TMA_ALIGN // dtype.itemsize
+    return torch.empty((m, -(-n // per_row) * per_row), device=device, dtype=dtype)[:, :n]
+
+
+def launch(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out: torch.Tensor, config: WSConfig):
+    """out = qa qw^T (+ bias) by the kernel; the compiled kernel (its registers and spills for the bench)."""
+    grid, args, consts = launch_args(qa, qw, bias, out, config)
+    return _fp8_gemm_ws_kernel[grid](*args, **consts, num_warps=4)
+
+
+def matmul_fp8_ws(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                  config: WSConfig) -> torch.Tensor:
+    """matmul_fp8 by the warp-specialized kernel: operands as matmul_fp8 checks them, M, N, K > 0."""
+    (m, _), n = qa.codes.shape, qw.codes.shape[0]
+    out = output(m, n, out_dtype, qa.codes.device)
+    launch(qa, qw, bias, out, config)
+    return out.contiguous()

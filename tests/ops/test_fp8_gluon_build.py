@@ -1,0 +1,140 @@
+"""onepath/ops/cuda/matmul_fp8_ws.py's warp-specialized block-FP8 GEMM builds for the H200 without a GPU:
+the config matmul_fp8 ships (WS_CONFIG) and every config bench/fp8_gluon.py times, compiled for sm_90
+(ptxas included) from the launcher's own arguments as the JIT would specialize them (CPU tensors stand
+in: same dtypes, alignments and TMA descriptors).
+
+Asserted on the PTX and SASS, what the design needs and a build can lose without failing:
+  - the Triton kernel's MMA: fp8 wgmma m64n128k32 (e4m3, FP32), chains of four k32 steps of which the
+    first starts from zero (a fresh partial per 128-wide K block), no mma.sync; FMA promotion
+  - warp specialization: setmaxnreg to the consumer and producer budgets, TMA loads completing on
+    mbarriers (cp.async.bulk.tensor ... mbarrier::complete_tx), TMA stores of the output
+  - ptxas kept the pipeline: one WARPGROUP.ARRIVE per four-step chain (it puts one before every wgmma
+    when it serializes them), `WARPGROUP.DEPBAR.LE gsb0, 0x1` in the wait1 variants; no spills
+  - within Hopper's 227 KiB of shared memory
+Negative control: matmul_fp8's Triton (not warp-specialized) kernel's build fails those checks.
+The bits rest on tests/gpu/test_fp8_matmul_ws_gpu.py and the GPU bench (torch.equal against the Triton
+kernel): Gluon is not interpreted.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from tests.interpret import SM90_SHARED_BYTES, compile_sm90
+
+pytest.importorskip("triton.backends.nvidia")
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    pytest.skip("TRITON_INTERPRET is set: Gluon kernels are compiled, not interpreted", allow_module_level=True)
+
+WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(\S+)\s.*\},\s*%rd\d+,\s*%rd\d+,\s*([^,]+),")
+
+
+def _compile_like_jit(kernel, args, kwargs):
+    """`kernel` compiled for sm_90 with the signature, constexprs and divisibility the JIT derives from args."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
+                          options=options.__dict__)
+
+
+def _build(v, m=256, n=512, k=1024, out_dtype=torch.bfloat16, bias=False):
+    from onepath.numerics.quant import quantize
+    from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
+    from onepath.ops.cuda.matmul_fp8_ws import _fp8_gemm_ws_kernel, launch_args, output
+
+    gen = torch.Generator().manual_seed(0)
+    qa = quantize(torch.randn(m, k, generator=gen), FP8_ACT)
+    qw = quantize(torch.randn(n, k, generator=gen) * 0.05, FP8_WEIGHT)
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    _, args, consts = launch_args(qa, qw, b, output(m, n, out_dtype, "cpu"), v)
+    return _compile_like_jit(_fp8_gemm_ws_kernel, args, dict(consts, num_warps=4))
+
+
+def _chains(ptx: str) -> list[tuple[str, ...]]:
+    """The wgmma instructions in order, grouped in fours: (shape.types, then per k32 step whether it adds
+    to the accumulator: "0" starts from zero, "1" accumulates; a predicate not set to a constant stays its name)."""
+    constant = {p: "0" if v == "0" else "1" for p, v in re.findall(r"mov\.pred\s+(%p\d+),\s*(-?\d+);", ptx)}
+    steps = [(shape, constant.get(scale, scale)) for shape, scale in WGMMA.findall(ptx)]
+    return [(steps[i][0], *(scale for _, scale in steps[i:i + 4])) for i in range(0, len(steps), 4)]
+
+
+def _setmaxnreg(ptx: str, regs: int | None) -> bool:
+    return regs is not None and re.search(rf"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+{regs};", ptx) is not None
+
+
+def _problems(v, ptx: str, sass: str, shared: int) -> list[str]:
+    wait1 = getattr(v, "wait1", False)
+    chains = _chains(ptx)
+    checks = {
+        "fp8 wgmma m64n128k32 in chains of four, the first from zero": chains and len(WGMMA.findall(ptx)) % 4 == 0
+        and all(c == ("m64n128k32.f32.e4m3.e4m3", "0", "1", "1", "1") for c in chains),
+        "no mma.sync": "mma.sync" not in ptx,
+        "FMA promotion": "fma.rn.f32" in ptx,
+        "setmaxnreg to the consumer budget": _setmaxnreg(ptx, getattr(v, "consumer_regs", None)),
+        "setmaxnreg to the producer budget": _setmaxnreg(ptx, getattr(v, "producer_regs", None)),
+        "TMA loads on mbarriers": "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx,
+        "TMA stores": "cp.async.bulk.tensor.2d.global.shared::cta" in ptx,
+        "one WARPGROUP.ARRIVE per wgmma chain": 0 < 4 * sass.count("WARPGROUP.ARRIVE") == sass.count("GMMA."),
+        "no spills": not re.search(r"\b(STL|LDL)\b", sass),
+        "shared memory fits": shared <= SM90_SHARED_BYTES,
+    }
+    if wait1:
+        checks["wgmma.wait_group 1 kept by ptxas"] = "wgmma.wait_group.sync.aligned 1;" in ptx \
+            and "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
+    return [name for name, ok in checks.items() if not ok]
+
+
+def _variants():
+    """The shipped config first, then the bench's sweep (which holds it too: built once)."""
+    from bench.fp8_gluon import variants
+    from onepath.ops.cuda.matmul_fp8 import WS_CONFIG
+    return list(dict.fromkeys([WS_CONFIG, *variants()]))
+
+
+@pytest.mark.parametrize("v", _variants(), ids=str)
+def test_variant_builds_for_sm90_warp_specialized_with_the_triton_kernels_wgmma(v):
+    """The build the bench times at training shapes (bf16 out, N and K multiples of 16, no bias)."""
+    compiled = _build(v)
+    problems = _problems(v, compiled.asm["ptx"], compiled.asm["sass"], compiled.metadata.shared)
+    assert not problems, f"{v}: {problems}"
+
+
+@pytest.mark.parametrize("v", [_variants()[0], *(v for v in _variants()[1:] if v.persistent and v.num_stages == 3)],
+                         ids=str)
+def test_variant_builds_for_awkward_shapes_fp32_out_and_bias(v):
+    """The other epilogue (FP32 out: two 64-column TMA stores), the bias, N and K off multiples of 16: for the
+    shipped config and the persistent 3-stage ones."""
+    compiled = _build(v, m=37, n=200, k=1000, out_dtype=torch.float32, bias=True)
+    problems = _problems(v, compiled.asm["ptx"], compiled.asm["sass"], compiled.metadata.shared)
+    assert not problems, f"{v}: {problems}"
+
+
+def test_negative_control_the_triton_kernel_fails_the_warp_specialization_checks():
+    """The checks can fail: matmul_fp8's Triton kernel has the same wgmma chains and FMAs but no
+    setmaxnreg partitions and no TMA; its build must be flagged."""
+    from onepath.ops.cuda.matmul_fp8 import TILES_FP8, _matmul_fp8_kernel
+
+    config = TILES_FP8[0]
+    sig = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sw_ptr": "*fp32", "bias_ptr": "*bf16",
+           "out_ptr": "*bf16", **{n: "i32" for n in ("M", "N", "K", "NUM_PROGRAMS", "stride_am", "stride_sam",
+                                                     "stride_wn", "stride_swn", "stride_om")}}
+    consts = dict(W_BLOCK_N=128, HAS_BIAS=False, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=128,
+                  GROUP_M=config.group_m)
+    ptx, shared = compile_sm90(_matmul_fp8_kernel, sig, consts,
+                               ("a_ptr", "w_ptr", "out_ptr", "K", "stride_am", "stride_wn", "stride_om"), config)
+    problems = _problems(config, ptx, "", shared)
+    assert "fp8 wgmma m64n128k32 in chains of four, the first from zero" not in problems, \
+        "the Triton kernel's MMA is the reference the Gluon builds are held to"
+    assert {"setmaxnreg to the consumer budget", "TMA loads on mbarriers", "TMA stores"} <= set(problems), problems
