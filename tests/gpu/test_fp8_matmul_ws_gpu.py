@@ -1,7 +1,8 @@
 """matmul_fp8's two kernels on the GPU: the warp-specialized Gluon kernel (ops/cuda/matmul_fp8_ws.py) gives
 the Triton kernel's bits (torch.equal) on fresh random inputs of awkward sizes, both epilogues (bf16 with
-bias, FP32); a row alone (M = 1, the Triton kernel) equals the same row inside a batch of 4100 rows (the
-Gluon kernel), which is what lets matmul_fp8 pick the kernel by M; the runs repeat. Negative control: a
+bias, FP32), in its training layout (WS_CONFIG) and its decode one (DECODE_WS_CONFIG); a row alone (M = 1,
+the decode layout) equals the same row inside a batch of 4100 rows (the training layout), which is what
+lets matmul_fp8 pick the kernel by M; the runs repeat. Negative control: a
 BF16 GEMM of the dequantised operands, close in value, differs in bits on the same case.
 Hopper only (the Gluon kernel is sm_90a's). Whole file: well under a minute on an H200, most of it compiles.
 """
@@ -17,8 +18,8 @@ pytest.importorskip("triton")
 
 from onepath.numerics.quant import FP8Tensor, quantize  # noqa: E402
 from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT  # noqa: E402
-from onepath.ops.cuda.matmul import TileConfig, _num_sms, matmul  # noqa: E402
-from onepath.ops.cuda.matmul_fp8 import WS_CONFIG, matmul_fp8, pick_config, pick_kernel  # noqa: E402
+from onepath.ops.cuda.matmul import _num_sms, matmul  # noqa: E402
+from onepath.ops.cuda.matmul_fp8 import DECODE_WS_CONFIG, WS_CONFIG, matmul_fp8, pick_config, pick_kernel  # noqa: E402
 
 DEVICE = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 MS = [1, 37, 128, 130, 511, 512, 777, 2048, 4100]
@@ -51,15 +52,16 @@ def _triton(qa, qw, b, out_dtype):
     return matmul_fp8(qa, qw, b, out_dtype, config=pick_config(m, n, _num_sms(DEVICE)))
 
 
+@pytest.mark.parametrize("config", [WS_CONFIG, DECODE_WS_CONFIG], ids=str)
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("n", NS)
-def test_ws_kernel_gives_the_triton_kernels_bits(n, k):
+def test_ws_kernel_gives_the_triton_kernels_bits(n, k, config):
     bad = []
     for out_dtype, bias in EPILOGUES:
         qw, b = _weight(n, k, seed=n * 13 + k, bias=bias)
         for m in MS:
             qa = _activations(m, k, seed=m * 7 + n * 13 + k + bias)
-            ws = matmul_fp8(qa, qw, b, out_dtype, config=WS_CONFIG)
+            ws = matmul_fp8(qa, qw, b, out_dtype, config=config)
             want = _triton(qa, qw, b, out_dtype)
             picked = matmul_fp8(qa, qw, b, out_dtype)
             assert ws.shape == want.shape == (m, n) and ws.dtype == want.dtype == out_dtype
@@ -73,7 +75,7 @@ def test_ws_kernel_gives_the_triton_kernels_bits(n, k):
 def test_a_row_alone_equals_the_row_inside_a_batch_the_ws_kernel_takes(n, k, out_dtype, bias):
     m = BIG[0]
     assert pick_kernel(m, n, k, out_dtype, DEVICE) == WS_CONFIG
-    assert isinstance(pick_kernel(1, n, k, out_dtype, DEVICE), TileConfig)
+    assert pick_kernel(1, n, k, out_dtype, DEVICE) in (DECODE_WS_CONFIG, pick_config(1, n, _num_sms(DEVICE)))
     qa, qw, b = _operands(m, n, k, seed=n + k, bias=bias)
     batch = matmul_fp8(qa, qw, b, out_dtype)
     # tile edges of both kernels (64 and 128 rows), the middle, the ragged last tile

@@ -1,11 +1,13 @@
 """onepath/ops/cuda/matmul_fp8_ws.py's warp-specialized block-FP8 GEMM builds for the H200 without a GPU:
-the config matmul_fp8 ships (WS_CONFIG) and every config bench/fp8_gluon.py times, compiled for sm_90
+the config matmul_fp8 ships (WS_CONFIG) and every config bench/fp8_gluon.py times (the split "n" decode
+configs too), compiled for sm_90
 (ptxas included) from the launcher's own arguments as the JIT would specialize them (CPU tensors stand
 in: same dtypes, alignments and TMA descriptors).
 
 Asserted on the PTX and SASS, what the design needs and a build can lose without failing:
-  - the Triton kernel's MMA: fp8 wgmma m64n128k32 (e4m3, FP32), chains of four k32 steps of which the
-    first starts from zero (a fresh partial per 128-wide K block), no mma.sync; FMA promotion
+  - the Triton kernel's MMA: fp8 wgmma m64nNk32 (e4m3, FP32; N 128 for split "m", half the tile's columns
+    for split "n"), chains of four k32 steps of which the first starts from zero (a fresh partial per
+    128-wide K block), no mma.sync; FMA promotion
   - warp specialization: setmaxnreg to the consumer and producer budgets, TMA loads completing on
     mbarriers (cp.async.bulk.tensor ... mbarrier::complete_tx), TMA stores of the output
   - ptxas kept the pipeline: one WARPGROUP.ARRIVE per four-step chain (it puts one before every wgmma
@@ -29,6 +31,7 @@ pytest.importorskip("triton.backends.nvidia")
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     pytest.skip("TRITON_INTERPRET is set: Gluon kernels are compiled, not interpreted", allow_module_level=True)
 
+CHAINS = "fp8 wgmma m64nNk32 (the config's N) in chains of four, the first from zero"
 WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(\S+)\s.*\},\s*%rd\d+,\s*%rd\d+,\s*([^,]+),")
 
 
@@ -77,9 +80,10 @@ def _setmaxnreg(ptx: str, regs: int | None) -> bool:
 def _problems(v, ptx: str, sass: str, shared: int) -> list[str]:
     wait1 = getattr(v, "wait1", False)
     chains = _chains(ptx)
+    mma_n = getattr(v, "mma_n", v.block_n)  # a Triton tile: one warpgroup's wgmma spans the tile
     checks = {
-        "fp8 wgmma m64n128k32 in chains of four, the first from zero": chains and len(WGMMA.findall(ptx)) % 4 == 0
-        and all(c == ("m64n128k32.f32.e4m3.e4m3", "0", "1", "1", "1") for c in chains),
+        CHAINS: chains and len(WGMMA.findall(ptx)) % 4 == 0
+        and all(c == (f"m64n{mma_n}k32.f32.e4m3.e4m3", "0", "1", "1", "1") for c in chains),
         "no mma.sync": "mma.sync" not in ptx,
         "FMA promotion": "fma.rn.f32" in ptx,
         "setmaxnreg to the consumer budget": _setmaxnreg(ptx, getattr(v, "consumer_regs", None)),
@@ -97,10 +101,10 @@ def _problems(v, ptx: str, sass: str, shared: int) -> list[str]:
 
 
 def _variants():
-    """The shipped config first, then the bench's sweep (which holds it too: built once)."""
-    from bench.fp8_gluon import variants
+    """The shipped config first, then the bench's sweeps (the training one holds it too: built once)."""
+    from bench.fp8_gluon import decode_variants, variants
     from onepath.ops.cuda.matmul_fp8 import WS_CONFIG
-    return list(dict.fromkeys([WS_CONFIG, *variants()]))
+    return list(dict.fromkeys([WS_CONFIG, *variants(), *decode_variants()]))
 
 
 @pytest.mark.parametrize("v", _variants(), ids=str)
@@ -111,11 +115,11 @@ def test_variant_builds_for_sm90_warp_specialized_with_the_triton_kernels_wgmma(
     assert not problems, f"{v}: {problems}"
 
 
-@pytest.mark.parametrize("v", [_variants()[0], *(v for v in _variants()[1:] if v.persistent and v.num_stages == 3)],
-                         ids=str)
+@pytest.mark.parametrize("v", [_variants()[0], *(v for v in _variants()[1:] if v.persistent and (
+    v.num_stages == 3 or v.split == "n"))], ids=str)
 def test_variant_builds_for_awkward_shapes_fp32_out_and_bias(v):
-    """The other epilogue (FP32 out: two 64-column TMA stores), the bias, N and K off multiples of 16: for the
-    shipped config and the persistent 3-stage ones."""
+    """The other epilogue (FP32 out: two 64-column TMA stores a 128-column partial), the bias, N and K off
+    multiples of 16: for the shipped config, the persistent 3-stage ones and the split "n" ones."""
     compiled = _build(v, m=37, n=200, k=1000, out_dtype=torch.float32, bias=True)
     problems = _problems(v, compiled.asm["ptx"], compiled.asm["sass"], compiled.metadata.shared)
     assert not problems, f"{v}: {problems}"
@@ -135,6 +139,46 @@ def test_negative_control_the_triton_kernel_fails_the_warp_specialization_checks
     ptx, shared = compile_sm90(_matmul_fp8_kernel, sig, consts,
                                ("a_ptr", "w_ptr", "out_ptr", "K", "stride_am", "stride_wn", "stride_om"), config)
     problems = _problems(config, ptx, "", shared)
-    assert "fp8 wgmma m64n128k32 in chains of four, the first from zero" not in problems, \
-        "the Triton kernel's MMA is the reference the Gluon builds are held to"
+    assert CHAINS not in problems, "the Triton kernel's MMA is the reference the Gluon builds are held to"
     assert {"setmaxnreg to the consumer budget", "TMA loads on mbarriers", "TMA stores"} <= set(problems), problems
+
+
+@pytest.mark.parametrize("block_n", [64, 128, 256])
+def test_split_n_tiles_64_rows_and_the_consumers_take_half_the_columns_each(block_n, monkeypatch):
+    """Split "n": A's TMA box is 64 rows, W's block_n rows; one program per 64 x block_n tile (persistent:
+    at most one per SM); each consumer's chain is m64n(block_n / 2)k32, inside one 128-row weight scale block."""
+    from onepath.numerics.quant import quantize
+    from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
+    from onepath.ops.cuda import matmul_fp8_ws
+    from onepath.ops.cuda.matmul_fp8_ws import WSConfig, launch_args, output
+
+    monkeypatch.setattr(matmul_fp8_ws, "_num_sms", lambda device: 132)  # an H200
+    gen = torch.Generator().manual_seed(0)
+    m, n, k = 130, 4096, 256
+    qa = quantize(torch.randn(m, k, generator=gen), FP8_ACT)
+    qw = quantize(torch.randn(n, k, generator=gen) * 0.05, FP8_WEIGHT)
+    for persistent, programs in ((False, 3 * n // block_n), (True, min(132, 3 * n // block_n))):
+        v = WSConfig(block_n, 4, persistent=persistent, split="n")
+        grid, args, consts = launch_args(qa, qw, None, output(m, n, torch.bfloat16, "cpu"), v)
+        assert v.block_m == 64 and v.mma_n == block_n // 2 and qw.block[0] % v.mma_n == 0
+        assert args[0].block_shape == [64, 128] and args[1].block_shape == [block_n, 128], v
+        assert consts["SPLIT_N"] and consts["MMA_N"] == block_n // 2
+        assert grid == (programs,), (v, grid)
+
+
+def test_config_check_names_what_is_wrong():
+    """Split "m" keeps its two shapes; split "n" takes n32/n64/n128 chains; the ring must fit Hopper's 227 KiB
+    (split "n" with BLOCK_N 128: 8 stages fit, 9 do not); a layout that is neither is refused."""
+    from onepath.ops.cuda.matmul_fp8_ws import WSConfig
+
+    for v in (WSConfig(128, 8, split="n"), WSConfig(256, 4, split="n"), WSConfig(64, 12, split="n"),
+              WSConfig(256, 4, wait1=True, split="n")):
+        v.check()
+        assert v.shared_bytes() <= SM90_SHARED_BYTES
+    for v, words in ((WSConfig(64, 4), "block_n 64"), (WSConfig(512, 2, split="n"), "block_n 512"),
+                     (WSConfig(128, 9, split="n"), "shared memory"), (WSConfig(256, 5, split="n"), "shared memory"),
+                     (WSConfig(256, 4, wait1=True), "wait1"), (WSConfig(128, 4, split="k"), "split 'k'")):
+        with pytest.raises(ValueError, match=words):
+            v.check()
+    assert str(WSConfig(128, 8, split="n")) == "ws64x128s8+splitn+persistent"
+    assert str(WSConfig(256, 4)) == "ws128x256s4+persistent"

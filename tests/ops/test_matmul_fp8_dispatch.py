@@ -27,12 +27,12 @@ def hopper(monkeypatch):
 
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
-def test_gluon_from_ws_min_rows_on(hopper, out_dtype):
+def test_gluon_from_ws_min_rows_on_and_its_decode_layout_below(hopper, out_dtype):
     for m in (mm.WS_MIN_ROWS, 777, 4100):
         for n, k in ((6152, 4096), (200, 208), (2048, 2048)):
             assert mm.pick_kernel(m, n, k, out_dtype, CUDA) == mm.WS_CONFIG, (m, n, k, out_dtype)
     for m in (1, 37, mm.WS_MIN_ROWS - 1):
-        assert isinstance(mm.pick_kernel(m, 6152, 4096, out_dtype, CUDA), TileConfig), m
+        assert mm.pick_kernel(m, 6152, 4096, out_dtype, CUDA) == mm.DECODE_WS_CONFIG, m
 
 
 @pytest.mark.parametrize("n,k,out_dtype", [
@@ -44,6 +44,7 @@ def test_gluon_from_ws_min_rows_on(hopper, out_dtype):
 ])
 def test_triton_where_the_gluon_kernel_would_copy_or_cannot_store(hopper, n, k, out_dtype):
     assert isinstance(mm.pick_kernel(4096, n, k, out_dtype, CUDA), TileConfig)
+    assert isinstance(mm.pick_kernel(64, n, k, out_dtype, CUDA), TileConfig)
 
 
 def test_triton_on_cpu_under_the_interpreter_and_off_hopper(hopper, monkeypatch):
@@ -86,8 +87,8 @@ def test_matmul_fp8_runs_the_picked_or_the_given_kernel(hopper, monkeypatch):
     mm.matmul_fp8(row, qw)
     mm.matmul_fp8(qa, qw, config=mm.TILES_FP8[0])
     mm.matmul_fp8(row, qw, config=mm.WS_CONFIG)
-    tile = [f"triton {c.block_m}x{c.block_n}" for c in (mm.pick_config(1, 2048, 132), mm.TILES_FP8[0])]
-    assert ran == [str(mm.WS_CONFIG), tile[0], tile[1], str(mm.WS_CONFIG)]
+    tile = f"triton {mm.TILES_FP8[0].block_m}x{mm.TILES_FP8[0].block_n}"
+    assert ran == [str(mm.WS_CONFIG), str(mm.DECODE_WS_CONFIG), tile, str(mm.WS_CONFIG)]
     empty = mm.matmul_fp8(FP8Tensor(qa.codes[:, :0], qa.scales[:, :0], qa.block), FP8Tensor(
         qw.codes[:, :0], qw.scales[:, :0], qw.block), torch.ones(2048), torch.float32)
     assert len(ran) == 4 and torch.equal(empty, torch.ones(mm.WS_MIN_ROWS, 2048))

@@ -13,10 +13,11 @@ The promotion is done by hand (one dot per K block, then the FMA): Triton on SM9
 keep the whole K loop in the FP8 MMA's imprecise accumulator (max_num_imprecise_acc = 2^30).
 
 Two kernels keep that chain: this file's Triton kernel and matmul_fp8_ws.py's warp-specialized Gluon
-kernel (Hopper only; 2.2-2.8x faster at training shapes). The pick follows M like the tile ladder
-(pick_kernel): the Gluon kernel from WS_MIN_ROWS rows on, where it fits, the Triton tiles below. That
-cannot move a row's bits, because each output element's MMA and FMA chain over K is the same in every
-kernel and tile; tests/gpu/test_fp8_matmul_ws_gpu.py proves the candidates give equal bits.
+kernel (Hopper only; 2.2-2.8x faster at training shapes, 1.76x at decode). The pick follows M like the tile
+ladder (pick_kernel): on Hopper the Gluon kernel where its TMA rows fit (its training layout from WS_MIN_ROWS
+rows on, its decode layout below), the Triton tiles elsewhere. That cannot move a row's bits, because each
+output element's MMA and FMA chain over K is the same in every kernel and tile;
+tests/gpu/test_fp8_matmul_ws_gpu.py proves the candidates give equal bits.
 """
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ TILES_FP8 = (
 # the down projection (K 8192, N 2048: 16 tiles of 128x256 for 132 SMs) still ran faster on Triton's tiles.
 WS_CONFIG = WSConfig(block_n=256, num_stages=4, persistent=True)
 WS_MIN_ROWS = 512
+# Below WS_MIN_ROWS (decode), the same kernel with its consumers splitting a 64-row tile's columns
+# (split "n"), eight stages for a GEMM bound by its weight read, and wait1 (block kb-1 promoted under block
+# kb's MMA). Over 44 decode cases (M 1-256, Qwen3-0.6B/1.7B and 7B projections, weights read from HBM;
+# bench/fp8_gluon.py --decode, bench/results/fp8-gluon-decode.json) it ran 1.54x our BF16 GEMM and 1.76x
+# the Triton FP8 kernel (geometric means; 1.31x at worst), with the Triton kernel's bits in all 44.
+DECODE_WS_CONFIG = WSConfig(block_n=128, num_stages=8, persistent=True, wait1=True, split="n")
 
 
 @triton.jit(do_not_specialize=["M", "NUM_PROGRAMS"])
@@ -106,13 +113,13 @@ def is_hopper(device: torch.device) -> bool:
 
 
 def pick_kernel(m: int, n: int, k: int, out_dtype: torch.dtype, device: torch.device) -> TileConfig | WSConfig:
-    """WS_CONFIG from WS_MIN_ROWS rows on where it runs without a copy (on Hopper, not interpreted; rows of
-    the codes and the output in 16-byte multiples, else its launcher pads them), the Triton tile ladder
-    otherwise. Either gives the same bits."""
+    """Where the warp-specialized kernel runs without a copy (on Hopper, not interpreted; rows of the codes
+    and the output in 16-byte multiples, else its launcher pads them): WS_CONFIG from WS_MIN_ROWS rows on,
+    DECODE_WS_CONFIG below; the Triton tile ladder otherwise. Each gives the same bits."""
     interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     rows_aligned = k % TMA_ALIGN == 0 and out_dtype in OUT_DTYPES and n * out_dtype.itemsize % TMA_ALIGN == 0
-    if m >= WS_MIN_ROWS and rows_aligned and not interpreted and is_hopper(device):
-        return WS_CONFIG
+    if rows_aligned and not interpreted and is_hopper(device):
+        return WS_CONFIG if m >= WS_MIN_ROWS else DECODE_WS_CONFIG
     return pick_config(m, n, _num_sms(device))
 
 

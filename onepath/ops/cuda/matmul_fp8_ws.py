@@ -2,14 +2,14 @@
 with the Triton kernel's bits.
 
 The contract per output element is matmul_fp8's: for K blocks kb = 0, 1, ... (128 wide, ascending) a
-fresh FP32 wgmma partial of that block (four chained m64n128k32 steps, the first from zero), then
+fresh FP32 wgmma partial of that block (four chained m64nNk32 steps, the first from zero), then
 acc = fma(partial, sa[m, kb] * sw[n // 128, kb], acc), then one rounding of acc (+ bias in FP32) to
 out_dtype. No split-K, no atomics, one program per output tile at a time: a row's bits depend on K
 alone, never on M, the tile or the kernel, which is why matmul_fp8 may pick this kernel or the Triton
 one by M (tests/gpu/test_fp8_matmul_ws_gpu.py: torch.equal between them).
 
 Why warp specialization: Triton waits for every wgmma whose result feeds an FMA, so its tensor core
-idles during each block's promotion. Here a CTA (128 rows x BLOCK_N) runs three partitions:
+idles during each block's promotion. Here a CTA (128 rows x BLOCK_N, split "m") runs three partitions:
   producer      1 warp, 40 registers: TMA loads of the A [128, 128] and W [BLOCK_N, 128] tiles of each
                 K block into a ring of NUM_STAGES shared-memory stages (ready/empty mbarriers)
   consumer 0/1  one warpgroup each, 232 registers, rows 0-63 / 64-127: wgmma over the block into a fresh
@@ -25,6 +25,12 @@ register block: a 64x256 partial and its accumulator would need 256 registers a 
 128): issue block kb's wgmma, `wgmma.wait_group 1`, promote kb-1 under it; persistent (#SMs programs
 walking the tiles in grouped order) or one program per tile. Rows past M, columns past N and the
 ragged last K block are TMA's zero fill: the zero codes the Triton kernel's masked loads give the MMA.
+Split "n", for decode (M <= 256): the tile is 64 rows x BLOCK_N 64, 128 or 256, and the consumers split its
+columns (consumer i: [i * BLOCK_N/2, (i+1) * BLOCK_N/2), one n32, n64 or n128 chain, a W row range inside
+one 128-row scale block); half the rows of "m" doubles the tiles where M leaves the SMs empty, and the
+smaller stage (A [64, 128] + W [BLOCK_N, 128]) lets the ring hold 8 (BLOCK_N 128) or 12 (BLOCK_N 64) blocks
+of weights in flight. Same chain per element: the Triton 64x64 and 64x128 tiles already give equal bits
+with n64 and n128 wgmma (bench/fp8_gluon.py --decode checks every variant against them).
 tests/ops/test_fp8_gluon_build.py builds it for sm_90 without a GPU (Gluon is not interpreted).
 """
 from __future__ import annotations
@@ -43,9 +49,8 @@ from onepath.numerics.quant import FP8Tensor
 from onepath.ops.cuda.matmul import _num_sms
 
 BLOCK_K = 128  # one scale group: the partial a scale multiplies is one wgmma chain over 128 K values
-BLOCK_M = 128  # two consumer warpgroups of wgmma's 64 rows
-WG_M = 64
-MMA_N = 128  # one partial's wgmma: m64n128k32, the Triton kernel's 64x128 tile's instruction
+WG_M = 64  # wgmma's rows: a consumer warpgroup's share of the tile's rows
+MMA_N = 128  # split "m": one partial's wgmma is m64n128k32, the Triton kernel's 64x128 tile's instruction
 TMA_ALIGN = 16  # bytes: TMA wants 16-byte aligned rows
 SM90_SHARED_BYTES = 232448  # opt-in shared memory per block
 LAUNCH_REGS = 168  # registers a thread at launch: 3 warpgroups x 128 threads x 168 = 64512 of the SM's 65536
@@ -108,17 +113,17 @@ def _promote(partial, scale, acc):
 
 
 @gluon.jit
-def _issue(a_bufs, w_bufs, ready, it, into, WG: gl.constexpr, PART: gl.constexpr):
-    """Wait for the stage of the it-th K block loaded, issue its wgmma into a fresh partial (async):
-    rows WG*64.. of A against the PART-th MMA_N columns of W, four chained k32 steps from zero
+def _issue(a_bufs, w_bufs, ready, it, into, A_PART: gl.constexpr, PART: gl.constexpr, WAIT: gl.constexpr):
+    """Wait for the stage of the it-th K block loaded (WAIT), issue its wgmma into a fresh partial (async):
+    rows A_PART*64.. of A against the PART-th MMA_N columns of W, four chained k32 steps from zero
     (use_acc=False: `into` only names the registers, its values are not read)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     WG_M: gl.constexpr = into.shape[0]
     MMA_N: gl.constexpr = into.shape[1]
     s = it % STAGES
-    if PART == 0:  # a second part reads the stage the first waited for
+    if WAIT:  # a second part reads the stage the first waited for
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    a = a_bufs.index(s).slice(WG * WG_M, WG_M)
+    a = a_bufs.index(s).slice(A_PART * WG_M, WG_M)
     w = w_bufs.index(s).slice(PART * MMA_N, MMA_N)
     return warpgroup_mma(a, w.permute((1, 0)), into, use_acc=False, is_async=True)
 
@@ -163,13 +168,15 @@ def _epilogue(acc, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS: gl.cons
 @gluon.jit
 def _mma_partition(a_bufs, w_bufs, ready, empty, c_smem, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K, stride_sam,
                    stride_swn, NUM_PROGRAMS, WG: gl.constexpr, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   GROUP_M: gl.constexpr, WAIT1: gl.constexpr):
+                   GROUP_M: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr, MMA_N: gl.constexpr):
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = w_bufs.type.shape[1]
     WG_M: gl.constexpr = 64
-    MMA_N: gl.constexpr = 128
-    TWO: gl.constexpr = BN == 2 * MMA_N
+    # the consumer's share of the tile: rows WG*64.. (split "m") or columns WG*MMA_N.. (split "n")
+    A_PART: gl.constexpr = 0 if SPLIT_N else WG
+    W_PART: gl.constexpr = WG if SPLIT_N else 0
+    TWO: gl.constexpr = BN == 2 * MMA_N and not SPLIT_N
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, MMA_N, 32])
     num_pid_m = gl.cdiv(M, BM)
@@ -179,11 +186,11 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, c_smem, out_desc, sa_ptr, sw_pt
     it = 0  # K blocks this program has consumed: the ring position, as the producer counts them
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        row0 = pid_m * BM + WG * WG_M
+        row0 = pid_m * BM + A_PART * WG_M
         offs_m = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))
         row_ok = offs_m < M
         sa_ptrs = sa_ptr + gl.where(row_ok, offs_m, 0) * stride_sam
-        off_n = pid_n * BN
+        off_n = pid_n * BN + W_PART * MMA_N
         acc0 = gl.zeros((WG_M, MMA_N), gl.float32, layout)
         acc1 = gl.zeros((WG_M, MMA_N), gl.float32, layout)
         if WAIT1:
@@ -191,22 +198,22 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, c_smem, out_desc, sa_ptr, sw_pt
             # promoted (`wgmma.wait_group 1`). Unrolled by two so that no register copy of an in-flight
             # partial is needed (ptxas serializes every wgmma if one is read before its wait).
             scale_e = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, 0, stride_swn, W_BLOCK_N, layout)
-            p_e = _issue(a_bufs, w_bufs, ready, it, zero, WG, 0)
+            p_e = _issue(a_bufs, w_bufs, ready, it, zero, A_PART, W_PART, True)
             for kb in range(1, k_tiles - 1, 2):
                 scale_o = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, kb, stride_swn, W_BLOCK_N, layout)
-                p_o = _issue(a_bufs, w_bufs, ready, it + 1, zero, WG, 0)
+                p_o = _issue(a_bufs, w_bufs, ready, it + 1, zero, A_PART, W_PART, True)
                 partial = warpgroup_mma_wait(1, deps=[p_e])
                 _release(empty, it)
                 acc0 = _promote(partial, scale_e, acc0)
                 scale_e = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, kb + 1, stride_swn, W_BLOCK_N, layout)
-                p_e = _issue(a_bufs, w_bufs, ready, it + 2, zero, WG, 0)
+                p_e = _issue(a_bufs, w_bufs, ready, it + 2, zero, A_PART, W_PART, True)
                 partial = warpgroup_mma_wait(1, deps=[p_o])
                 _release(empty, it + 1)
                 acc0 = _promote(partial, scale_o, acc0)
                 it += 2
             if k_tiles % 2 == 0:  # the last block is odd: issue it, then promote the last two
                 scale_o = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, k_tiles - 1, stride_swn, W_BLOCK_N, layout)
-                p_o = _issue(a_bufs, w_bufs, ready, it + 1, zero, WG, 0)
+                p_o = _issue(a_bufs, w_bufs, ready, it + 1, zero, A_PART, W_PART, True)
                 partial = warpgroup_mma_wait(1, deps=[p_e])
                 _release(empty, it)
                 acc0 = _promote(partial, scale_e, acc0)
@@ -231,7 +238,7 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, c_smem, out_desc, sa_ptr, sw_pt
                 next0 = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, ahead, stride_swn, W_BLOCK_N, layout)
                 if TWO:
                     next1 = _scale(sa_ptrs, row_ok, sw_ptr, off_n + MMA_N, N, ahead, stride_swn, W_BLOCK_N, layout)
-                partial = warpgroup_mma_wait(0, deps=[_issue(a_bufs, w_bufs, ready, it, zero, WG, 0)])
+                partial = warpgroup_mma_wait(0, deps=[_issue(a_bufs, w_bufs, ready, it, zero, A_PART, W_PART, True)])
                 if not TWO:
                     _release(empty, it)
                 acc0 = _promote(partial, scale0, acc0)
@@ -239,7 +246,7 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, c_smem, out_desc, sa_ptr, sw_pt
                     # the second half reuses the first's registers (a 64x256 partial and its accumulator
                     # would not fit): the first's FMAs pinned before it, its partial named as the target
                     acc0 = _pinned(acc0)
-                    partial = warpgroup_mma_wait(0, deps=[_issue(a_bufs, w_bufs, ready, it, partial, WG, 1)])
+                    partial = warpgroup_mma_wait(0, deps=[_issue(a_bufs, w_bufs, ready, it, partial, A_PART, 1, False)])
                     _release(empty, it)
                     acc1 = _promote(partial, scale1, acc1)
                 it += 1
@@ -254,8 +261,8 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, c_smem, out_desc, sa_ptr, sw_pt
 @gluon.jit(do_not_specialize=["M", "N", "K", "stride_sam", "stride_swn", "NUM_PROGRAMS"])
 def _fp8_gemm_ws_kernel(a_desc, w_desc, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K, stride_sam, stride_swn,
                         NUM_PROGRAMS, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                        NUM_STAGES: gl.constexpr, WAIT1: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr):
+                        NUM_STAGES: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr, MMA_N: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
     c_smem0 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
@@ -269,9 +276,11 @@ def _fp8_gemm_ws_kernel(a_desc, w_desc, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N
     # (the constexpr switches are listed per partition: a tuple built here would turn them into tensors)
     gl.warp_specialize([
         (_mma_partition, (a_bufs, w_bufs, ready, empty, c_smem0, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K,
-                          stride_sam, stride_swn, NUM_PROGRAMS, 0, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1)),
+                          stride_sam, stride_swn, NUM_PROGRAMS, 0, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1, SPLIT_N,
+                          MMA_N)),
         (_mma_partition, (a_bufs, w_bufs, ready, empty, c_smem1, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K,
-                          stride_sam, stride_swn, NUM_PROGRAMS, 1, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1)),
+                          stride_sam, stride_swn, NUM_PROGRAMS, 1, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1, SPLIT_N,
+                          MMA_N)),
         (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -281,22 +290,43 @@ class WSConfig:
     block_n: int = 256
     num_stages: int = 4
     persistent: bool = True
-    wait1: bool = False  # BLOCK_N 128 only: two partials live (192 accumulator registers a thread)
+    # one chain a consumer (all but split "m" at block_n 256): two partials live (at n128, with the accumulator,
+    # 192 registers a thread)
+    wait1: bool = False
     # launched at 168 registers a thread in 3 warpgroups, setmaxnreg moves them: each consumer warpgroup
     # consumer_regs, the producer's producer_regs (2 * 232 + 40 = 3 * 168)
     consumer_regs: int = 232
     producer_regs: int = 40
     group_m: int = 8
+    # what the two consumer warpgroups split: "m", a 128 x block_n tile, 64 rows each (training shapes);
+    # "n", a 64 x block_n tile, block_n / 2 columns each (decode: twice the tiles of "m" for small M)
+    split: str = "m"
+
+    @property
+    def block_m(self) -> int:
+        return 2 * WG_M if self.split == "m" else WG_M
+
+    @property
+    def mma_n(self) -> int:
+        """The N of a consumer's wgmma chain (m64nNk32)."""
+        return MMA_N if self.split == "m" else self.block_n // 2
 
     def __str__(self) -> str:
-        flags = [f for f, on in (("persistent", self.persistent), ("wait1", self.wait1)) if on]
-        return "+".join([f"ws{BLOCK_M}x{self.block_n}s{self.num_stages}", *flags])
+        flags = [f for f, on in (("splitn", self.split == "n"), ("persistent", self.persistent),
+                                 ("wait1", self.wait1)) if on]
+        return "+".join([f"ws{self.block_m}x{self.block_n}s{self.num_stages}", *flags])
 
     def check(self) -> None:
-        if self.block_n not in (MMA_N, 2 * MMA_N):
+        if self.split not in ("m", "n"):
+            raise ValueError(f"{self}: split {self.split!r} must be 'm' (consumers take 64 rows each) or 'n' "
+                             "(consumers take half the columns each)")
+        if self.split == "m" and self.block_n not in (MMA_N, 2 * MMA_N):
             raise ValueError(f"{self}: block_n {self.block_n} must be {MMA_N} or {2 * MMA_N} "
                              f"(the partial is one or two n{MMA_N} wgmma chains)")
-        if self.wait1 and self.block_n != MMA_N:
+        if self.split == "n" and self.block_n not in (64, 128, 256):
+            raise ValueError(f"{self}: block_n {self.block_n} must be 64, 128 or 256 with split 'n' (each consumer "
+                             "one n32, n64 or n128 wgmma chain, within one 128-row weight scale block)")
+        if self.wait1 and self.split == "m" and self.block_n != MMA_N:
             raise ValueError(f"{self}: wait1 keeps two partials live; at block_n {self.block_n} they and the "
                              "accumulator need 256+ registers a thread: use block_n 128")
         if self.num_stages < 2:
@@ -310,9 +340,10 @@ class WSConfig:
                              "use fewer stages")
 
     def shared_bytes(self) -> int:
-        """The ring of A and W stages, the two consumers' epilogue tiles, the mbarriers (the compiler adds
-        a few hundred bytes)."""
-        return self.num_stages * (BLOCK_M + self.block_n) * BLOCK_K + 2 * WG_M * EPI_BYTES + 2 * self.num_stages * 8
+        """The ring of A and W stages, the two consumers' epilogue tiles (FP32 out, the widest), the
+        mbarriers (the compiler adds a few hundred bytes)."""
+        epilogue = 2 * WG_M * min(EPI_BYTES, 4 * self.mma_n)
+        return self.num_stages * (self.block_m + self.block_n) * BLOCK_K + epilogue + 2 * self.num_stages * 8
 
 
 def _tma_ready(codes: torch.Tensor) -> torch.Tensor:
@@ -333,18 +364,19 @@ def launch_args(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out: to
     a, w = _tma_ready(qa.codes), _tma_ready(qw.codes)
     (m, k), n = qa.codes.shape, qw.codes.shape[0]
     sa, sw = qa.scales.reshape(m, -1).contiguous(), qw.scales.contiguous()
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
-    a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, BLOCK_K], layout)
+    layout = gl.NVMMASharedLayout.get_default_for([config.block_m, BLOCK_K], gl.float8e4nv)
+    a_desc = TensorDescriptor.from_tensor(a, [config.block_m, BLOCK_K], layout)
     w_desc = TensorDescriptor.from_tensor(w, [config.block_n, BLOCK_K], layout)
-    epi = [WG_M, EPI_BYTES // out.element_size()]
+    epi = [WG_M, min(config.mma_n, EPI_BYTES // out.element_size())]
     out_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], epi,
                                 gl.NVMMASharedLayout.get_default_for(epi, OUT_DTYPES[out.dtype]))
-    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, config.block_n)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     programs = min(_num_sms(a.device), tiles) if config.persistent else tiles
     args = (a_desc, w_desc, out_desc, sa, sw, bias.contiguous() if bias is not None else None, m, n, k,
             sa.stride(0), sw.stride(0), programs)
     consts = dict(W_BLOCK_N=qw.block[0], HAS_BIAS=bias is not None, GROUP_M=config.group_m,
-                  NUM_STAGES=config.num_stages, WAIT1=config.wait1, CONSUMER_REGS=config.consumer_regs,
+                  NUM_STAGES=config.num_stages, WAIT1=config.wait1, SPLIT_N=config.split == "n",
+                  MMA_N=config.mma_n, CONSUMER_REGS=config.consumer_regs,
                   PRODUCER_REGS=config.producer_regs)
     return (programs,), args, consts
 
