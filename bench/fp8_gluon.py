@@ -5,7 +5,8 @@ is fastest, and does each give the Triton kernel's bits (ops/cuda/matmul_fp8.py)
     python bench/fp8_gluon.py --decode [--out bench/results/fp8-gluon-decode.json] [--weights-mb 0]
 
 The kernel, its contract and its switches (BLOCK_N 128 or 256, ring depth, persistent, wait1) are
-described in matmul_fp8_ws.py; matmul_fp8 ships one config (WS_CONFIG) from WS_MIN_ROWS rows on.
+described in matmul_fp8_ws.py; matmul_fp8 ships two (ops/cuda/matmul_fp8.py): WS_CONFIG from WS_MIN_ROWS
+rows on, DECODE_WS_CONFIG (split "n") below.
 Per config: bits against the Triton kernel (matmul_fp8 with its Triton tile, forced) on awkward shapes
 (FP32 out; bf16 out with bias) and at training shapes, the registers and spills of its build, median
 time against the Triton FP8 kernel, our BF16 GEMM and cuBLAS BF16. A config that hangs (an mbarrier

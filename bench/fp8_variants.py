@@ -1,5 +1,6 @@
 """Which formulation of the block-FP8 GEMM's K loop Triton runs fast on Hopper: the data behind
-ops/cuda/matmul_fp8.py's choice.
+ops/cuda/matmul_fp8.py's Triton tiles. "Shipped" here is that Triton kernel, forced to its tile: on Hopper
+matmul_fp8 now takes the warp-specialized Gluon kernel (ops/cuda/matmul_fp8_ws.py, bench/fp8_gluon.py).
 
     python bench/fp8_variants.py [--out bench/results/fp8-variants.json]
 
@@ -289,7 +290,13 @@ def run(args) -> None:
     from onepath.numerics.quant import quantize_fp8
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
     from onepath.ops.cuda.matmul import matmul
-    from onepath.ops.cuda.matmul_fp8 import matmul_fp8
+    from onepath.ops.cuda.matmul_fp8 import matmul_fp8, pick_config
+
+    def triton_fp8(qa, qw, **kw):
+        """The Triton kernel at its tile ("shipped" below): matmul_fp8 alone picks the warp-specialized
+        kernel on Hopper (ops/cuda/matmul_fp8_ws.py, bench/fp8_gluon.py)."""
+        tile = pick_config(qa.codes.shape[0], qw.codes.shape[0], _num_sms(qa.codes.device))
+        return matmul_fp8(qa, qw, config=tile, **kw)
 
     t = lambda fn: kernel_us(fn, args.rep_ms)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -298,15 +305,15 @@ def run(args) -> None:
         x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
         w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
         qa, qw = quantize_fp8(x, FP8_ACT), quantize_fp8(w, FP8_WEIGHT)
-        base = dict(M=m, N=n, K=k, bf16_ours_us=t(lambda: matmul(x, w)), shipped_us=t(lambda: matmul_fp8(qa, qw)))
+        base = dict(M=m, N=n, K=k, bf16_ours_us=t(lambda: matmul(x, w)), shipped_us=t(lambda: triton_fp8(qa, qw)))
         print(f"M={m} N={n} K={k}: bf16 ours {base['bf16_ours_us']:.0f} us, shipped fp8 {base['shipped_us']:.0f} us",
               flush=True)
-        shapes.append((qa, qw, matmul_fp8(qa, qw), base))
+        shapes.append((qa, qw, triton_fp8(qa, qw), base))
     awkward = []
     for m, n, k in AWKWARD:
         qa = quantize_fp8(torch.randn(m, k, device="cuda", generator=gen).bfloat16(), FP8_ACT)
         qw = quantize_fp8((torch.randn(n, k, device="cuda", generator=gen) * 0.05).bfloat16(), FP8_WEIGHT)
-        awkward.append((qa, qw, matmul_fp8(qa, qw, out_dtype=torch.float32)))
+        awkward.append((qa, qw, triton_fp8(qa, qw, out_dtype=torch.float32)))
     result = dict(environment("cuda"), command="python " + " ".join(sys.argv), rows=[])
     # variant-major, the Gluon kernels last: a variant that faults the CUDA context costs only those after it
     for v in variants():

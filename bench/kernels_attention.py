@@ -3,7 +3,8 @@
     python bench/kernels_attention.py [--out bench/results/kernels-attention.json] [--variants V ...] [--graph]
 
 Decode: B sequences x context L, one query each, Qwen3-0.6B heads (H 16, Hkv 8, D 128), bf16, block 16,
-random non-contiguous block tables (--kv fp8: an FP8 cache, the spec's FP8_KV, codes and per-token scales); ours with the launch it picks (split-KV at decode) and with the
+random non-contiguous block tables (--kv fp8: an FP8 cache, the spec's FP8_KV, codes and per-token scales;
+--max-context: the split-KV grid sized as an engine's graphs size it); ours with the split-KV launch and the
 in-register launch, vs SDPA flash (Lq = 1) on dense, GQA-expanded K/V (no paging cost, no invariance):
 median microseconds, GB/s of the K/V a step must read. Prefill: B x L causal tokens, ours vs SDPA flash
 (is_causal), TFLOP/s. --variants times other settings (q_rows, kv_tile, kv_split, num_warps give other bits:

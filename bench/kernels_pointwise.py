@@ -97,7 +97,8 @@ def run(args) -> dict:
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, command=" ".join(["python"] + sys.argv),
                 timing=("CUDA graph replays (do_bench_cudagraph median) where capturable, else eager"
-                        if args.graph else "triton.testing.do_bench median"), bound=f"bytes / {COPY_TB_S} TB/s device copy", rows=rows)
+                        if args.graph else "triton.testing.do_bench median"),
+                bound=f"bytes / {COPY_TB_S} TB/s device copy", rows=rows)
 
 
 def main():

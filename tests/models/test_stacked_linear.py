@@ -106,17 +106,14 @@ def test_which_sites_stack():
 
 
 def _fp8_sites(monkeypatch):
-    """The CUDA predicate for FP8 forced onto this CPU spec: stack where the blocks allow."""
-    predicate = dense.stack_projections
+    """The CUDA predicate for FP8 applied to this CPU spec: stack where the blocks allow."""
+    from dataclasses import replace
 
-    def on_cpu(ops, sizes):
-        spec = ops.spec
-        object.__setattr__(spec, "device", "cuda")
-        try:
-            return predicate(ops, sizes)
-        finally:
-            object.__setattr__(spec, "device", "cpu")
-    monkeypatch.setattr(dense, "stack_projections", on_cpu)
+    from onepath.ops import Ops
+
+    predicate = dense.stack_projections
+    monkeypatch.setattr(dense, "stack_projections",
+                        lambda ops, sizes: predicate(Ops(replace(ops.spec, device="cuda")), sizes))
 
 
 # q, k, v, gate, up each 128 rows: every 128x128 weight block within one layer
