@@ -4,7 +4,7 @@ is fastest, and does each give the Triton kernel's bits (ops/cuda/matmul_fp8.py)
     python bench/fp8_gluon.py [--out bench/results/fp8-gluon.json] [--only NAME|GLOB ...] [--skip ...]
     python bench/fp8_gluon.py --decode [--out bench/results/fp8-gluon-decode.json] [--weights-mb 0]
 
-The kernel, its contract and its switches (BLOCK_N 128 or 256, ring depth, persistent, wait1) are
+The kernel, its contract and its switches (BLOCK_N 128 or 256, ring depth, persistent, wait1, pingpong) are
 described in matmul_fp8_ws.py; matmul_fp8 ships two (ops/cuda/matmul_fp8.py): WS_CONFIG from WS_MIN_ROWS
 rows on, DECODE_WS_CONFIG (split "n") below.
 Per config: bits against the Triton kernel (matmul_fp8 with its Triton tile, forced) on awkward shapes
@@ -50,11 +50,13 @@ DECODE_SHAPES = {  # (K, N) of the decode GEMMs: qkv, o, gate+up, down
 
 def variants() -> list[WSConfig]:
     """BLOCK_N 128 at three ring depths, persistent or not, with and without the wait-1 pipeline; BLOCK_N
-    256 (A read once for twice the columns) at the depths its shared memory allows."""
+    256 (A read once for twice the columns) at the depths its shared memory allows, the shipped 4-stage one
+    also with the consumers' chains in turns (pingpong, the turn passed at issue or at completion)."""
     return [WSConfig(128, 4), WSConfig(128, 3), WSConfig(128, 5), WSConfig(128, 4, persistent=False),
             WSConfig(128, 4, wait1=True), WSConfig(128, 3, wait1=True), WSConfig(128, 5, wait1=True),
             WSConfig(128, 4, persistent=False, wait1=True),
-            WSConfig(256, 3), WSConfig(256, 4), WSConfig(256, 3, persistent=False)]
+            WSConfig(256, 3), WSConfig(256, 4), WSConfig(256, 4, pingpong="issued"), WSConfig(256, 4, pingpong="done"),
+            WSConfig(256, 3, persistent=False)]
 
 
 def decode_variants() -> list[WSConfig]:

@@ -13,12 +13,16 @@ Asserted on the PTX and SASS, what the design needs and a build can lose without
   - ptxas kept the pipeline: one WARPGROUP.ARRIVE per four-step chain (it puts one before every wgmma
     when it serializes them), `WARPGROUP.DEPBAR.LE gsb0, 0x1` in the wait1 variants; no spills
   - within Hopper's 227 KiB of shared memory
+  - pingpong: per wgmma chain one wait for the consumer's turn and one arrive passing it on (the same
+    build without pingpong has 2 x chains fewer of each), the arrive before the chain's
+    WARPGROUP.DEPBAR ("issued") or after it ("done")
 Negative control: matmul_fp8's Triton (not warp-specialized) kernel's build fails those checks.
 The bits rest on tests/gpu/test_fp8_matmul_ws_gpu.py and the GPU bench (torch.equal against the Triton
 kernel): Gluon is not interpreted.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -77,6 +81,27 @@ def _setmaxnreg(ptx: str, regs: int | None) -> bool:
     return regs is not None and re.search(rf"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+{regs};", ptx) is not None
 
 
+def _turn_passes(sass: str) -> tuple[int, int]:
+    """The plain mbarrier arrives between a wgmma chain's WARPGROUP.ARRIVE and its WARPGROUP.DEPBAR (its wait),
+    and those right after the DEPBAR."""
+    ops = re.findall(r"WARPGROUP\.ARRIVE|WARPGROUP\.DEPBAR|SYNCS\.ARRIVE\.TRANS64\.A1T0", sass)
+    marks = "".join(op[10] if op.startswith("WARPGROUP") else "S" for op in ops)  # A, D or S
+    return tuple(sum(map(len, re.findall(rf"(?<={mark})S+", marks))) for mark in "AD")
+
+
+def _pingpong_problems(v, ptx: str, sass: str, alone) -> list[str]:
+    """The turn's mbarrier ops against `alone`, the same build without pingpong."""
+    turns = 2 * (v.block_n // v.mma_n)  # both consumers, every chain of a K block
+    checks = {
+        "a turn wait per chain": ptx.count("mbarrier.try_wait") == alone.asm["ptx"].count("mbarrier.try_wait") + turns,
+        "a turn arrive per chain":
+            ptx.count("mbarrier.arrive.shared") == alone.asm["ptx"].count("mbarrier.arrive.shared") + turns,
+        f"the turn passed once the chain is {v.pingpong}": _turn_passes(sass)[v.pingpong == "done"]
+        == _turn_passes(alone.asm["sass"])[v.pingpong == "done"] + turns,
+    }
+    return [name for name, ok in checks.items() if not ok]
+
+
 def _problems(v, ptx: str, sass: str, shared: int) -> list[str]:
     wait1 = getattr(v, "wait1", False)
     chains = _chains(ptx)
@@ -100,6 +125,17 @@ def _problems(v, ptx: str, sass: str, shared: int) -> list[str]:
     return [name for name, ok in checks.items() if not ok]
 
 
+def _build_problems(v, **shape) -> list[str]:
+    """_problems of v's build for `shape` (_build's keywords); with pingpong, its turn's against the same build
+    without pingpong."""
+    compiled = _build(v, **shape)
+    ptx, sass = compiled.asm["ptx"], compiled.asm["sass"]
+    problems = _problems(v, ptx, sass, compiled.metadata.shared)
+    if v.pingpong:
+        problems += _pingpong_problems(v, ptx, sass, _build(dataclasses.replace(v, pingpong=""), **shape))
+    return problems
+
+
 def _variants():
     """The shipped config first, then the bench's sweeps (the training one holds it too: built once)."""
     from bench.fp8_gluon import decode_variants, variants
@@ -110,18 +146,16 @@ def _variants():
 @pytest.mark.parametrize("v", _variants(), ids=str)
 def test_variant_builds_for_sm90_warp_specialized_with_the_triton_kernels_wgmma(v):
     """The build the bench times at training shapes (bf16 out, N and K multiples of 16, no bias)."""
-    compiled = _build(v)
-    problems = _problems(v, compiled.asm["ptx"], compiled.asm["sass"], compiled.metadata.shared)
+    problems = _build_problems(v)
     assert not problems, f"{v}: {problems}"
 
 
 @pytest.mark.parametrize("v", [_variants()[0], *(v for v in _variants()[1:] if v.persistent and (
-    v.num_stages == 3 or v.split == "n"))], ids=str)
+    v.num_stages == 3 or v.split == "n" or v.pingpong))], ids=str)
 def test_variant_builds_for_awkward_shapes_fp32_out_and_bias(v):
     """The other epilogue (FP32 out: two 64-column TMA stores a 128-column partial), the bias, N and K off
-    multiples of 16: for the shipped config, the persistent 3-stage ones and the split "n" ones."""
-    compiled = _build(v, m=37, n=200, k=1000, out_dtype=torch.float32, bias=True)
-    problems = _problems(v, compiled.asm["ptx"], compiled.asm["sass"], compiled.metadata.shared)
+    multiples of 16: for the shipped config, the persistent 3-stage ones, the split "n" and pingpong ones."""
+    problems = _build_problems(v, m=37, n=200, k=1000, out_dtype=torch.float32, bias=True)
     assert not problems, f"{v}: {problems}"
 
 
@@ -141,6 +175,19 @@ def test_negative_control_the_triton_kernel_fails_the_warp_specialization_checks
     problems = _problems(config, ptx, "", shared)
     assert CHAINS not in problems, "the Triton kernel's MMA is the reference the Gluon builds are held to"
     assert {"setmaxnreg to the consumer budget", "TMA loads on mbarriers", "TMA stores"} <= set(problems), problems
+
+
+def test_negative_control_the_pingpong_checks_tell_the_turn_passes_apart():
+    """The turn checks can fail: the "done" build held to "issued" (arrive after the wgmma wait, not before)
+    and the build without pingpong held to it (no turn ops) are flagged."""
+    from onepath.ops.cuda.matmul_fp8_ws import WSConfig
+
+    issued, done = WSConfig(256, 4, pingpong="issued"), WSConfig(256, 4, pingpong="done")
+    alone = _build(WSConfig(256, 4))
+    built = _build(done)
+    assert _pingpong_problems(issued, built.asm["ptx"], built.asm["sass"], alone) == \
+        ["the turn passed once the chain is issued"]
+    assert len(_pingpong_problems(issued, alone.asm["ptx"], alone.asm["sass"], alone)) == 3
 
 
 @pytest.mark.parametrize("block_n", [64, 128, 256])
@@ -168,7 +215,8 @@ def test_split_n_tiles_64_rows_and_the_consumers_take_half_the_columns_each(bloc
 
 def test_config_check_names_what_is_wrong():
     """Split "m" keeps its two shapes; split "n" takes n32/n64/n128 chains; the ring must fit Hopper's 227 KiB
-    (split "n" with BLOCK_N 128: 8 stages fit, 9 do not); a layout that is neither is refused."""
+    (split "n" with BLOCK_N 128: 8 stages fit, 9 do not); a layout that is neither is refused; pingpong is
+    split "m" without wait1, its turn passed once "issued" or "done"."""
     from onepath.ops.cuda.matmul_fp8_ws import WSConfig
 
     for v in (WSConfig(128, 8, split="n"), WSConfig(256, 4, split="n"), WSConfig(64, 12, split="n"),
@@ -177,8 +225,13 @@ def test_config_check_names_what_is_wrong():
         assert v.shared_bytes() <= SM90_SHARED_BYTES
     for v, words in ((WSConfig(64, 4), "block_n 64"), (WSConfig(512, 2, split="n"), "block_n 512"),
                      (WSConfig(128, 9, split="n"), "shared memory"), (WSConfig(256, 5, split="n"), "shared memory"),
-                     (WSConfig(256, 4, wait1=True), "wait1"), (WSConfig(128, 4, split="k"), "split 'k'")):
+                     (WSConfig(256, 4, wait1=True), "wait1"), (WSConfig(128, 4, split="k"), "split 'k'"),
+                     (WSConfig(256, 4, pingpong="yes"), "'issued' or 'done'"),
+                     (WSConfig(128, 8, split="n", pingpong="issued"), "split 'm'"),
+                     (WSConfig(128, 4, wait1=True, pingpong="done"), "without wait1")):
         with pytest.raises(ValueError, match=words):
             v.check()
     assert str(WSConfig(128, 8, split="n")) == "ws64x128s8+splitn+persistent"
     assert str(WSConfig(256, 4)) == "ws128x256s4+persistent"
+    assert str(WSConfig(256, 4, pingpong="done")) == "ws128x256s4+persistent+pingpong-done"
+    assert WSConfig(256, 4, pingpong="issued").shared_bytes() <= SM90_SHARED_BYTES

@@ -23,8 +23,12 @@ Triton kernel's bits, with no spills.
 Switches (WSConfig): BLOCK_N 128 or 256 (two n128 chains per block, promoted one after the other in one
 register block: a 64x256 partial and its accumulator would need 256 registers a thread); WAIT1 (BLOCK_N
 128): issue block kb's wgmma, `wgmma.wait_group 1`, promote kb-1 under it; persistent (#SMs programs
-walking the tiles in grouped order) or one program per tile. Rows past M, columns past N and the
-ragged last K block are TMA's zero fill: the zero codes the Triton kernel's masked loads give the MMA.
+walking the tiles in grouped order) or one program per tile; pingpong (split "m", opt-in): the
+consumers take turns at the tensor core, chain by chain, through a pair of turn mbarriers, so that one's
+promotion runs under the other's chain rather than both chains running, then both promotions (the turn
+passes once a chain is "issued" or "done"; each element's chain and order are unchanged). Rows past M,
+columns past N and the ragged last K block are TMA's zero fill: the zero codes the Triton kernel's masked
+loads give the MMA.
 Split "n", for decode (M <= 256): the tile is 64 rows x BLOCK_N 64, 128 or 256, and the consumers split its
 columns (consumer i: [i * BLOCK_N/2, (i+1) * BLOCK_N/2), one n32, n64 or n128 chain, a W row range inside
 one 128-row scale block); half the rows of "m" doubles the tiles where M leaves the SMs empty, and the
@@ -129,6 +133,25 @@ def _issue(a_bufs, w_bufs, ready, it, into, A_PART: gl.constexpr, PART: gl.const
 
 
 @gluon.jit
+def _chain(a_bufs, w_bufs, ready, it, into, A_PART: gl.constexpr, PART: gl.constexpr, WAIT: gl.constexpr, turn,
+           chain, PASS_DONE: gl.constexpr):
+    """_issue's partial, waited for. With a turn (pingpong, split "m"), this consumer's chain-th chain waits for
+    its turn and passes it to the other consumer once issued, or once done (PASS_DONE). Strict alternation:
+    consumer 0's chain c follows consumer 1's chain c-1 (its first passes: a fresh mbarrier counts as having
+    completed the phase before 0), consumer 1's follows consumer 0's chain c; both run the same chains (same
+    tiles, same K blocks), so every wait has its arrive and no arrive can run a phase ahead of its wait."""
+    if turn is not None:
+        mbarrier.wait(turn.index(A_PART), (chain + 1 - A_PART) & 1)
+    partial = _issue(a_bufs, w_bufs, ready, it, into, A_PART, PART, WAIT)
+    if turn is not None and not PASS_DONE:
+        mbarrier.arrive(turn.index(1 - A_PART))
+    partial = warpgroup_mma_wait(0, deps=[partial])
+    if turn is not None and PASS_DONE:
+        mbarrier.arrive(turn.index(1 - A_PART))
+    return partial
+
+
+@gluon.jit
 def _pinned(x):
     """x, through an empty volatile asm: the compiler must finish x before any later wgmma (also volatile),
     not sink its FMAs below it, which would keep two partials live."""
@@ -166,9 +189,10 @@ def _epilogue(acc, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS: gl.cons
 
 
 @gluon.jit
-def _mma_partition(a_bufs, w_bufs, ready, empty, c_smem, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K, stride_sam,
+def _mma_partition(a_bufs, w_bufs, ready, empty, turn, c_smem, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K, stride_sam,
                    stride_swn, NUM_PROGRAMS, WG: gl.constexpr, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   GROUP_M: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr, MMA_N: gl.constexpr):
+                   GROUP_M: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr, MMA_N: gl.constexpr,
+                   PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr):
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = w_bufs.type.shape[1]
@@ -177,6 +201,9 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, c_smem, out_desc, sa_ptr, sw_pt
     A_PART: gl.constexpr = 0 if SPLIT_N else WG
     W_PART: gl.constexpr = WG if SPLIT_N else 0
     TWO: gl.constexpr = BN == 2 * MMA_N and not SPLIT_N
+    CHAINS: gl.constexpr = 2 if TWO else 1  # wgmma chains a K block
+    if not PINGPONG:
+        turn = None
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, MMA_N, 32])
     num_pid_m = gl.cdiv(M, BM)
@@ -238,7 +265,7 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, c_smem, out_desc, sa_ptr, sw_pt
                 next0 = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, ahead, stride_swn, W_BLOCK_N, layout)
                 if TWO:
                     next1 = _scale(sa_ptrs, row_ok, sw_ptr, off_n + MMA_N, N, ahead, stride_swn, W_BLOCK_N, layout)
-                partial = warpgroup_mma_wait(0, deps=[_issue(a_bufs, w_bufs, ready, it, zero, A_PART, W_PART, True)])
+                partial = _chain(a_bufs, w_bufs, ready, it, zero, A_PART, W_PART, True, turn, CHAINS * it, PASS_DONE)
                 if not TWO:
                     _release(empty, it)
                 acc0 = _promote(partial, scale0, acc0)
@@ -246,7 +273,7 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, c_smem, out_desc, sa_ptr, sw_pt
                     # the second half reuses the first's registers (a 64x256 partial and its accumulator
                     # would not fit): the first's FMAs pinned before it, its partial named as the target
                     acc0 = _pinned(acc0)
-                    partial = warpgroup_mma_wait(0, deps=[_issue(a_bufs, w_bufs, ready, it, partial, A_PART, 1, False)])
+                    partial = _chain(a_bufs, w_bufs, ready, it, partial, A_PART, 1, False, turn, 2 * it + 1, PASS_DONE)
                     _release(empty, it)
                     acc1 = _promote(partial, scale1, acc1)
                 it += 1
@@ -262,7 +289,8 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, c_smem, out_desc, sa_ptr, sw_pt
 def _fp8_gemm_ws_kernel(a_desc, w_desc, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K, stride_sam, stride_swn,
                         NUM_PROGRAMS, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                         NUM_STAGES: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr, MMA_N: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                        PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
     c_smem0 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
@@ -272,15 +300,20 @@ def _fp8_gemm_ws_kernel(a_desc, w_desc, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
+    turn = ready  # (warp_specialize takes no None: the consumers drop it without PINGPONG)
+    if PINGPONG:  # turn.index(i): consumer i may issue its next chain
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
     fence_async_shared()
     # (the constexpr switches are listed per partition: a tuple built here would turn them into tensors)
     gl.warp_specialize([
-        (_mma_partition, (a_bufs, w_bufs, ready, empty, c_smem0, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K,
+        (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, c_smem0, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K,
                           stride_sam, stride_swn, NUM_PROGRAMS, 0, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1, SPLIT_N,
-                          MMA_N)),
-        (_mma_partition, (a_bufs, w_bufs, ready, empty, c_smem1, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K,
+                          MMA_N, PINGPONG, PASS_DONE)),
+        (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, c_smem1, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K,
                           stride_sam, stride_swn, NUM_PROGRAMS, 1, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1, SPLIT_N,
-                          MMA_N)),
+                          MMA_N, PINGPONG, PASS_DONE)),
         (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -301,6 +334,11 @@ class WSConfig:
     # what the two consumer warpgroups split: "m", a 128 x block_n tile, 64 rows each (training shapes);
     # "n", a 64 x block_n tile, block_n / 2 columns each (decode: twice the tiles of "m" for small M)
     split: str = "m"
+    # split "m": "" off, or the consumers take turns at the tensor core (consumer 0's wgmma chain c, consumer 1's
+    # chain c, consumer 0's c+1, ...), so that one's chain runs while the other promotes; the turn passes once
+    # a chain is "issued" (FlashAttention-3's and CUTLASS's ping-pong: the chains queue in that order) or
+    # "done" (no two chains in flight at once, a hand-over's latency between them)
+    pingpong: str = ""
 
     @property
     def block_m(self) -> int:
@@ -313,7 +351,7 @@ class WSConfig:
 
     def __str__(self) -> str:
         flags = [f for f, on in (("splitn", self.split == "n"), ("persistent", self.persistent),
-                                 ("wait1", self.wait1)) if on]
+                                 ("wait1", self.wait1), (f"pingpong-{self.pingpong}", self.pingpong)) if on]
         return "+".join([f"ws{self.block_m}x{self.block_n}s{self.num_stages}", *flags])
 
     def check(self) -> None:
@@ -329,6 +367,12 @@ class WSConfig:
         if self.wait1 and self.split == "m" and self.block_n != MMA_N:
             raise ValueError(f"{self}: wait1 keeps two partials live; at block_n {self.block_n} they and the "
                              "accumulator need 256+ registers a thread: use block_n 128")
+        if self.pingpong not in ("", "issued", "done"):
+            raise ValueError(f"{self}: pingpong {self.pingpong!r} must be '' (off), 'issued' or 'done' (when a "
+                             "consumer passes the turn on: its chain issued or completed)")
+        if self.pingpong and (self.split != "m" or self.wait1):
+            raise ValueError(f"{self}: pingpong takes turns between the two consumers' chains of split 'm' (one "
+                             "chain in flight each): use split 'm' without wait1")
         if self.num_stages < 2:
             raise ValueError(f"{self}: num_stages {self.num_stages} < 2 leaves the producer nothing to prefetch")
         if 2 * self.consumer_regs + self.producer_regs > 3 * LAUNCH_REGS or self.producer_regs < 24 \
@@ -343,7 +387,8 @@ class WSConfig:
         """The ring of A and W stages, the two consumers' epilogue tiles (FP32 out, the widest), the
         mbarriers (the compiler adds a few hundred bytes)."""
         epilogue = 2 * WG_M * min(EPI_BYTES, 4 * self.mma_n)
-        return self.num_stages * (self.block_m + self.block_n) * BLOCK_K + epilogue + 2 * self.num_stages * 8
+        barriers = 2 * self.num_stages + 2 * bool(self.pingpong)
+        return self.num_stages * (self.block_m + self.block_n) * BLOCK_K + epilogue + 8 * barriers
 
 
 def _tma_ready(codes: torch.Tensor) -> torch.Tensor:
@@ -376,7 +421,8 @@ def launch_args(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out: to
             sa.stride(0), sw.stride(0), programs)
     consts = dict(W_BLOCK_N=qw.block[0], HAS_BIAS=bias is not None, GROUP_M=config.group_m,
                   NUM_STAGES=config.num_stages, WAIT1=config.wait1, SPLIT_N=config.split == "n",
-                  MMA_N=config.mma_n, CONSUMER_REGS=config.consumer_regs,
+                  MMA_N=config.mma_n, PINGPONG=bool(config.pingpong),
+                  PASS_DONE=config.pingpong == "done", CONSUMER_REGS=config.consumer_regs,
                   PRODUCER_REGS=config.producer_regs)
     return (programs,), args, consts
 
