@@ -64,7 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from onepath.numerics.quant import FP8Tensor  # noqa: E402
 from onepath.ops.cuda import attention as A  # noqa: E402
-from onepath.ops.cuda.attention import _merge, _merge_splits_kernel, _query_blocks, _rescale  # noqa: E402
+from onepath.ops.cuda.attention import (_merge, _merge_splits_kernel, _program_rows, _query_blocks,  # noqa: E402
+                                         _rescale)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, KV_TILE, KV_SPLIT = 16, 8, 128, 16, 32, 256
 PHASE_LEN, BATCH, CONTEXTS = 700, 256, (1024, 4096)
@@ -238,36 +239,9 @@ def _variant_kernel(
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     num_heads = tl.num_programs(1) * GROUP
-
-    t0 = tl.load(starts_ptr + pid)
-    live = t0 < num_tokens
-    t0 = tl.where(live, t0, 0)
-    seq = tl.load(seq_ptr + t0)
-    first_pos = tl.load(pos_ptr + t0).to(tl.int32)
-    rows = tl.arange(0, BLOCK_M)
-    offset = rows // GROUP_PAD
-    g = rows % GROUP_PAD
-    tok = t0 + offset - first_pos % BLOCK_Q
-    tok_ok = (tok >= t0) & (tok < num_tokens) & (offset < BLOCK_Q)
-    tok_c = tl.where(tok_ok, tok, 0)
-    pos = tl.load(pos_ptr + tok_c).to(tl.int32)
-    row_ok = live & tok_ok & (g < GROUP) & (tl.load(seq_ptr + tok_c) == seq)
-    row_ok = row_ok & (pos == first_pos - first_pos % BLOCK_Q + offset)
-    first_key = tl.maximum(pos - window + 1, 0)
-    head = kv_head * GROUP + tl.where(g < GROUP, g, 0)
-    tok_c = tok_c.to(tl.int64)
-
-    last_key = tl.max(tl.where(row_ok, pos, -1), 0)
-    tile_end = tl.where(last_key >= 0, last_key // KV_TILE + 1, 0)
-    lo_key = tl.min(tl.where(row_ok, first_key, tile_end * KV_TILE), 0)
-    tile_lo = lo_key // KV_TILE
-    split_lo = tile_lo // SPLIT_TILES
-    split_end = tl.cdiv(tile_end, SPLIT_TILES)
-
-    d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + tok_c[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    (seq, pos, row_ok, first_key, head, tok_c, lo_key, last_key, tile_lo, tile_end, split_lo, split_end, d, d_ok,
+     q) = _program_rows(q_ptr, pos_ptr, seq_ptr, starts_ptr, num_tokens, window, pid, kv_head, stride_qt,
+                        stride_qh, GROUP, GROUP_PAD, HEAD_DIM, D_PAD, KV_TILE, SPLIT_TILES, BLOCK_M, BLOCK_Q)
     table = table_ptr + seq.to(tl.int64) * stride_table
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh

@@ -51,13 +51,12 @@ reading a cache of q's dtype that holds the dequantised values. The kernel only 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from onepath.numerics.quant import FP8Tensor
+from onepath.ops.cuda import interpreting
 
 # Rows (query tokens x group heads) per program: one shape for every launch, so every dot is the same.
 # The spec may set another (OpSpec.q_rows): fewer rows waste less of a decode program (one token, its
@@ -149,22 +148,13 @@ def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, 
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_tokens", "window", "num_splits"])
-def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, pos_ptr, seq_ptr, table_ptr, starts_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr,
-    num_tokens, window, qk_scale, num_splits,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
-    stride_ksb, stride_kss, stride_ksh, stride_vsb, stride_vss, stride_vsh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, FP8_KV: tl.constexpr, OPAQUE: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    num_heads = tl.num_programs(1) * GROUP
-
+@triton.jit
+def _program_rows(q_ptr, pos_ptr, seq_ptr, starts_ptr, num_tokens, window, pid, kv_head, stride_qt, stride_qh,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                  KV_TILE: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """A program's rows (see the module docstring's program mapping) and what they read: each row's
+    sequence, position, validity, window start, query head and token; the program's key range, tiles and
+    splits; the head dims and the rows' q. Shared with bench/attention_fp8_variants.py's kernel."""
     # Rows: the program holds positions [base, base + BLOCK_Q) of one sequence; position base + i takes
     # rows i * GROUP_PAD + (0..GROUP), so a query sits at the same rows of the same dot in every phase
     # and batch. BLOCK_Q divides KV_TILE: all of a program's rows end in the same tile and split.
@@ -198,6 +188,28 @@ def _paged_attention_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + tok_c[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    return (seq, pos, row_ok, first_key, head, tok_c, lo_key, last_key, tile_lo, tile_end, split_lo, split_end, d,
+            d_ok, q)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "window", "num_splits"])
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, pos_ptr, seq_ptr, table_ptr, starts_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    num_tokens, window, qk_scale, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
+    stride_ksb, stride_kss, stride_ksh, stride_vsb, stride_vss, stride_vsh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, FP8_KV: tl.constexpr, OPAQUE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    num_heads = tl.num_programs(1) * GROUP
+    (seq, pos, row_ok, first_key, head, tok_c, lo_key, last_key, tile_lo, tile_end, split_lo, split_end, d, d_ok,
+     q) = _program_rows(q_ptr, pos_ptr, seq_ptr, starts_ptr, num_tokens, window, pid, kv_head, stride_qt, stride_qh,
+                        GROUP, GROUP_PAD, HEAD_DIM, D_PAD, KV_TILE, SPLIT_TILES, BLOCK_M, BLOCK_Q)
     table = table_ptr + seq.to(tl.int64) * stride_table
     k_base = k_ptr + kv_head * stride_kh + d[None, :]
     v_base = v_ptr + kv_head * stride_vh + d[None, :]
@@ -409,7 +421,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
         v_scales.stride(0), v_scales.stride(1), v_scales.stride(2),
         BLOCK_SIZE=block_size, KV_TILE=kv_tile, SPLIT_TILES=kv_split // kv_tile, BLOCK_M=block_m,
         BLOCK_Q=block_q, SPLIT=split, FP8_KV=fp8_kv,
-        OPAQUE=fp8_kv and OPAQUE_FP8_TILES and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+        OPAQUE=fp8_kv and OPAQUE_FP8_TILES and not interpreting(),
         num_stages=num_stages, **common,
     )
     if split:

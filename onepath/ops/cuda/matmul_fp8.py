@@ -22,13 +22,13 @@ tests/gpu/test_fp8_matmul_ws_gpu.py proves the candidates give equal bits.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from onepath.numerics.quant import FP8Tensor
+from onepath.ops.cuda import interpreting
 from onepath.ops.cuda.matmul import TileConfig, _num_sms, _tile_offsets, first_filling
 from onepath.ops.cuda.matmul_fp8_ws import OUT_DTYPES, TMA_ALIGN, WSConfig, matmul_fp8_ws
 
@@ -116,9 +116,8 @@ def pick_kernel(m: int, n: int, k: int, out_dtype: torch.dtype, device: torch.de
     """Where the warp-specialized kernel runs without a copy (on Hopper, not interpreted; rows of the codes
     and the output in 16-byte multiples, else its launcher pads them): WS_CONFIG from WS_MIN_ROWS rows on,
     DECODE_WS_CONFIG below; the Triton tile ladder otherwise. Each gives the same bits."""
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     rows_aligned = k % TMA_ALIGN == 0 and out_dtype in OUT_DTYPES and n * out_dtype.itemsize % TMA_ALIGN == 0
-    if rows_aligned and not interpreted and is_hopper(device):
+    if rows_aligned and not interpreting() and is_hopper(device):
         return WS_CONFIG if m >= WS_MIN_ROWS else DECODE_WS_CONFIG
     return pick_config(m, n, _num_sms(device))
 
