@@ -349,4 +349,11 @@ def test_kernel_builds_for_sm90(program):
         kwidth = {int(x) for line in dots for x in re.findall(r"kWidth = (\d+)", line)}
         if shared > SM90_SHARED_BYTES or not mma or (rows < 64 and kwidth != {2}):
             bad.append((split, shared, "wgmma" in ptx, "mma.sync" in ptx, kwidth))
+        if fp8 and rows < 64:
+            # control: without the barrier the same program's dots take kWidth 4 (the check above can fail)
+            plain = build_sm90(A._paged_attention_kernel, sig, {**consts, "OPAQUE": False},
+                               ptrs + ("stride_qt", "stride_ot"), config)
+            dots = [line for line in plain.asm["ttgir"].splitlines() if " tt.dot " in line]
+            if {int(x) for line in dots for x in re.findall(r"kWidth = (\d+)", line)} != {4}:
+                bad.append((split, "without the barrier the decode program's kWidth is not 4"))
     assert not bad, f"(split, shared bytes, wgmma, mma.sync, kWidth): {bad}"

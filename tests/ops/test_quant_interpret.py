@@ -17,7 +17,8 @@ from __future__ import annotations
 from tests.interpret import check_recorder, interpreted_checks, print_checks
 
 CHECKS = ["random_equal_torch", "adversarial_equal_torch", "rows_alone_equal_rows_in_batch", "strided_input",
-          "other_group_size", "rejects_other_rules", "interpreter_cast_is_not_rne", "write_kv_fp8_equals_torch"]
+          "other_group_size", "rejects_other_rules", "interpreter_cast_is_not_rne", "write_kv_fp8_equals_torch",
+          "write_kv_fp8_other_rule_differs"]
 
 
 def _patch_fp8_rounding():
@@ -148,6 +149,11 @@ def _run_checks() -> dict:
                 c.scales.view(-1, heads, 1)[slots] = fp8.scales
             record("write_kv_fp8_equals_torch", same(got_k, want_k) and same(got_v, want_v)
                    and int(got_k.scales.isnan().sum() + got_v.scales.isnan().sum()) == 2, f"Hkv {heads} D {dim}")
+            if rule is FP8_KV:  # control: the kernel under the other rule does not match this one's cache
+                other_k, other_v = cache(), cache()
+                triton_quant.write_kv_fp8(other_k, other_v, k, v, slots,
+                                          replace(FP8_KV, scale_dtype="ue8m0", scale_apply="divide"))
+                record("write_kv_fp8_other_rule_differs", not same(other_k, want_k), f"Hkv {heads} D {dim}")
 
     # negative control: the interpreter's own FP32 -> fp8 conversion is not RNE; the check sees it
     ours = interpreter._convert_float
