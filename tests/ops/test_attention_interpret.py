@@ -357,3 +357,36 @@ def test_kernel_builds_for_sm90(program):
             if {int(x) for line in dots for x in re.findall(r"kWidth = (\d+)", line)} != {4}:
                 bad.append((split, "without the barrier the decode program's kWidth is not 4"))
     assert not bad, f"(split, shared bytes, wgmma, mma.sync, kWidth): {bad}"
+
+
+def test_fp8_decode_program_fits_eight_per_sm():
+    """The one-warp decode program over an FP8 cache, built for sm_90 as the engine launches it (Qwen3's heads,
+    the strides' 16-divisibility of a real cache, DECODE_NUM_STAGES_FP8), takes at most 1/8 of an SM's
+    228 KiB of shared memory less the 1 KiB the driver reserves per block: 8 programs per SM, as many as
+    its 255 registers allow. V is dequantised after the QK^T dot, into the dead K tile's buffer; dequantised
+    with K it took 29 KB, 7 programs per SM, and decoded at 320 instead of 260 us at batch 256, context 1024
+    (bench/results/kernels-attention-decode-fp8-late-v.json). Control: kv_tile 64 (twice the tiles) does
+    not fit, so the bound is a real one."""
+    from onepath.ops.cuda import attention as A
+    from tests.interpret import build_sm90
+
+    per_program = 228 * 1024 // 8 - 1024
+    ints = ("num_tokens", "window", "num_splits", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb",
+            "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_table", "stride_ksb",
+            "stride_kss", "stride_ksh", "stride_vsb", "stride_vss", "stride_vsh")
+    sig = {"q_ptr": "*bf16", "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "out_ptr": "*bf16", "ks_ptr": "*fp32",
+           "vs_ptr": "*fp32", "pos_ptr": "*i64", "seq_ptr": "*i64", "table_ptr": "*i32", "starts_ptr": "*i64",
+           "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32",
+           **{n: "i32" for n in ints}}
+    # a cache [blocks, 16, 8, 128]: every stride but the scales' per-token one (Hkv = 8) is a multiple of 16
+    aligned = ("q_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_ot",
+               "stride_oh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
+               "stride_ksb", "stride_vsb")
+    config = type("Launch", (), dict(num_warps=A.DECODE_NUM_WARPS, num_stages=A.DECODE_NUM_STAGES_FP8))
+    shared = {}
+    for kv_tile in (32, 64):
+        consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=kv_tile,
+                      SPLIT_TILES=256 // kv_tile, BLOCK_M=A.DECODE_BLOCK_M, BLOCK_Q=A.DECODE_BLOCK_M // 2,
+                      SPLIT=False, FP8_KV=True, OPAQUE=True)
+        shared[kv_tile] = build_sm90(A._paged_attention_kernel, sig, consts, aligned, config).metadata.shared
+    assert shared[32] <= per_program < shared[64], f"shared bytes by kv_tile {shared}, per program at 8/SM {per_program}"
