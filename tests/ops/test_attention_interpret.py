@@ -361,12 +361,12 @@ def test_kernel_builds_for_sm90(program):
 
 def test_fp8_decode_program_fits_eight_per_sm():
     """The one-warp decode program over an FP8 cache, built for sm_90 as the engine launches it (Qwen3's heads,
-    the strides' 16-divisibility of a real cache, DECODE_NUM_STAGES_FP8), takes at most 1/8 of an SM's
+    the strides' 16-divisibility of a real cache, DECODE_NUM_STAGES), takes at most 1/8 of an SM's
     228 KiB of shared memory less the 1 KiB the driver reserves per block: 8 programs per SM, as many as
     its 255 registers allow. V is dequantised after the QK^T dot, into the dead K tile's buffer; dequantised
-    with K it took 29 KB, 7 programs per SM, and decoded at 320 instead of 260 us at batch 256, context 1024
-    (bench/results/kernels-attention-decode-fp8-late-v.json). Control: kv_tile 64 (twice the tiles) does
-    not fit, so the bound is a real one."""
+    with K it took 29 KB, 7 programs per SM, and decoded in 322 instead of 260 us at batch 256, context 1024
+    (bench/results/kernels-attention-decode-fp8.json, kernels-attention-decode-fp8-late-v.json). Control:
+    kv_tile 64 (twice the tiles) does not fit, so the bound is a real one."""
     from onepath.ops.cuda import attention as A
     from tests.interpret import build_sm90
 
@@ -382,7 +382,7 @@ def test_fp8_decode_program_fits_eight_per_sm():
     aligned = ("q_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_ot",
                "stride_oh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
                "stride_ksb", "stride_vsb")
-    config = type("Launch", (), dict(num_warps=A.DECODE_NUM_WARPS, num_stages=A.DECODE_NUM_STAGES_FP8))
+    config = type("Launch", (), dict(num_warps=A.DECODE_NUM_WARPS, num_stages=A.DECODE_NUM_STAGES))
     shared = {}
     for kv_tile in (32, 64):
         consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=kv_tile,

@@ -67,13 +67,9 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 # The decode program: rows, warps, pipeline stages (its bits are the 64-row program's, see above).
 DECODE_BLOCK_M, DECODE_NUM_WARPS, DECODE_NUM_STAGES = 16, 1, 2
-# Over an FP8 cache the decode program waits on each tile's dequantisation as well as its load: three
-# stages ran faster than two at batch 256, contexts 200-4096 (bench/results/kernels-attention-decode-fp8.json:
-# 322 vs 341 us at 1024 in-register); over BF16 two did (kernels-attention-decode-bf16.json). Speed only.
-# The split-KV launch ran faster still where its grid matched the context (287 vs 322 us), but an engine's
-# graphs size that grid by max_model_len, and its empty programs then cost more than it saves (160 vs 83 us
-# at context 200 with 4096; kernels-attention-decode-fp8-max*.json): FP8 keeps the BF16 launch rule.
-DECODE_NUM_STAGES_FP8 = 3
+# Over an FP8 cache two stages ran fastest too, once V was dequantised after the QK^T dot (250 vs 260 us with
+# three at batch 256, context 1024; bench/results/kernels-attention-decode-fp8-late-v.json), and the in-register
+# launch beat split-KV at contexts 200-4096 there: FP8 keeps the BF16 launch rule. Speed only.
 # split-KV launch when the in-register grid would give fewer than this many programs per SM.
 SPLIT_BELOW_PROGRAMS_PER_SM = 4
 # FP8 cache tiles pass `_opaque` after their dequantisation, so the one-warp program keeps the 64-row
@@ -146,8 +142,9 @@ def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, 
     if FP8_KV:
         # V is dequantised only now, after the QK^T dot: the dequantised K tile's shared-memory buffer is
         # dead by then and V's takes its place. 29 -> 21 KB per one-warp program, 8 programs per SM
-        # instead of 7 (at batch 256, 2 waves of programs instead of 2.2): 260 vs 320 us at context
-        # 1024, same bits (bench/results/kernels-attention-decode-fp8-late-v.json).
+        # instead of 7 (at batch 256, 2 waves of programs instead of 2.2). Three stages, context 1024:
+        # 260 us (bench/results/kernels-attention-decode-fp8-late-v.json), 322 before
+        # (kernels-attention-decode-fp8.json); the same bits (tests/gpu/test_attention_gpu.py).
         v = _opaque(v.to(tl.float32) * v_scale[:, None], OPAQUE).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc
@@ -388,7 +385,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     if decode_program:
         block_m, num_warps = max(DECODE_BLOCK_M, group_pad), DECODE_NUM_WARPS
     if num_stages is None:
-        num_stages = (DECODE_NUM_STAGES_FP8 if fp8_kv else DECODE_NUM_STAGES) if decode_program else NUM_STAGES
+        num_stages = DECODE_NUM_STAGES if decode_program else NUM_STAGES
     block_m = max(block_m or BLOCK_M, group_pad)
     block_q = min(block_m // group_pad, kv_tile)
     d_pad = max(16, triton.next_power_of_2(head_dim))
