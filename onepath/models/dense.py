@@ -95,6 +95,10 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         return self.ops.rmsnorm(x, self.weight, self.eps)
 
+    def add(self, x, residual):
+        """(self(x + residual), x + residual)."""
+        return self.ops.add_rmsnorm(x, residual, self.weight, self.eps)
+
 
 class Attention(nn.Module):
     def __init__(self, ops: Ops, config: ModelConfig, dtype):
@@ -172,8 +176,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, x, batch, k_cache, v_cache, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache, cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), batch, k_cache, v_cache, cos, sin)
+        normed, x = self.post_attention_layernorm.add(attn, x)   # x + attn, one launch with the norm
+        return x + self.mlp(normed)
 
 
 class Backbone(nn.Module):

@@ -76,6 +76,10 @@ class Ops:
     def rmsnorm(self, x, weight, eps):
         return _rmsnorm.rmsnorm(self.spec, x, weight, eps)
 
+    def add_rmsnorm(self, x, residual, weight, eps):
+        """(rmsnorm(x + residual), x + residual): a residual add and the norm after it, in one launch on CUDA."""
+        return _rmsnorm.add_rmsnorm(self.spec, x, residual, weight, eps)
+
     def rope(self, x, positions, cos_table, sin_table):
         return _rope.rope(self.spec, x, positions, cos_table, sin_table)
 

@@ -33,3 +33,30 @@ def rmsnorm(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, eps: flo
         from onepath.ops.cuda.rmsnorm import rmsnorm as triton_rmsnorm
         kernel = lambda x, w, eps: triton_rmsnorm(x.reshape(-1, x.shape[-1]), w, eps).reshape(x.shape)
     return apply_kernel(lambda x, w: kernel(x, w, eps), lambda x, w: reference(x, w, eps), x, weight)
+
+
+def add_rmsnorm(spec: ExecutionSpec, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(s), s) with s = x + residual in x's dtype: a decoder layer's residual add and the norm after it.
+    The bits of `x + residual` then rmsnorm (both round the FP32 sum once to x's dtype); on CUDA one launch
+    (ops/cuda/rmsnorm.rmsnorm_residual) instead of two."""
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(f"add_rmsnorm: x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+                         f"{residual.dtype} must match")
+
+    def reference_pair(x, r, w):
+        s = x + r
+        return reference(s, w, eps), s
+
+    if spec.device == "cuda":
+        from onepath.ops.cuda.rmsnorm import rmsnorm_residual
+
+        def kernel(x, r, w):
+            h = x.shape[-1]
+            normed, s = rmsnorm_residual(x.reshape(-1, h), r.reshape(-1, h), w, eps)
+            return normed.reshape(x.shape), s.reshape(x.shape)
+    else:
+        def kernel(x, r, w):
+            s = x + r
+            return rmsnorm(spec, s, w, eps), s
+    return apply_kernel(kernel, reference_pair, x, residual, weight)

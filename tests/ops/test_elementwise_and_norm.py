@@ -63,3 +63,23 @@ def test_tiled_sum_ignores_trailing_zeros(gen):
 def test_tree_sum_close_to_sum(gen):
     x = torch.randn(4, 1001, generator=gen, dtype=torch.float64)
     torch.testing.assert_close(tree_sum(x), x.sum(-1))
+
+
+def test_add_rmsnorm_equals_add_then_rmsnorm_and_its_gradients(consistent, gen):
+    """ops.add_rmsnorm (a decoder layer's residual add fused with the next norm) returns the bits of
+    `x + residual` then rmsnorm, in BF16 on awkward shapes, and the unfused pair's gradients. Control: the
+    norm of the unrounded FP32 sum gives other bits, so the check sees the rounding of the sum."""
+    x = (torch.randn(37, 1030, generator=gen) * 3).bfloat16().requires_grad_()
+    r = (torch.randn(37, 1030, generator=gen) * 5).bfloat16().requires_grad_()
+    w = torch.randn(1030, generator=gen).bfloat16().requires_grad_()
+    normed, summed = R.add_rmsnorm(consistent, x, r, w, 1e-6)
+    s = x + r
+    ref = R.rmsnorm(consistent, s, w, 1e-6)
+    assert torch.equal(summed, s) and torch.equal(normed, ref)
+    unrounded = R.rmsnorm(consistent, x.float() + r.float(), w.float(), 1e-6).bfloat16()
+    assert not torch.equal(unrounded, normed)
+    g_out, g_sum = torch.randn_like(normed, dtype=torch.float32).bfloat16(), torch.randn_like(s, dtype=torch.float32).bfloat16()
+    fused = torch.autograd.grad((normed * g_out).float().sum() + (summed * g_sum).float().sum(), (x, r, w))
+    plain = torch.autograd.grad((ref * g_out).float().sum() + (s * g_sum).float().sum(), (x, r, w))
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b)

@@ -11,7 +11,7 @@ from onepath.numerics.spec import ExecutionSpec, OPS
 
 # Ops methods and the ExecutionSpec entry that states their numerics
 OP_SPEC = {"token_logprobs": "logprobs", "probs": "logprobs", "sampling_mask": "topk", "sample": "sampling",
-           "sample_with_logprobs": "sampling"}
+           "sample_with_logprobs": "sampling", "add_rmsnorm": "rmsnorm"}
 
 
 def gate_c0(ctx: GateContext) -> GateResult:
