@@ -81,13 +81,14 @@ def _flash(q, k, v, causal):
 
 
 VARIANT_KEYS = {"q_rows": "block_m", "kv_tile": "kv_tile", "kv_split": "kv_split", "num_warps": "num_warps",
-                "num_stages": "num_stages", "decode_program": "decode_program"}
+                "num_stages": "num_stages", "decode_program": "decode_program", "q_block": "q_block"}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
     """"q_rows=16,kv_tile=64" -> ("q_rows=16,kv_tile=64", paged_attention keywords); "default" -> the defaults.
     Other kv_tile, kv_split, q_rows or num_warps give other bits: for choosing the contract, not interchangeable
-    with the default; num_stages and decode_program (0: the 64-row program for decode rows too) move no bit."""
+    with the default; num_stages and decode_program (0: the 64-row program for decode rows too) move no bit,
+    nor is q_block (positions per program, e.g. q_rows=128,num_warps=8,q_block=64) meant to."""
     if text == "default":
         return text, {}
     kw = {}

@@ -2,7 +2,8 @@
 a probe's bits alone == inside batches of 2..32 sequences of 1..3000 tokens; prefill == chunked prefill
 (7, 64, 512) == decode token by token; in-register == split-KV launch; the 16-row one-warp decode
 program == the 64-row program in every phase, over BF16 and FP8 caches (negative controls: 16 rows on two
-warps; an FP8 cache without the operand barrier); sliding window; run-to-run
+warps; an FP8 cache without the operand barrier); 128-row programs spanning several tiles (q_block) == the
+64-row program; sliding window; run-to-run
 determinism, with the kernel's 64 rows per program and the spec's alternative 16 (attention.q_rows);
 values within 1e-2 + 1e-2|ref| of an FP32 reference. Negative controls: SDPA flash's
 prefill last row differs from its decode, and a split-KV whose split count follows the batch differs
@@ -159,6 +160,28 @@ def test_decode_program_equals_64_row_program(shape, window, kv):
                 out = run(sizes, split_kv=split, decode_program=program)
                 differ = (out != whole).any(dim=(1, 2)).nonzero().flatten().tolist()
                 assert not differ, f"{name}, split {split}, decode program {program}: tokens {differ[:10]} differ"
+
+
+@pytest.mark.parametrize("kv", [None, "fp8"], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("warps", [8, 4])
+@pytest.mark.parametrize("shape", [SHAPES[0], (8, 8, 128)], ids=lambda s: f"H{s[0]}-Hkv{s[1]}-D{s[2]}")
+def test_programs_spanning_tiles_equal_64_row_program(shape, warps, kv):
+    """A 128-row program whose positions span several 32-key tiles (q_block = 128 rows / group: 64 positions
+    at Qwen3-0.6B's group of 2, 128 at 1) gives each query the default 64-row program's bits in prefill and
+    chunks, both launches, over BF16 and FP8 caches: on 8 warps (two warpgroups, each one m64 wgmma per
+    row block) and on 4 (one warpgroup, two m64 blocks). Control: the same program with 64-key tiles (another
+    reduction tree) differs, so the comparison sees a change of bits."""
+    from onepath.numerics.spec import FP8_KV
+    run = _program_runner(shape, None, FP8_KV if kv else None)
+    whole = run([PHASE_LEN], decode_program=False)
+    q_block = 128 // (shape[0] // shape[1])
+    for name, sizes in (("prefill", [PHASE_LEN]), ("chunks of 7", chunked(PHASE_LEN, 7)),
+                        ("chunks of 64", chunked(PHASE_LEN, 64))):
+        for split in (False, True):
+            out = run(sizes, split_kv=split, block_m=128, num_warps=warps, q_block=q_block)
+            differ = (out != whole).any(dim=(1, 2)).nonzero().flatten().tolist()
+            assert not differ, f"{name}, split {split}: tokens {differ[:10]} differ from the 64-row prefill"
+    assert not torch.equal(run([PHASE_LEN], block_m=128, num_warps=warps, q_block=q_block, kv_tile=64), whole)
 
 
 def test_negative_control_16_rows_on_two_warps():

@@ -235,6 +235,39 @@ def check_decode_program():
             raise AssertionError(f"decode_program=True with {kw} was not refused")
 
 
+def check_programs_spanning_tiles():
+    """q_block larger than kv_tile (a program's positions span two tiles, the rows whose last tile comes
+    earlier meeting only masked keys in the later one) gives the default program's bits in every phase,
+    with and without a window, in both launches, alone and in a batch, also over an FP8 cache; GQA
+    (group 2) and MHA. The interpreter's dot is made row-independent (tests/interpret.py), as a row's MMA
+    chain is on Hopper, so the check sees the kernel's masking and merging, not numpy's blocking. Control:
+    a q_block that does not divide kv_split is refused."""
+    from tests.interpret import patch_gemm_interpreter
+    patch_gemm_interpreter()
+    gen = torch.Generator().manual_seed(7)
+    for shape, kv in (((HEADS, KV_HEADS, HEAD_DIM), None), ((2, 2, 16), None), ((HEADS, KV_HEADS, HEAD_DIM), FP8_KV)):
+        q, k, v = _seq(40, gen, *shape)
+        cache = lambda: PagedCache(8, shape[1], shape[2], torch.float32, "cpu", gen, kv=kv)
+        for window in (None, 9):
+            first = phases(_attn(), q, k, v, [40], cache(), SCALE, sliding_window=window)
+            for sizes in ([40], chunked(40, 7), chunked(40, 16), [23] + [1] * 17):
+                for split in (False, True):
+                    out = phases(_attn(q_block=2 * KV_TILE, split_kv=split), q, k, v, sizes, cache(), SCALE,
+                                 sliding_window=window)
+                    assert torch.equal(out, first), (shape, kv, window, sizes[:2], split)
+    probe = (*_seq(37, gen), 20)
+    others = [(*_seq(m, gen), start) for m, start in ((5, 4), (24, 0), (18, 17))]
+    alone = _batch(_attn(), [probe], gen)[0]
+    inside = _batch(_attn(q_block=2 * KV_TILE), others[:2] + [probe] + others[2:], gen)
+    assert torch.equal(inside[2], alone)
+    try:
+        _batch(_attn(q_block=4 * KV_TILE), [probe], gen)
+    except ValueError as e:
+        assert "q_block" in str(e)
+    else:
+        raise AssertionError("q_block 64 with kv_split 32 was not refused")
+
+
 def check_batch_invariance_16_rows():
     """The spec's attention.q_rows = 16 (tl.dot with M = 16): the same guarantees."""
     check_batch_invariance(16)
@@ -299,7 +332,7 @@ def check_derived_query_blocks():
 
 CHECKS = ["check_reference", "check_batch_invariance", "check_phases", "check_control", "check_fp8_kv",
           "check_derived_query_blocks", "check_decode_program", "check_batch_invariance_16_rows",
-          "check_phases_16_rows"]
+          "check_phases_16_rows", "check_programs_spanning_tiles"]
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -312,11 +345,11 @@ def test_interpreted(check):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
 
 
-@pytest.mark.parametrize("program", ["64 rows", "16 rows", "decode", "64 rows fp8", "decode fp8"])
+@pytest.mark.parametrize("program", ["64 rows", "16 rows", "decode", "64 rows fp8", "decode fp8", "128 rows"])
 def test_kernel_builds_for_sm90(program):
     """The programs paged_attention launches build for the H200 (the Triton wheel's ptxas, no GPU): Qwen3's
-    GQA group of 2 and head_dim 128, kv_tile 32, within the 227 KiB of shared memory; 64 rows run on
-    wgmma, 16 on mma.sync (Hopper's wgmma takes M >= 64): the spec's 16 rows on 4 warps and the decode
+    GQA group of 2 and head_dim 128, kv_tile 32, within the 227 KiB of shared memory; 64 rows (and 128 on 8
+    warps, for q_block) run on wgmma, 16 on mma.sync (Hopper's wgmma takes M >= 64): the spec's 16 rows on 4 warps and the decode
     program's 16 rows on one. Over an FP8 cache the dequantised tiles pass `_opaque`, so the decode
     program's mma.sync operands get the BF16 cache's kWidth 2 (4 without it: other bits than the 64-row
     program's, bench/results/attention-fp8-variants.json)."""
@@ -327,6 +360,7 @@ def test_kernel_builds_for_sm90(program):
 
     fp8 = program.endswith("fp8")
     rows, warps, stages = {"64 rows": (64, A.NUM_WARPS, A.NUM_STAGES), "16 rows": (16, A.NUM_WARPS, A.NUM_STAGES),
+                           "128 rows": (128, 8, A.NUM_STAGES),
                            "decode": (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES)}[
                                program.removesuffix(" fp8")]
     ptrs = ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
@@ -340,7 +374,8 @@ def test_kernel_builds_for_sm90(program):
     bad = []
     for split in (False, True):
         consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=32, SPLIT_TILES=8,
-                      BLOCK_M=rows, BLOCK_Q=min(rows // 2, 32), SPLIT=split, FP8_KV=fp8, OPAQUE=fp8)
+                      BLOCK_M=rows, BLOCK_Q=rows // 2 if rows > 64 else min(rows // 2, 32), SPLIT=split, FP8_KV=fp8,
+                      OPAQUE=fp8)
         config = type("Launch", (), dict(num_warps=warps, num_stages=stages))
         built = build_sm90(A._paged_attention_kernel, sig, consts, ptrs + ("stride_qt", "stride_ot"), config)
         ptx, shared = built.asm["ptx"], built.metadata.shared

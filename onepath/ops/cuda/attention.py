@@ -160,7 +160,9 @@ def _program_rows(q_ptr, pos_ptr, seq_ptr, starts_ptr, num_tokens, window, pid, 
     splits; the head dims and the rows' q. Shared with bench/attention_fp8_variants.py's kernel."""
     # Rows: the program holds positions [base, base + BLOCK_Q) of one sequence; position base + i takes
     # rows i * GROUP_PAD + (0..GROUP), so a query sits at the same rows of the same dot in every phase
-    # and batch. BLOCK_Q divides KV_TILE: all of a program's rows end in the same tile and split.
+    # and batch. BLOCK_Q divides KV_TILE (all of a program's rows end in the same tile) or is a multiple of
+    # it (q_block: a row whose last tile comes before the program's last meets only masked keys there,
+    # exact zeros: alpha 1, p 0); either way it divides KV_SPLIT, so the rows end in the same split.
     t0 = tl.load(starts_ptr + pid)
     live = t0 < num_tokens
     t0 = tl.where(live, t0, 0)
@@ -314,7 +316,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
                     split_kv: bool | None = None, max_context: int | None = None,
                     num_stages: int | None = None, derived: dict | None = None,
                     block_m: int | None = None, num_warps: int = NUM_WARPS,
-                    decode_program: bool | None = None) -> torch.Tensor:
+                    decode_program: bool | None = None, q_block: int | None = None) -> torch.Tensor:
     """Causal attention of each query over its own sequence's keys in a paged KV cache.
 
     q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (this step's K/V already written), of
@@ -333,7 +335,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     per sequence, T <= block_tables' rows, and block_m and num_warps are the defaults). derived: a dict
     kept with the batch (AttentionMetadata.derived): the query blocks, a function of positions and
     query_seq alone, are computed by the first layer and reused by the others (a dozen small kernels less
-    per layer).
+    per layer). q_block: positions per program of a block_m-row program (default min(block_m / group,
+    kv_tile)); more than kv_tile lets a prefill program span several tiles and share each K/V tile among
+    more queries. A row's dot, masks and reduction are the same at any row of the program, so it is meant
+    to move no bit (the decode program keeps its own; tests/gpu/test_attention_gpu.py checks it on the H200).
     Returns [T, H, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -389,6 +394,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
         num_stages = DECODE_NUM_STAGES if decode_program else NUM_STAGES
     block_m = max(block_m or BLOCK_M, group_pad)
     block_q = min(block_m // group_pad, kv_tile)
+    if q_block is not None and not decode_program:
+        if q_block & (q_block - 1) or not 1 <= q_block <= block_m // group_pad or kv_split % q_block:
+            raise ValueError(f"paged_attention: q_block {q_block} must be a power of two dividing kv_split {kv_split}, "
+                             f"at most the {block_m // group_pad} positions {block_m} rows hold at {group} heads each")
+        block_q = q_block
     d_pad = max(16, triton.next_power_of_2(head_dim))
     window = sliding_window or NO_WINDOW
     positions = positions.contiguous()
