@@ -62,6 +62,16 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, x_stride, q_stride, s_stride, K, n_gr
 
 
 @triton.jit
+def _quantize_into(x_ptr, codes_ptr, scales_ptr, codes_at, scales_at, h, mask, heads, amax_floor,
+                   UE8M0: tl.constexpr, DIVIDE: tl.constexpr):
+    """One token's K or V [heads, D] (x_ptr at its rows) quantised per head into its cache slot."""
+    x = tl.load(x_ptr, mask=mask, other=0.0)
+    y, scale = _quantize_rows(x.to(tl.float32), amax_floor, UE8M0, DIVIDE)
+    tl.store(codes_ptr + codes_at, y.to(tl.float8e4nv), mask=mask)
+    tl.store(scales_ptr + scales_at, scale, mask=h < heads)
+
+
+@triton.jit
 def _write_kv_fp8_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_tok_stride, k_head_stride,
                          v_tok_stride, v_head_stride, code_slot_stride, code_head_stride, scale_slot_stride,
                          scale_head_stride, heads, D, amax_floor, UE8M0: tl.constexpr, DIVIDE: tl.constexpr,
@@ -69,14 +79,10 @@ def _write_kv_fp8_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
     tok, h, d, mask, slot = kv_write_rows(slot_ptr, heads, D, BLOCK_HEADS, BLOCK_D)
     codes_at = slot * code_slot_stride + h[:, None] * code_head_stride + d[None, :]
     scales_at = slot * scale_slot_stride + h * scale_head_stride
-    k = tl.load(k_ptr + tok * k_tok_stride + h[:, None] * k_head_stride + d[None, :], mask=mask, other=0.0)
-    y, scale = _quantize_rows(k.to(tl.float32), amax_floor, UE8M0, DIVIDE)
-    tl.store(kc_ptr + codes_at, y.to(tl.float8e4nv), mask=mask)
-    tl.store(ks_ptr + scales_at, scale, mask=h < heads)
-    v = tl.load(v_ptr + tok * v_tok_stride + h[:, None] * v_head_stride + d[None, :], mask=mask, other=0.0)
-    y, scale = _quantize_rows(v.to(tl.float32), amax_floor, UE8M0, DIVIDE)
-    tl.store(vc_ptr + codes_at, y.to(tl.float8e4nv), mask=mask)
-    tl.store(vs_ptr + scales_at, scale, mask=h < heads)
+    _quantize_into(k_ptr + tok * k_tok_stride + h[:, None] * k_head_stride + d[None, :], kc_ptr, ks_ptr, codes_at,
+                   scales_at, h, mask, heads, amax_floor, UE8M0, DIVIDE)
+    _quantize_into(v_ptr + tok * v_tok_stride + h[:, None] * v_head_stride + d[None, :], vc_ptr, vs_ptr, codes_at,
+                   scales_at, h, mask, heads, amax_floor, UE8M0, DIVIDE)
 
 
 def quantize_fp8(x: torch.Tensor, q: QuantSpec = FP8_ACT) -> FP8Tensor:
