@@ -78,7 +78,8 @@ def test_add_rmsnorm_equals_add_then_rmsnorm_and_its_gradients(consistent, gen):
     assert torch.equal(summed, s) and torch.equal(normed, ref)
     unrounded = R.rmsnorm(consistent, x.float() + r.float(), w.float(), 1e-6).bfloat16()
     assert not torch.equal(unrounded, normed)
-    g_out, g_sum = torch.randn_like(normed, dtype=torch.float32).bfloat16(), torch.randn_like(s, dtype=torch.float32).bfloat16()
+    g_out = torch.randn(normed.shape, generator=gen).bfloat16()
+    g_sum = torch.randn(s.shape, generator=gen).bfloat16()
     fused = torch.autograd.grad((normed * g_out).float().sum() + (summed * g_sum).float().sum(), (x, r, w))
     plain = torch.autograd.grad((ref * g_out).float().sum() + (s * g_sum).float().sum(), (x, r, w))
     for a, b in zip(fused, plain):
