@@ -141,10 +141,10 @@ def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, 
     l_i = l_i * alpha + tl.sum(p, 1)
     if FP8_KV:
         # V is dequantised only now, after the QK^T dot: the dequantised K tile's shared-memory buffer is
-        # dead by then and V's takes its place. 29 -> 21 KB per one-warp program, 8 programs per SM
-        # instead of 7 (at batch 256, 2 waves of programs instead of 2.2: Nsight Compute,
-        # bench/results/ncu-attention-decode-fp8-before-late-v.txt). Three stages, context 1024:
-        # 260 us (bench/results/kernels-attention-decode-fp8-late-v.json), 322 before
+        # dead by then and V's takes its place, and the one-warp program fits 8 per SM (its registers' limit;
+        # tests/ops/test_attention_interpret.py). Before, 29 KB each allowed 7, 2.22 waves of programs at
+        # batch 256 (Nsight Compute, bench/results/ncu-attention-decode-fp8-before-late-v.txt). Three stages,
+        # context 1024: 260 us (bench/results/kernels-attention-decode-fp8-late-v.json), 322 before
         # (kernels-attention-decode-fp8.json); the same bits (tests/gpu/test_attention_gpu.py).
         v = _opaque(v.to(tl.float32) * v_scale[:, None], OPAQUE).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
