@@ -28,7 +28,7 @@ from onepath.bench.results import KERNEL_TIMING, environment, kernel_us, save_js
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 DECODE_BATCH = [1, 8, 32, 64, 128, 256]
 DECODE_CONTEXT = [512, 1024, 2048, 4096]
-PREFILL = [(8, 2048), (1, 8192), (32, 512)]
+PREFILL = [(8, 2048), (4, 4096), (1, 8192), (32, 512)]
 CEILINGS = {"bf16_gemm_tflops_cublas_8192": 789, "device_copy_tb_s": 4.2}
 
 
@@ -176,7 +176,7 @@ def run(args) -> dict:
     from onepath.ops.cuda import attention as A
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    decode_rows = decode(args, A, gen)
+    decode_rows = [] if args.no_decode else decode(args, A, gen)
     prefill_rows = [] if args.no_prefill else prefill(args, A, gen)
     return dict(
         environment("cuda"), sms=torch.cuda.get_device_properties(0).multi_processor_count,
@@ -195,11 +195,13 @@ def main():
     p.add_argument("--out", default="bench/results/kernels-attention.json")
     p.add_argument("--variants", nargs="+", default=["default"],
                    help="settings to time, each 'default' or NAME=INT[,NAME=INT...] with NAME in "
-                        "q_rows, kv_tile, kv_split, num_warps, num_stages, decode_program (e.g. q_rows=16,kv_tile=64; "
-                        "decode_program=0: decode rows on the 64-row program)")
+                        "q_rows, kv_tile, kv_split, num_warps, num_stages, decode_program, q_block "
+                        "(e.g. q_rows=16,kv_tile=64; decode_program=0: decode rows on the 64-row program; "
+                        "q_rows=128,num_warps=8,q_block=64)")
     p.add_argument("--graph", action="store_true", help="time CUDA graph replays (no launch cost)")
     p.add_argument("--kv", choices=("bf16", "fp8"), default="bf16", help="the decode cache (prefill stays BF16)")
     p.add_argument("--no-prefill", action="store_true", help="decode only")
+    p.add_argument("--no-decode", action="store_true", help="prefill only")
     p.add_argument("--max-context", type=int, default=0,
                    help="decode's max_context when above the context (the engine's graphs pass max_model_len): "
                         "the split-KV grid's size")

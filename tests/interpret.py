@@ -78,7 +78,8 @@ def build_sm90(kernel, sig: dict, consts: dict, aligned, config):
     src = ASTSource(kernel, {n: sig[n] for n in names}, constexprs={(names.index(n),): v for n, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages,
+                                       enable_fp_fusion=getattr(config, "enable_fp_fusion", True)))
 
 
 def patch_bf16_rounding() -> None:

@@ -3,7 +3,8 @@ a probe's bits alone == inside batches of 2..32 sequences of 1..3000 tokens; pre
 (7, 64, 512) == decode token by token; in-register == split-KV launch; the 16-row one-warp decode
 program == the 64-row program in every phase, over BF16 and FP8 caches (negative controls: 16 rows on two
 warps; an FP8 cache without the operand barrier); 128-row programs spanning several tiles (q_block) == the
-64-row program; sliding window; run-to-run
+64-row program; tiles run without masks inside every row's key range == every tile masked; sliding
+window; run-to-run
 determinism, with the kernel's 64 rows per program and the spec's alternative 16 (attention.q_rows);
 values within 1e-2 + 1e-2|ref| of an FP32 reference. Negative controls: SDPA flash's
 prefill last row differs from its decode, and a split-KV whose split count follows the batch differs
@@ -182,6 +183,31 @@ def test_programs_spanning_tiles_equal_64_row_program(shape, warps, kv):
             differ = (out != whole).any(dim=(1, 2)).nonzero().flatten().tolist()
             assert not differ, f"{name}, split {split}: tokens {differ[:10]} differ from the 64-row prefill"
     assert not torch.equal(run([PHASE_LEN], block_m=128, num_warps=warps, q_block=q_block, kv_tile=64), whole)
+
+
+@pytest.mark.parametrize("kv", [None, "fp8"], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("window", [None, 200])
+@pytest.mark.parametrize("shape", PROGRAM_SHAPES[:3], ids=lambda s: f"H{s[0]}-Hkv{s[1]}-D{s[2]}")
+def test_unmasked_interior_tiles_equal_every_tile_masked(shape, window, kv, monkeypatch):
+    """The in-register launch of the 64-row program runs tiles inside every row's key range without masks
+    (UNMASKED_INTERIOR): each query keeps the bits it has when every tile is masked, in prefill, chunks and
+    decode, with and without a window, over BF16 and FP8 caches (the decode program and split-KV launches keep
+    one masked loop). Control: 64-key tiles (another reduction tree) differ from the masked reference, so the
+    comparison sees a change of bits."""
+    from onepath.numerics.spec import FP8_KV
+    from onepath.ops.cuda import attention as A
+    run = _program_runner(shape, window, FP8_KV if kv else None)
+    prefix = 3 * PHASE_LEN // 7
+    cases = {"prefill": [PHASE_LEN], "chunks of 7": chunked(PHASE_LEN, 7), "chunks of 64": chunked(PHASE_LEN, 64),
+             f"prefix {prefix} + decode": [prefix] + [1] * (PHASE_LEN - prefix)}
+    monkeypatch.setattr(A, "UNMASKED_INTERIOR", False)
+    masked = {name: run(sizes, split_kv=False, decode_program=False) for name, sizes in cases.items()}
+    assert not torch.equal(run([PHASE_LEN], split_kv=False, decode_program=False, kv_tile=64), masked["prefill"])
+    monkeypatch.setattr(A, "UNMASKED_INTERIOR", True)
+    for name, sizes in cases.items():
+        out = run(sizes, split_kv=False, decode_program=False)
+        differ = (out != masked[name]).any(dim=(1, 2)).nonzero().flatten().tolist()
+        assert not differ, f"{name}: tokens {differ[:10]} differ from every tile masked"
 
 
 def test_negative_control_16_rows_on_two_warps():

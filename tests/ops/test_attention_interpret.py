@@ -380,8 +380,8 @@ def test_kernel_builds_for_sm90(program):
     for split in (False, True):
         consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=32, SPLIT_TILES=8,
                       BLOCK_M=rows, BLOCK_Q=rows // 2 if rows > 64 else min(rows // 2, 32), SPLIT=split, FP8_KV=fp8,
-                      OPAQUE=fp8)
-        config = type("Launch", (), dict(num_warps=warps, num_stages=stages))
+                      OPAQUE=fp8, UNMASKED=A.UNMASKED_INTERIOR)
+        config = type("Launch", (), dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False))
         built = build_sm90(A._paged_attention_kernel, sig, consts, ptrs + ("stride_qt", "stride_ot"), config)
         ptx, shared = built.asm["ptx"], built.metadata.shared
         mma = "wgmma.mma_async" in ptx if rows >= 64 else ("mma.sync" in ptx and "wgmma" not in ptx)
@@ -416,12 +416,13 @@ def test_fp8_decode_program_fits_eight_per_sm():
     aligned = ("q_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_ot",
                "stride_oh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
                "stride_ksb", "stride_vsb")
-    config = type("Launch", (), dict(num_warps=A.DECODE_NUM_WARPS, num_stages=A.DECODE_NUM_STAGES))
+    config = type("Launch", (), dict(num_warps=A.DECODE_NUM_WARPS, num_stages=A.DECODE_NUM_STAGES,
+                                         enable_fp_fusion=False))
     shared = {}
     for kv_tile in (32, 64):
         consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=kv_tile,
                       SPLIT_TILES=256 // kv_tile, BLOCK_M=A.DECODE_BLOCK_M, BLOCK_Q=A.DECODE_BLOCK_M // 2,
-                      SPLIT=False, FP8_KV=True, OPAQUE=True)
+                      SPLIT=False, FP8_KV=True, OPAQUE=True, UNMASKED=A.UNMASKED_INTERIOR)
         shared[kv_tile] = build_sm90(A._paged_attention_kernel, sig, consts, aligned, config).metadata.shared
     assert shared[32] <= per_program < shared[64], \
         f"shared bytes by kv_tile {shared}, per program at 8/SM {per_program}"

@@ -10,7 +10,9 @@ their number, the phase, or where its K/V sit in the paged cache. What keeps it:
 - masked keys score -inf and contribute exact zeros. A program's rows end in the same tile (their
   positions share one kv_tile-aligned block); with a window they may start in different tiles, and
   a leading tile or split without a key for a row keeps that row's state at exactly (-inf, 0, 0)
-  (`_rescale` is 1 when the max does not move), the state a fresh start has;
+  (`_rescale` is 1 when the max does not move), the state a fresh start has. A tile whose keys all
+  lie in every row's range gives each row the same values without the mask: the in-register 64-row
+  program runs such tiles in a loop of their own, unmasked (`_interior_tiles`);
 - every dot has one shape in every launch: [BLOCK_M, D] x [D, kv_tile] for the scores and
   [BLOCK_M, kv_tile] x [kv_tile, D] for P V (P rounded once to the cache dtype, accumulated in FP32),
   and a query sits at rows fixed by its position (below), so its dot rows see the same instruction
@@ -75,6 +77,10 @@ SPLIT_BELOW_PROGRAMS_PER_SM = 4
 # FP8 cache tiles pass `_opaque` after their dequantisation, so the one-warp program keeps the 64-row
 # program's bits (off: the bits it had without, the GPU test's negative control).
 OPAQUE_FP8_TILES = True
+# In-register launches of the 64-row program run tiles whose every key is in every row's range without masks
+# (fewer instructions per tile, the same values; off: every tile masked, the GPU test's reference). The decode
+# program and split-KV launches keep one loop: three software pipelines spilled their registers.
+UNMASKED_INTERIOR = True
 # "No window": a lower key bound below every position.
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
@@ -114,15 +120,30 @@ def _opaque(x, OPAQUE: tl.constexpr):
 def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, table, k_base, v_base, ks_base,
                  vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss,
                  stride_vsb, stride_vss, BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr, FP8_KV: tl.constexpr,
-                 OPAQUE: tl.constexpr):
-    """Fold KV tile j into the running (max, sum, acc); shared by both launches."""
-    key = j * KV_TILE + tl.arange(0, KV_TILE)
-    # Only the program's keys are read: later slots may be unwritten, earlier ones (out of
-    # every row's window) may be freed.
-    load_ok = (key >= lo_key) & (key <= last_key)
-    block = tl.load(table + key // BLOCK_SIZE, mask=load_ok, other=0).to(tl.int64)
-    slot = key % BLOCK_SIZE
-    kv_mask = load_ok[:, None] & d_ok[None, :]
+                 OPAQUE: tl.constexpr, MASKED: tl.constexpr, FIXED_SLOTS: tl.constexpr):
+    """Fold KV tile j into the running (max, sum, acc); shared by both launches. MASKED=False for a tile
+    whose every key is in every valid row's range (`_interior_tiles`): no load, window or causal mask, so
+    a row's values are those the masked tile gives it (its mask is all true there), in fewer instructions."""
+    r = tl.arange(0, KV_TILE)
+    key = j * KV_TILE + r
+    if FIXED_SLOTS and KV_TILE % BLOCK_SIZE == 0:
+        # slots written so that their offsets do not depend on j: the compiler keeps them out of the loop (fewer
+        # instructions per tile, more registers: the 64-row program has them, the decode program would spill)
+        entry = j * (KV_TILE // BLOCK_SIZE) + r // BLOCK_SIZE
+        slot = r % BLOCK_SIZE
+    else:
+        entry = key // BLOCK_SIZE
+        slot = key % BLOCK_SIZE
+    if MASKED:
+        # Only the program's keys are read: later slots may be unwritten, earlier ones (out of
+        # every row's window) may be freed.
+        load_ok = (key >= lo_key) & (key <= last_key)
+        block = tl.load(table + entry, mask=load_ok, other=0).to(tl.int64)
+        kv_mask = load_ok[:, None] & d_ok[None, :]
+    else:
+        load_ok = r >= 0
+        block = tl.load(table + entry).to(tl.int64)
+        kv_mask = d_ok[None, :]
     k = tl.load(k_base + block[:, None] * stride_kb + slot[:, None] * stride_ks, mask=kv_mask, other=0.0)
     v = tl.load(v_base + block[:, None] * stride_vb + slot[:, None] * stride_vs, mask=kv_mask, other=0.0)
     if FP8_KV:
@@ -133,11 +154,15 @@ def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, 
         k = _opaque(k.to(tl.float32) * k_scale[:, None], OPAQUE).to(q.dtype)
     # ieee: fp32 inputs stay fp32 (the default would be TF32); 16-bit inputs ignore it.
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-    valid = row_ok[:, None] & (key[None, :] <= pos[:, None]) & (key[None, :] >= first_key[:, None])
-    scores = tl.where(valid, scores, float("-inf"))
+    if MASKED:
+        valid = row_ok[:, None] & (key[None, :] <= pos[:, None]) & (key[None, :] >= first_key[:, None])
+        scores = tl.where(valid, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = _rescale(m_i, m_new)
-    p = tl.exp2(scores - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+    if MASKED:
+        p = tl.exp2(scores - tl.where(m_new == float("-inf"), 0.0, m_new)[:, None])
+    else:
+        p = tl.exp2(scores - m_new[:, None])  # m_new is finite: the tile scored a key in every row
     l_i = l_i * alpha + tl.sum(p, 1)
     if FP8_KV:
         # V is dequantised only now, after the QK^T dot: the dequantised K tile's shared-memory buffer is
@@ -149,6 +174,38 @@ def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, 
         v = _opaque(v.to(tl.float32) * v_scale[:, None], OPAQUE).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc
+
+
+@triton.jit
+def _interior_tiles(pos, first_key, row_ok, last_key, tile_lo, tile_end, KV_TILE: tl.constexpr):
+    """[a, b): the program's tiles whose every key lies in every valid row's range [first_key, pos], so
+    they need no mask (tiles [tile_lo, a) and [b, tile_end) keep theirs)."""
+    min_pos = tl.min(tl.where(row_ok, pos, last_key), 0)
+    max_first = tl.max(tl.where(row_ok, first_key, 0), 0)
+    a = tl.minimum(tl.maximum(tl.cdiv(max_first, KV_TILE), tile_lo), tile_end)
+    b = tl.maximum(tl.minimum((min_pos + 1) // KV_TILE, tile_end), a)
+    return a, b
+
+
+@triton.jit
+def _walk(q, j_lo, j_hi, tile_lo, m_run, l_run, acc_run, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok,
+          table, k_base, v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+          stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr,
+          SPLIT_TILES: tl.constexpr, FP8_KV: tl.constexpr, OPAQUE: tl.constexpr, MASKED: tl.constexpr,
+          FIXED_SLOTS: tl.constexpr):
+    """The in-register launch's loop over tiles [j_lo, j_hi): folds each finished split (max, sum, acc)
+    into the running state where the next split begins, and returns both states."""
+    for j in range(j_lo, j_hi):
+        if (j % SPLIT_TILES == 0) & (j > tile_lo):
+            m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
+            m_i = tl.full(m_i.shape, float("-inf"), tl.float32)
+            l_i = tl.zeros(l_i.shape, tl.float32)
+            acc = tl.zeros(acc.shape, tl.float32)
+        m_i, l_i, acc = _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, table, k_base,
+                                     v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
+                                     stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE,
+                                     KV_TILE, FP8_KV, OPAQUE, MASKED, FIXED_SLOTS)
+    return m_run, l_run, acc_run, m_i, l_i, acc
 
 
 @triton.jit
@@ -208,8 +265,11 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, FP8_KV: tl.constexpr, OPAQUE: tl.constexpr,
+    UNMASKED: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    # Last query block first: in a causal prefill a sequence's later blocks read more tiles, and the short ones
+    # then fill the last wave. Which SM runs a program moves no bit.
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     num_heads = tl.num_programs(1) * GROUP
     (seq, pos, row_ok, first_key, head, tok_c, lo_key, last_key, tile_lo, tile_end, split_lo, split_end, d, d_ok,
@@ -231,29 +291,39 @@ def _paged_attention_kernel(
             m_i, l_i, acc = _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, table, k_base,
                                          v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
                                          stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE,
-                                         KV_TILE, FP8_KV, OPAQUE)
+                                         KV_TILE, FP8_KV, OPAQUE, True, False)
         part = (tok_c * num_heads + head) * num_splits + s
         keep = row_ok & (s >= split_lo) & (s < split_end) & (s < num_splits)
         tl.store(part_m_ptr + part, m_i, mask=keep)
         tl.store(part_l_ptr + part, l_i, mask=keep)
         tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=keep[:, None])
     else:
-        # One loop over the program's tiles (one software pipeline, not one per split), folding each
-        # finished split into the running state where the next begins: the same operations, in the same
-        # order, as reducing every split from a fresh state and merging them in ascending order.
+        # One walk over the program's tiles, folding each finished split into the running state where
+        # the next begins: the same operations, in the same order, as reducing every split from a fresh
+        # state and merging them in ascending order. UNMASKED: three walks, tiles [tile_lo, a) and
+        # [b, tile_end) masked, [a, b) not; else one (the decode program's single software pipeline).
         m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_run = tl.zeros([BLOCK_M], tl.float32)
         acc_run = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-        for j in range(tile_lo, tile_end):
-            if (j % SPLIT_TILES == 0) & (j > tile_lo):
-                m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
-                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                l_i = tl.zeros([BLOCK_M], tl.float32)
-                acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-            m_i, l_i, acc = _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, table, k_base,
-                                         v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
-                                         stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE,
-                                         KV_TILE, FP8_KV, OPAQUE)
+        a, b = tile_end, tile_end
+        if UNMASKED:
+            a, b = _interior_tiles(pos, first_key, row_ok, last_key, tile_lo, tile_end, KV_TILE)
+        m_run, l_run, acc_run, m_i, l_i, acc = _walk(
+            q, tile_lo, a, tile_lo, m_run, l_run, acc_run, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok,
+            table, k_base, v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+            stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE, KV_TILE, SPLIT_TILES, FP8_KV, OPAQUE, True,
+            UNMASKED)
+        if UNMASKED:
+            m_run, l_run, acc_run, m_i, l_i, acc = _walk(
+                q, a, b, tile_lo, m_run, l_run, acc_run, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok,
+                table, k_base, v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
+                stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE, KV_TILE, SPLIT_TILES, FP8_KV, OPAQUE,
+                False, True)
+            m_run, l_run, acc_run, m_i, l_i, acc = _walk(
+                q, b, tile_end, tile_lo, m_run, l_run, acc_run, m_i, l_i, acc, lo_key, last_key, pos, first_key,
+                row_ok, table, k_base, v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
+                stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE, KV_TILE, SPLIT_TILES, FP8_KV,
+                OPAQUE, True, True)
         m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
         out = acc_run / tl.where(row_ok, l_run, 1.0)[:, None]
         tl.store(out_ptr + tok_c[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -435,6 +505,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
         BLOCK_SIZE=block_size, KV_TILE=kv_tile, SPLIT_TILES=kv_split // kv_tile, BLOCK_M=block_m,
         BLOCK_Q=block_q, SPLIT=split, FP8_KV=fp8_kv,
         OPAQUE=fp8_kv and OPAQUE_FP8_TILES and not interpreting(),
+        UNMASKED=UNMASKED_INTERIOR and not (decode_program or split),
         num_stages=num_stages, **common,
     )
     if split:

@@ -1,0 +1,119 @@
+"""Instructions per KV tile of the paged attention kernel's sm_90 build, counted in its SASS (no GPU needed).
+
+    python bench/attention_sass.py [--out bench/results/attention-sass-tile.json]
+
+Builds `_paged_attention_kernel` for the H200 with the Triton wheel's compiler (Qwen3's GQA group of 2,
+head_dim 128, block 16, kv_tile 32; the engine's launch options: no FP contraction, the caches' 16-byte
+aligned strides) as the 64-row in-register program and the one-warp decode program, disassembles it
+with the wheel's cuobjdump, and counts each loop's instructions by opcode. A loop over tiles holds a
+block that merges a finished split (skipped by a forward branch in all other tiles): it is counted
+apart, so `per_tile` is what a tile without a split boundary issues per thread. Registers and stack
+bytes (spills) from the build's resource usage.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
+
+from onepath.bench.results import environment, save_json  # noqa: E402
+
+ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb",
+           "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh")
+INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))")
+
+
+def _tools():
+    import triton
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return bin_dir / "cuobjdump"
+
+
+def build(rows: int, warps: int, stages: int, unmasked: bool, split: bool = False):
+    """The sm_90 CompiledKernel of one program shape (BF16 cache)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from onepath.ops.cuda import attention as A
+    kernel = A._paged_attention_kernel
+    ints = ("num_tokens", "window", "num_splits", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb",
+            "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_table", "stride_ksb",
+            "stride_kss", "stride_ksh", "stride_vsb", "stride_vss", "stride_vsh")
+    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "ks_ptr": "*bf16",
+           "vs_ptr": "*bf16", "pos_ptr": "*i64", "seq_ptr": "*i64", "table_ptr": "*i32", "starts_ptr": "*i64",
+           "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32",
+           **{n: "i32" for n in ints}}
+    consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=32, SPLIT_TILES=8,
+                  BLOCK_M=rows, BLOCK_Q=min(rows // 2, 32), SPLIT=split, FP8_KV=False, OPAQUE=False,
+                  UNMASKED=unmasked)
+    names = kernel.arg_names
+    sig = {**sig, **{n: "constexpr" for n in consts}}
+    src = ASTSource(kernel, {n: sig[n] for n in names}, constexprs={(names.index(n),): v for n, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False))
+
+
+def sass(cubin: bytes) -> tuple[str, str]:
+    """(disassembly, resource usage) of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        run = lambda *a: subprocess.run([str(_tools()), *a, f.name], capture_output=True, text=True, check=True).stdout
+        return run("-sass"), run("-res-usage")
+
+
+def loops(text: str) -> list[dict]:
+    """Each backward branch's loop: its instructions by opcode, with the block a forward branch inside it
+    skips (the split merge) counted apart."""
+    code = [(int(m.group(1), 16), m.group(2), line) for line in text.splitlines()
+            if (m := INSTRUCTION.match(line))]
+    found = []
+    for i, (addr, op, line) in enumerate(code):
+        target = BRANCH.search(line) if op == "BRA" else None
+        if not target or not target.group(1) or int(target.group(1), 16) >= addr:
+            continue
+        start = int(target.group(1), 16)
+        body = [(a, o, ln) for a, o, ln in code if start <= a <= addr]
+        skipped = set()
+        for a, o, ln in body:
+            fwd = BRANCH.search(ln) if o == "BRA" else None
+            if fwd and fwd.group(1) and a < int(fwd.group(1), 16) <= addr:
+                skipped = {b for b, _, _ in body if a < b < int(fwd.group(1), 16)}
+        ops = collections.Counter(o for a, o, _ in body if a not in skipped)
+        found.append(dict(start=hex(start), end=hex(addr), per_tile=sum(ops.values()), merge_block=len(skipped),
+                          ops=dict(ops.most_common())))
+    return found
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench/results/attention-sass-tile.json")
+    args = p.parse_args()
+    from onepath.ops.cuda import attention as A
+    programs = {"64 rows, every tile masked": (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, False),
+                "64 rows, interior tiles unmasked": (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, True),
+                "decode program": (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, False)}
+    out = {}
+    for name, (rows, warps, stages, unmasked) in programs.items():
+        text, usage = sass(build(rows, warps, stages, unmasked).asm["cubin"])
+        res = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+        out[name] = dict(rows=rows, warps=warps, stages=stages, unmasked=unmasked, registers=int(res.group(1)),
+                         stack_bytes=int(res.group(2)), loops=loops(text))
+        print(f"{name}: {res.group(1)} registers, {res.group(2)} stack bytes; instructions per tile by loop: "
+              + ", ".join(str(lp["per_tile"]) for lp in out[name]["loops"]))
+    save_json(dict(environment("cpu"), command="python " + " ".join(sys.argv), target="sm_90",
+                   shape=dict(group=2, head_dim=128, block_size=16, kv_tile=32), programs=out), Path(args.out))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
