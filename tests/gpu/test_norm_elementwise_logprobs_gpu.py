@@ -1,5 +1,6 @@
 """The Triton rmsnorm, silu_mul, rope and token-logprobs kernels on the GPU (BF16, model shapes):
-batch invariance, determinism and values, with the stock CUDA ops as negative controls.
+batch invariance, determinism and values, with the stock CUDA ops as negative controls; the fused
+QK-norm + RoPE equal to rmsnorm then rope.
 
 Probe rows are computed alone, then embedded at random positions of random batches of M rows for
 every M in MS: each copy must give the probe's bits (torch.equal), every launch twice the same bits.
@@ -191,3 +192,34 @@ def test_token_logprobs_rows_alone_with_negative_control():
     print(f"stock log_softmax logprob: {stock_lp} of {len(rows)} rows differ alone vs M=4096 "
           f"(expected 0: one block per row); stock entropy (.sum): {stock_entropy}")
     assert stock_entropy > 0, "negative control: the stock entropy's .sum(-1) gave every row the same bits"
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256, 320])
+def test_qk_norm_rope_equals_norm_then_rope_gpu(dim):
+    """The fused QK-norm + RoPE (one warp per head when head_dim <= ROW_WARP_BLOCK, else four warps with
+    BLOCK_H) gives the bits of rmsnorm() then rope() on every head of a stacked q/k view (v's heads after
+    them), for 1, 7 and 300 tokens at random positions. Control: the stock path (torch's mean and rsqrt, then
+    rope) on the same heads gives other bits, so the comparison sees a change."""
+    g = gen(dim)
+    q_heads, k_heads, v_heads = 16, 8, 8
+    positions_max = 4096
+    theta = 1e6 ** (-torch.arange(0, dim, 2, device="cuda", dtype=torch.float32) / dim)
+    angles = torch.arange(positions_max, device="cuda", dtype=torch.float32)[:, None] * theta[None]
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    wq, wk = randn(g, dim, scale=0.3) + 1, randn(g, dim, scale=0.3) + 1
+
+    def both(tokens):
+        qkv = randn(g, tokens, q_heads + k_heads + v_heads, dim, scale=3)
+        qk = qkv[:, :q_heads + k_heads]
+        pos = torch.randint(0, positions_max, (tokens,), device="cuda", generator=g)
+        fused = rmsnorm.qk_norm_rope(qk, wq, wk, q_heads, EPS, pos, cos, sin)
+        parts = torch.cat([elementwise.rope(rmsnorm.rmsnorm(qk[:, :q_heads], wq, EPS), pos, cos, sin),
+                           elementwise.rope(rmsnorm.rmsnorm(qk[:, q_heads:], wk, EPS), pos, cos, sin)], dim=1)
+        stock = torch.cat([RP.reference(RN.reference(qk[:, :q_heads], wq, EPS), cos[pos], sin[pos]),
+                           RP.reference(RN.reference(qk[:, q_heads:], wk, EPS), cos[pos], sin[pos])], dim=1)
+        return fused, parts, stock
+
+    for tokens in (1, 7, 300):
+        fused, parts, stock = both(tokens)
+        assert torch.equal(fused, parts), f"head_dim {dim}, {tokens} tokens: fused != rmsnorm then rope"
+    assert not torch.equal(fused, stock), f"head_dim {dim}: the stock path gave the same bits: no control"

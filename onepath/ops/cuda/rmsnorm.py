@@ -26,6 +26,11 @@ import triton.language as tl
 # The chunk of H summed per step: it fixes the reduction order of a row.
 BLOCK_H = 1024
 NUM_WARPS = 4
+# A row of at most this many elements gets inv_rms's sum of squares on ONE warp with BLOCK = 256: on four
+# warps with BLOCK_H each thread holds 8 consecutive elements (16 bytes) and the row fills lanes
+# 0..D/8-1 of warp 0; on one warp with 256 the same, once. Each thread sums its 8 in order, the lanes
+# meet in the same butterfly, and what four warps add besides (other lanes, other warps) is exact zeros.
+ROW_WARP_BLOCK = 256
 
 
 def aligned_rows(x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +111,8 @@ def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, pos_ptr, cos_ptr, sin_ptr, out_p
                          BLOCK_HALF: tl.constexpr):
     """One (token, head) row: RMSNorm by its head's weight (the first q_heads heads q's, the others k's),
     rounded as _rmsnorm_kernel rounds, then RoPE on the rounded halves as elementwise.py's _rope_kernel
-    computes it (products rounded on their own, one rounding per output)."""
+    computes it (products rounded on their own, one rounding per output). Launched on one warp with BLOCK
+    = ROW_WARP_BLOCK when the row fits it (`qk_norm_rope`)."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     x_row = x_ptr + tl.multiple_of(tok * x_tok_stride + head * x_head_stride, VEC)
@@ -183,9 +189,12 @@ def qk_norm_rope(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor
     if out.numel():
         half = dim // 2
         cos, sin, positions = cos.contiguous(), sin.contiguous(), positions.contiguous()
+        # a head's row on one warp when it fits ROW_WARP_BLOCK: the same sum of squares (see there), a
+        # quarter of the threads and of the masked columns of BLOCK_H on four
+        block, warps = (ROW_WARP_BLOCK, 1) if dim <= ROW_WARP_BLOCK else (BLOCK_H, NUM_WARPS)
         _qk_norm_rope_kernel[(tokens, heads)](
             x, aligned_rows(q_weight[None])[0], aligned_rows(k_weight[None])[0], positions, cos, sin, out,
             x.stride(0) if tokens > 1 else 0, x.stride(1), cos.stride(0), q_heads, heads, dim, half, eps,
-            VEC=vec, BLOCK=BLOCK_H, BLOCK_HALF=triton.next_power_of_2(half), num_warps=NUM_WARPS,
+            VEC=vec, BLOCK=block, BLOCK_HALF=triton.next_power_of_2(half), num_warps=warps,
             enable_fp_fusion=False)
     return out
