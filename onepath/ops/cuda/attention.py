@@ -407,8 +407,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     query_seq alone, are computed by the first layer and reused by the others (a dozen small kernels less
     per layer). q_block: positions per program of a block_m-row program (default min(block_m / group,
     kv_tile)); more than kv_tile lets a prefill program span several tiles and share each K/V tile among
-    more queries. A row's dot, masks and reduction are the same at any row of the program, so it is meant
-    to move no bit (the decode program keeps its own; tests/gpu/test_attention_gpu.py checks it on the H200).
+    more queries. A row's dot, masks and reduction are the same at any row of the program, so it moves no
+    bit (the decode program keeps its own; tests/gpu/test_attention_gpu.py on the H200). It is opt-in: 128
+    rows spanning two tiles prefilled slower than 64 (bench/results/kernels-attention-prefill-q-block.json).
     Returns [T, H, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
