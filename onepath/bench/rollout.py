@@ -34,7 +34,7 @@ from onepath.bench.results import environment, save_json
 from onepath.bench.roofline import COPY_CEILING_B_S, COPY_CEILING_SOURCE, HBM_PEAK_B_S, HBM_PEAK_SOURCE
 from onepath.bench.summary import TARGETS, WORKLOAD_ROOFLINE, checks, derive, errors, print_summary
 from onepath.bench.workloads import MODELS, WORKLOADS, Workload, model_config, workload
-from onepath.engine.llm_engine import LLMEngine
+from onepath.engine.llm_engine import LLMEngine, young_objects_gc
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.config import ModelConfig
@@ -305,26 +305,27 @@ def decode_window(engine: LLMEngine, w: Workload, prompt_len: int, args) -> dict
     for p in torch.randint(0, engine.model.config.vocab_size, (batch, prompt_len), generator=g).tolist():
         engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=args.seed))
     scheduler = engine.scheduler
-    for _ in range(max_tokens):
-        if not scheduler.waiting and all(s.num_uncomputed_tokens == 1 for s in scheduler.running):
-            break
-        engine.step()
-    for _ in range(DECODE_SKIP):
-        engine.step()
-    running, preemptions = list(scheduler.running), scheduler.num_preemptions
-    if not running:
-        raise RuntimeError("no sequence is running after prefill: the decode window has nothing to time")
-    context = sum(s.num_tokens for s in running) / len(running)  # keys the window's first step reads per sequence
-    before = _counters(engine.stats)
-    _sync(args.device)
-    start = time.perf_counter()
-    for _ in range(args.decode_steps):
-        engine.step()
-    _sync(args.device)
-    seconds = time.perf_counter() - start
-    stats = _delta(before, _counters(engine.stats))
-    while engine.has_unfinished():
-        engine.step()
+    with young_objects_gc():  # as generate() steps
+        for _ in range(max_tokens):
+            if not scheduler.waiting and all(s.num_uncomputed_tokens == 1 for s in scheduler.running):
+                break
+            engine.step()
+        for _ in range(DECODE_SKIP):
+            engine.step()
+        running, preemptions = list(scheduler.running), scheduler.num_preemptions
+        if not running:
+            raise RuntimeError("no sequence is running after prefill: the decode window has nothing to time")
+        context = sum(s.num_tokens for s in running) / len(running)  # keys per sequence the first step reads
+        before = _counters(engine.stats)
+        _sync(args.device)
+        start = time.perf_counter()
+        for _ in range(args.decode_steps):
+            engine.step()
+        _sync(args.device)
+        seconds = time.perf_counter() - start
+        stats = _delta(before, _counters(engine.stats))
+        while engine.has_unfinished():
+            engine.step()
     pure = (len(running) == batch and stats.get("generated_tokens") == batch * args.decode_steps
             and stats.get("prefill_tokens") == 0 and scheduler.num_preemptions == preemptions)
     return dict(batch=len(running), context=context + (args.decode_steps - 1) / 2, steps=args.decode_steps,

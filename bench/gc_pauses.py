@@ -1,0 +1,111 @@
+"""Python's garbage-collector pauses inside the rollout benchmark's timed sections, with and without
+`young_objects_gc` (the engine's generate() and the decode windows run under it).
+
+    python bench/gc_pauses.py [--out bench/results/gc-pauses-cpu.json] [--windows 6] [--scale 0.5]
+
+Runs onepath.bench.rollout in this process on the tiny model (CPU unless told otherwise): the fixed-1000
+workload (lengths x --scale), consistent mode, then --windows all-decode windows after 150-token prompts;
+first with young_objects_gc replaced by a no-op, then as shipped. gc.callbacks time every collection; the
+table gives, per timed section (the generate, each window), the full (generation 2) collections and their
+milliseconds. The host work per engine step is the GPU run's, so a pause here is one the H200's windows
+can meet; its length depends on this machine's CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
+
+from onepath.bench import rollout  # noqa: E402
+from onepath.bench.results import environment, save_json  # noqa: E402
+from onepath.engine import llm_engine  # noqa: E402
+
+
+class Pauses:
+    """Every collection's generation and milliseconds, filed under the timed section running it."""
+
+    def __init__(self):
+        self.section, self.started, self.sections = None, 0.0, []
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self.started = time.perf_counter()
+        elif self.section is not None:
+            self.section["collections"].append((info["generation"], (time.perf_counter() - self.started) * 1e3))
+
+    @contextlib.contextmanager
+    def timing(self, name):
+        self.section = dict(name=name, collections=[])
+        self.sections.append(self.section)
+        try:
+            yield
+        finally:
+            self.section = None
+
+
+def run(args, frozen: bool) -> list[dict]:
+    pauses = Pauses()
+    generate, window = rollout.timed_generate, rollout.decode_window
+    gc_block = llm_engine.young_objects_gc if frozen else contextlib.nullcontext
+
+    def timed_generate(*a, **k):
+        with pauses.timing("generate"):
+            return generate(*a, **k)
+
+    def decode_window(*a, **k):
+        with pauses.timing(f"window {sum(s['name'].startswith('window') for s in pauses.sections) + 1}"):
+            return window(*a, **k)
+
+    patched = dict(timed_generate=timed_generate, decode_window=decode_window, young_objects_gc=gc_block)
+    saved = {name: getattr(rollout, name) for name in patched}
+    saved_engine = llm_engine.young_objects_gc
+    gc.collect()
+    gc.callbacks.append(pauses)
+    try:
+        for name, fn in patched.items():
+            setattr(rollout, name, fn)
+        llm_engine.young_objects_gc = gc_block
+        rollout.main(["--model", args.model, "--device", args.device, "--workloads", "fixed-1000", "--modes",
+                      "consistent", "--no-hf", "--scale", str(args.scale), "--threads", "2",
+                      "--decode-prompts", ",".join(["150"] * args.windows), "--out", args.rollout_out])
+    finally:
+        gc.callbacks.remove(pauses)
+        for name, fn in saved.items():
+            setattr(rollout, name, fn)
+        llm_engine.young_objects_gc = saved_engine
+    rows = []
+    for s in pauses.sections:
+        full = [ms for g, ms in s["collections"] if g == 2]
+        rows.append(dict(section=s["name"], full_collections=len(full), full_ms=sum(full),
+                         longest_full_ms=max(full, default=0.0), collections=len(s["collections"]),
+                         all_ms=sum(ms for _, ms in s["collections"])))
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench/results/gc-pauses-cpu.json")
+    p.add_argument("--rollout-out", default="/tmp/gc-pauses-rollout.json", help="the rollout runs' own JSON")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--windows", type=int, default=6)
+    p.add_argument("--scale", type=float, default=0.5)
+    args = p.parse_args()
+    result = dict(environment(args.device), command="python " + " ".join(sys.argv), options=vars(args), runs={})
+    for frozen in (False, True):
+        name = "young_objects_gc" if frozen else "plain gc"
+        result["runs"][name] = rows = run(args, frozen)
+        print(f"\n{name}: full collections in timed sections (count, ms, longest ms)")
+        for r in rows:
+            print(f"  {r['section']:>10s} {r['full_collections']:3d} {r['full_ms']:8.1f} {r['longest_full_ms']:8.1f}")
+    save_json(result, Path(args.out))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
