@@ -36,30 +36,26 @@ def _tools():
     return bin_dir / "cuobjdump"
 
 
-def build(rows: int, warps: int, stages: int, unmasked: bool, split: bool = False):
-    """The sm_90 CompiledKernel of one program shape (BF16 cache)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from onepath.ops.cuda import attention as A
-    kernel = A._paged_attention_kernel
+def signature(fp8: bool) -> dict:
+    """_paged_attention_kernel's argument types for an sm_90 build: BF16 queries, a BF16 or FP8 cache."""
     ints = ("num_tokens", "window", "num_splits", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb",
             "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_table", "stride_ksb",
             "stride_kss", "stride_ksh", "stride_vsb", "stride_vss", "stride_vsh")
-    sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "ks_ptr": "*bf16",
-           "vs_ptr": "*bf16", "pos_ptr": "*i64", "seq_ptr": "*i64", "table_ptr": "*i32", "starts_ptr": "*i64",
-           "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32",
-           **{n: "i32" for n in ints}}
+    cache, scales = ("*fp8e4nv", "*fp32") if fp8 else ("*bf16", "*bf16")
+    return {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "out_ptr": "*bf16", "ks_ptr": scales, "vs_ptr": scales,
+            "pos_ptr": "*i64", "seq_ptr": "*i64", "table_ptr": "*i32", "starts_ptr": "*i64", "part_acc_ptr": "*fp32",
+            "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32", **{n: "i32" for n in ints}}
+
+
+def build(rows: int, warps: int, stages: int, unmasked: bool, split: bool = False):
+    """The sm_90 CompiledKernel of one program shape over a BF16 cache, as paged_attention launches it."""
+    from onepath.ops.cuda import attention as A
+    from onepath.ops.cuda import sm90
     consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=32, SPLIT_TILES=8,
                   BLOCK_M=rows, BLOCK_Q=min(rows // 2, 32), SPLIT=split, FP8_KV=False, OPAQUE=False,
                   UNMASKED=unmasked)
-    names = kernel.arg_names
-    sig = {**sig, **{n: "constexpr" for n in consts}}
-    src = ASTSource(kernel, {n: sig[n] for n in names}, constexprs={(names.index(n),): v for n, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False))
+    return sm90.build(A._paged_attention_kernel, signature(False), consts, ALIGNED, warps, stages,
+                      enable_fp_fusion=False)
 
 
 def sass(cubin: bytes) -> tuple[str, str]:

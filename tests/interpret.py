@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from onepath.ops.cuda import sm90
+
 
 def interpreted_checks(script: str, what: str, checks: list[str]):
     """The pytest side of an interpreted test file: a module-scoped fixture running the file's checks
@@ -51,8 +53,7 @@ def interpreted_results(script: str, what: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# Hopper's opt-in shared memory per block (227 KiB); a config over it fails at launch on the H200.
-SM90_SHARED_BYTES = 232448
+SM90_SHARED_BYTES = sm90.SHARED_BYTES
 
 
 def compile_sm90(kernel, sig: dict, consts: dict, aligned, config):
@@ -65,21 +66,13 @@ def compile_sm90(kernel, sig: dict, consts: dict, aligned, config):
 
 
 def build_sm90(kernel, sig: dict, consts: dict, aligned, config):
-    """compile_sm90's build itself, every stage's text in its .asm (ttgir, ptx, ...)."""
+    """compile_sm90's build itself (onepath/ops/cuda/sm90.py), every stage's text in its .asm (ttgir, ptx, ...);
+    config's enable_fp_fusion, where it has one, as its launch passes it."""
     pytest.importorskip("triton.backends.nvidia")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set: the kernel is an interpreted function, not compilable")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = kernel.arg_names
-    sig = {**sig, **{n: "constexpr" for n in consts}}
-    src = ASTSource(kernel, {n: sig[n] for n in names}, constexprs={(names.index(n),): v for n, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages,
-                                       enable_fp_fusion=getattr(config, "enable_fp_fusion", True)))
+    return sm90.build(kernel, sig, consts, aligned, config.num_warps, config.num_stages,
+                      getattr(config, "enable_fp_fusion", True))
 
 
 def patch_bf16_rounding() -> None:

@@ -345,17 +345,6 @@ def test_interpreted(check):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
 
 
-def _kernel_signature(fp8: bool) -> dict:
-    """_paged_attention_kernel's argument types for an sm_90 build: BF16 queries, a BF16 or FP8 cache."""
-    ints = ("num_tokens", "window", "num_splits", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb",
-            "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh", "stride_table", "stride_ksb",
-            "stride_kss", "stride_ksh", "stride_vsb", "stride_vss", "stride_vsh")
-    cache, scales = ("*fp8e4nv", "*fp32") if fp8 else ("*bf16", "*bf16")
-    return {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "out_ptr": "*bf16", "ks_ptr": scales, "vs_ptr": scales,
-            "pos_ptr": "*i64", "seq_ptr": "*i64", "table_ptr": "*i32", "starts_ptr": "*i64", "part_acc_ptr": "*fp32",
-            "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32", **{n: "i32" for n in ints}}
-
-
 @pytest.mark.parametrize("program", ["64 rows", "16 rows", "decode", "64 rows fp8", "decode fp8", "128 rows"])
 def test_kernel_builds_for_sm90(program):
     """The programs paged_attention launches build for the H200 (the Triton wheel's ptxas, no GPU): Qwen3's
@@ -366,6 +355,7 @@ def test_kernel_builds_for_sm90(program):
     the 64-row program's, bench/results/attention-fp8-variants.json)."""
     import re
 
+    from bench.attention_sass import signature
     from onepath.ops.cuda import attention as A
     from tests.interpret import SM90_SHARED_BYTES, build_sm90
 
@@ -375,7 +365,7 @@ def test_kernel_builds_for_sm90(program):
                            "decode": (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES)}[
                                program.removesuffix(" fp8")]
     ptrs = ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
-    sig = _kernel_signature(fp8)
+    sig = signature(fp8)
     bad = []
     for split in (False, True):
         consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=32, SPLIT_TILES=8,
@@ -408,10 +398,11 @@ def test_fp8_decode_program_fits_eight_per_sm():
     (bench/results/kernels-attention-decode-fp8.json, kernels-attention-decode-fp8-late-v.json). Control:
     kv_tile 64 (twice the tiles) does not fit, so the bound is a real one."""
     from onepath.ops.cuda import attention as A
+    from bench.attention_sass import signature
     from tests.interpret import build_sm90
 
     per_program = 228 * 1024 // 8 - 1024
-    sig = _kernel_signature(fp8=True)
+    sig = signature(fp8=True)
     # a cache [blocks, 16, 8, 128]: every stride but the scales' per-token one (Hkv = 8) is a multiple of 16
     aligned = ("q_ptr", "k_ptr", "v_ptr", "ks_ptr", "vs_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_ot",
                "stride_oh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",

@@ -50,13 +50,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from onepath.numerics.quant import FP8Tensor
+from onepath.ops.cuda import sm90
 from onepath.ops.cuda.matmul import _num_sms
 
 BLOCK_K = 128  # one scale group: the partial a scale multiplies is one wgmma chain over 128 K values
 WG_M = 64  # wgmma's rows: a consumer warpgroup's share of the tile's rows
 MMA_N = 128  # split "m": one partial's wgmma is m64n128k32, the Triton kernel's 64x128 tile's instruction
 TMA_ALIGN = 16  # bytes: TMA wants 16-byte aligned rows
-SM90_SHARED_BYTES = 232448  # opt-in shared memory per block
 LAUNCH_REGS = 168  # registers a thread at launch: 3 warpgroups x 128 threads x 168 = 64512 of the SM's 65536
 EPI_BYTES = 256  # bytes of a row of the epilogue's staging tile: 128 bf16 or 64 fp32 columns
 OUT_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
@@ -379,8 +379,8 @@ class WSConfig:
                 or self.consumer_regs > 256 or (self.consumer_regs | self.producer_regs) % 8:
             raise ValueError(f"{self}: setmaxnreg budgets {self.consumer_regs} x 2 + {self.producer_regs} must be "
                              f"multiples of 8 in [24, 256] summing to <= {3 * LAUNCH_REGS}")
-        if self.shared_bytes() > SM90_SHARED_BYTES:
-            raise ValueError(f"{self}: {self.shared_bytes()} bytes of shared memory > {SM90_SHARED_BYTES} on Hopper: "
+        if self.shared_bytes() > sm90.SHARED_BYTES:
+            raise ValueError(f"{self}: {self.shared_bytes()} bytes of shared memory > {sm90.SHARED_BYTES} on Hopper: "
                              "use fewer stages")
 
     def shared_bytes(self) -> int:
