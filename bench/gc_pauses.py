@@ -71,7 +71,8 @@ def run(args, frozen: bool) -> list[dict]:
             setattr(rollout, name, fn)
         llm_engine.young_objects_gc = gc_block
         rollout.main(["--model", args.model, "--device", args.device, "--workloads", "fixed-1000", "--modes",
-                      "consistent", "--no-hf", "--scale", str(args.scale), "--threads", "2",
+                      "consistent", "--no-hf", "--scale", str(args.scale),
+                      *(["--threads", "2"] if args.device == "cpu" else []),
                       "--decode-prompts", ",".join(["150"] * args.windows), "--out", args.rollout_out])
     finally:
         gc.callbacks.remove(pauses)
