@@ -3,13 +3,14 @@ on. The 64-row in-register program walks its tiles in three loops, the middle on
 key range) issuing fewer instructions per tile and no causal/window selects, without spilling; with
 UNMASKED off (the GPU test's reference) and in the one-warp decode program, one loop (three software
 pipelines spilled the decode program's registers: bench/results/gpu-tests.log, session 9)."""
+import os
+
 import pytest
 
 pytest.importorskip("triton.backends.nvidia")
 
 
 def test_unmasked_interior_loop_issues_fewer_instructions():
-    import os
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set: the kernel is an interpreted function, not compilable")
     from bench import attention_sass as S

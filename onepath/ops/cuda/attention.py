@@ -308,22 +308,14 @@ def _paged_attention_kernel(
         a, b = tile_end, tile_end
         if UNMASKED:
             a, b = _interior_tiles(pos, first_key, row_ok, last_key, tile_lo, tile_end, KV_TILE)
-        m_run, l_run, acc_run, m_i, l_i, acc = _walk(
-            q, tile_lo, a, tile_lo, m_run, l_run, acc_run, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok,
-            table, k_base, v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-            stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE, KV_TILE, SPLIT_TILES, FP8_KV, OPAQUE, True,
-            UNMASKED)
-        if UNMASKED:
+        for walk in tl.static_range(3 if UNMASKED else 1):
+            j_lo = tile_lo if walk == 0 else (a if walk == 1 else b)
+            j_hi = a if walk == 0 else (b if walk == 1 else tile_end)
             m_run, l_run, acc_run, m_i, l_i, acc = _walk(
-                q, a, b, tile_lo, m_run, l_run, acc_run, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok,
-                table, k_base, v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
-                stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE, KV_TILE, SPLIT_TILES, FP8_KV, OPAQUE,
-                False, True)
-            m_run, l_run, acc_run, m_i, l_i, acc = _walk(
-                q, b, tile_end, tile_lo, m_run, l_run, acc_run, m_i, l_i, acc, lo_key, last_key, pos, first_key,
+                q, j_lo, j_hi, tile_lo, m_run, l_run, acc_run, m_i, l_i, acc, lo_key, last_key, pos, first_key,
                 row_ok, table, k_base, v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
                 stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE, KV_TILE, SPLIT_TILES, FP8_KV,
-                OPAQUE, True, True)
+                OPAQUE, walk != 1, UNMASKED)
         m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
         out = acc_run / tl.where(row_ok, l_run, 1.0)[:, None]
         tl.store(out_ptr + tok_c[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
