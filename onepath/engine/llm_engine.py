@@ -53,9 +53,10 @@ def young_objects_gc():
     """Inside the block Python's full garbage collections traverse only the objects created inside it:
     gc.freeze() moves every object alive at entry (torch, the model, the caller's own) into the permanent
     generation, gc.unfreeze() returns them at exit, so nothing is kept from collection past the block. A
-    full collection over a loaded process took 79-97 ms on a 2-core CPU machine and fell in some timed
-    decode windows but not others (bench/gc_pauses.py, bench/results/gc-pauses-cpu.json); inside the block it
-    took a few ms. A caller that froze objects itself keeps them frozen: the block then changes nothing."""
+    full collection over a loaded process took 86 ms on a 2-core CPU machine and fell in the first timed
+    decode window after a generate but in no other (bench/gc_pauses.py, bench/results/gc-pauses-cpu.json);
+    with this block none fell in any window. A caller that froze objects itself keeps them frozen: the
+    block then changes nothing."""
     if gc.get_freeze_count():
         yield
         return

@@ -84,3 +84,33 @@ def test_add_rmsnorm_equals_add_then_rmsnorm_and_its_gradients(consistent, gen):
     plain = torch.autograd.grad((ref * g_out).float().sum() + (s * g_sum).float().sum(), (x, r, w))
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b)
+
+
+def test_qk_norm_rope_one_warp_sums_squares_as_four_warps():
+    """qk_norm_rope's one-warp launch (ROW_WARP_BLOCK on one warp) sums a row's squares in the layout the
+    four-warp BLOCK_H launch (and _rmsnorm_kernel) uses: 8 consecutive elements a thread, 32 lanes, so the
+    same in-thread runs meet in the same butterfly (sm_90 builds, no GPU; the bits are compared on the H200 in
+    tests/gpu/test_norm_elementwise_logprobs_gpu.py). Control: 2 warps over 256 lay out 4 a thread."""
+    import os
+    import re
+
+    import pytest
+    pytest.importorskip("triton.backends.nvidia")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: the kernel is an interpreted function, not compilable")
+    from onepath.ops.cuda import rmsnorm, sm90
+    sig = dict(x_ptr="*bf16", wq_ptr="*bf16", wk_ptr="*bf16", pos_ptr="*i64", cos_ptr="*bf16", sin_ptr="*bf16",
+               out_ptr="*bf16", x_tok_stride="i32", x_head_stride="i32", table_stride="i32", q_heads="i32",
+               heads="i32", D="i32", HALF="i32", eps="fp32")
+    aligned = ("x_ptr", "wq_ptr", "wk_ptr", "cos_ptr", "sin_ptr", "out_ptr", "D", "table_stride")
+
+    def reduce_layout(block, warps):
+        ttgir = sm90.build(rmsnorm._qk_norm_rope_kernel, sig, dict(VEC=8, BLOCK=block, BLOCK_HALF=64), aligned,
+                           warps, 3, enable_fp_fusion=False).asm["ttgir"]  # Triton's default stages
+        operand = re.search(r'"tt.reduce"\((%[\w]+)\)', ttgir)[1]
+        layout = re.search(rf"^\s*{re.escape(operand)} = .*#(blocked\d*)>", ttgir, re.M)[1]
+        blocked = re.search(rf"^#{layout} = #ttg.blocked<\{{(.*?)\}}>", ttgir, re.M)[1]
+        return re.search(r"sizePerThread = \[(\d+)\], threadsPerWarp = \[(\d+)\]", blocked).groups()
+
+    assert reduce_layout(rmsnorm.ROW_WARP_BLOCK, 1) == reduce_layout(rmsnorm.BLOCK_H, rmsnorm.NUM_WARPS) == ("8", "32")
+    assert reduce_layout(rmsnorm.ROW_WARP_BLOCK, 2) != ("8", "32")
