@@ -1,11 +1,16 @@
 """Time onepath.ops.cuda.matmul against cuBLAS (F.linear) over decode to prefill M.
 
     python bench/kernels_matmul.py [--out bench/results/kernels-matmul.json] [--sweep]
+    python bench/kernels_matmul.py --decode-sweep --graph --out bench/results/kernels-matmul-decode-sweep.json
 
 Per (shape, M): median microseconds of both (triton.testing.do_bench, L2 flushed between calls, as
 a decode step reads each layer's weight from HBM), TFLOP/s, GB/s of the bytes a call must move,
 and speed vs cuBLAS (cuBLAS time / ours). --sweep also times every candidate tile config (pointer
 and TMA loads) and records whether its bits equal the default's: the data for choosing the table.
+--decode-sweep does the same at decode M (1..256) over a grid that also varies BLOCK_K (fewer, longer
+K steps: a program's walk over K is a chain of dependent steps, the latency a skinny GEMM waits on),
+on the listed shapes and the projections of the Qwen3-0.6B/1.7B shapes at a batch of 256; its
+Triton builds are compiled first by --jobs processes, then timed one by one.
 Without CUDA it prints why and exits 0.
 """
 from __future__ import annotations
@@ -67,6 +72,158 @@ def _sweep_configs():
     return base + [TileConfig(c.block_m, c.block_n, c.num_warps, c.num_stages, c.group_m, tma=True) for c in base]
 
 
+# (name, K, N, out_dtype, Ms) of the decode sweep: the table's decode rows below 0.9 of cuBLAS, and the
+# model projections (stacked qkv and gate_up) that a rollout's batch of 256 runs.
+DECODE_SWEEP = [
+    ("square 4096x4096", 4096, 4096, torch.bfloat16, (1, 16, 64)),
+    ("qwen mlp 1024->3072", 1024, 3072, torch.bfloat16, (1, 64, 256)),
+    ("qwen3 o_proj 2048->1024", 2048, 1024, torch.bfloat16, (1, 16, 64, 256)),
+    ("llama mlp 4096->11008", 4096, 11008, torch.bfloat16, (1, 16, 256)),
+    ("qwen3 lm head 1024->151936 fp32", 1024, 151936, torch.float32, (1, 256)),
+    ("qwen3-0.6b qkv 1024->4096", 1024, 4096, torch.bfloat16, (256,)),
+    ("qwen3-0.6b gate_up 1024->6144", 1024, 6144, torch.bfloat16, (256,)),
+    ("qwen3-0.6b down 3072->1024", 3072, 1024, torch.bfloat16, (256,)),
+    ("qwen3-1.7b qkv 2048->4096", 2048, 4096, torch.bfloat16, (256,)),
+    ("qwen3-1.7b o_proj 2048->2048", 2048, 2048, torch.bfloat16, (256,)),
+    ("qwen3-1.7b gate_up 2048->12288", 2048, 12288, torch.bfloat16, (256,)),
+    ("qwen3-1.7b down 6144->2048", 6144, 2048, torch.bfloat16, (256,)),
+]
+SHARED_BYTES = 220 * 1024  # what a config's pipeline may take of the 227 KiB (the epilogue needs some)
+
+
+def _sweep_entry(name, x, w, out_dtype, config, ref, cublas_us, rep_ms) -> dict:
+    """One candidate tile on one case: whether its bits equal the default's, its time, or why it did not build."""
+    from onepath.ops.cuda.matmul import matmul
+
+    entry = dict(shape=name, K=x.shape[1], N=w.shape[0], M=x.shape[0], config=dataclasses.asdict(config))
+    try:
+        entry["same_bits_as_default"] = torch.equal(matmul(x, w, out_dtype=out_dtype, config=config), ref)
+        entry["us"] = _time_us(lambda: matmul(x, w, out_dtype=out_dtype, config=config), rep_ms)
+        entry["speed_vs_cublas"] = cublas_us / entry["us"]
+    except Exception as e:  # noqa: BLE001 -- a config that does not build is a result
+        entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return entry
+
+
+def _decode_configs(m: int):
+    """16-row mma.sync tiles (one warp) up to M = 16, 64-row wgmma tiles at every M, 128-row ones from
+    M = 128; each with BLOCK_K 64, 128 or 256 and pointer or TMA loads, where the stages fit."""
+    from onepath.ops.cuda.matmul import TileConfig
+
+    grid = []
+    if m <= 16:
+        grid += [(16, bn, 1, s, bk) for bn in (32, 64) for s in (4, 8) for bk in (64, 128, 256)]
+        # more programs (16 columns), deeper K steps, two or four warps a tile
+        grid += [(16, 16, 1, 4, 256), (16, 32, 1, 3, 512), (16, 32, 2, 4, 256), (16, 64, 2, 4, 256),
+                 (16, 128, 4, 3, 128)]
+    grid += [(64, bn, 4, s, bk) for bn in (32, 64, 128) for s in (3, 4, 6) for bk in (64, 128, 256)]
+    if m >= 128:
+        grid += [(128, bn, 8, s, bk) for bn in (128, 256) for s in (3, 4) for bk in (64, 128)]
+    return [TileConfig(bm, bn, w, s, tma=tma, block_k=bk) for bm, bn, w, s, bk in grid
+            if s * (bm + bn) * bk * 2 <= SHARED_BYTES for tma in (False, True)]
+
+
+def _decode_shapes(args):
+    """DECODE_SWEEP narrowed to --shapes (substrings of the names) and --ms; with --configs, every shape
+    at every --ms."""
+    return [(name, k, n, out_dtype, tuple(args.ms) if args.configs else tuple(m for m in ms if m in args.ms))
+            for name, k, n, out_dtype, ms in DECODE_SWEEP if not args.shapes or any(part in name for part in args.shapes)]
+
+
+def parse_tile(name: str):
+    """'128x256x64w8s4T' (rows x columns x K step, warps, stages, T for TMA or P for pointer loads)."""
+    import re
+
+    from onepath.ops.cuda.matmul import TileConfig
+
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)([TP])", name)
+    if not match:
+        raise argparse.ArgumentTypeError(f"tile {name!r}: expected e.g. 128x256x64w8s4T (T: TMA, P: pointer loads)")
+    bm, bn, bk, warps, stages = map(int, match.groups()[:5])
+    return TileConfig(bm, bn, warps, stages, tma=match.group(6) == "T", block_k=bk)
+
+
+def _decode_cases(shapes, configs=None):
+    return [(name, k, n, out_dtype, m, c) for name, k, n, out_dtype, ms in shapes
+            for m in ms for c in (configs or _decode_configs(m))]
+
+
+def _compile_shard(shard: list) -> int:
+    """Build (and run once) each case's kernel so the timing process finds it in Triton's cache."""
+    from onepath.ops.cuda.matmul import matmul
+
+    failed = 0
+    for k, n, out_dtype, m, c in shard:
+        try:
+            matmul(torch.zeros(m, k, device="cuda", dtype=torch.bfloat16),
+                   torch.zeros(n, k, device="cuda", dtype=torch.bfloat16), out_dtype=out_dtype, config=c)
+        except Exception:  # noqa: BLE001 -- the timing pass records the error
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+def _precompile(cases, jobs: int) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # one case per build: a config's kernel differs by whether M fills its tiles and by the output dtype
+    builds = {}
+    for _, k, n, out_dtype, m, c in cases:
+        builds.setdefault((c, m % c.block_m == 0, out_dtype), (k, n, out_dtype, m, c))
+    unique = list(builds.values())
+    shards = [unique[i::jobs] for i in range(jobs)]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failed = sum(pool.map(_compile_shard, shards))
+    print(f"precompiled {len(unique)} builds in {jobs} processes ({failed} failed)", flush=True)
+
+
+def run_decode_sweep(args) -> dict:
+    from onepath.ops.cuda.matmul import matmul, pick_config
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = _decode_shapes(args)
+    cases = _decode_cases(shapes, args.configs)
+    if args.jobs > 1:
+        _precompile(cases, args.jobs)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, sweep = [], []
+    for name, k, n, out_dtype, ms in shapes:
+        w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
+        base_name, base_fn = _baseline(out_dtype)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            default = pick_config(m, n, torch.bfloat16, sms, out_dtype)
+            ref = matmul(x, w, out_dtype=out_dtype)
+            cublas = _time_us(lambda: base_fn(x, w), args.rep_ms)
+            ours = _time_us(lambda: matmul(x, w, out_dtype=out_dtype), args.rep_ms)
+            rows.append(dict(shape=name, K=k, N=n, M=m, config=dataclasses.asdict(default), ours_us=ours,
+                             cublas_us=cublas, baseline=base_name, speed_vs_cublas=cublas / ours))
+            here = []
+            for c in args.configs or _decode_configs(m):
+                here.append(_sweep_entry(name, x, w, out_dtype, c, ref, cublas, args.rep_ms))
+            sweep += here
+            timed = sorted((e for e in here if "us" in e), key=lambda e: e["us"])
+            best = ", ".join(f"{_tile_name(e['config'])} {e['us']:.1f}" for e in timed[:3])
+            print(f"{name:34s} M={m:4d} cuBLAS {cublas:6.1f} default {_tile_name(rows[-1]['config'])} {ours:6.1f} "
+                  f"| best {best} | same bits {sum(e['same_bits_as_default'] for e in timed)}/{len(timed)}",
+                  flush=True)
+            del x
+        del w
+        torch.cuda.empty_cache()
+    return _result(sms, rows=rows, sweep=sweep)
+
+
+def _result(sms: int, **fields) -> dict:
+    return dict(environment("cuda"), sms=sms, command="python " + " ".join(sys.argv),
+                timing="do_bench_cudagraph median (graph replay, L2 not flushed)" if GRAPH else KERNEL_TIMING, **fields)
+
+
+def _tile_name(c: dict) -> str:
+    return (f"{c['block_m']}x{c['block_n']}x{c.get('block_k', 64)}w{c['num_warps']}s{c['num_stages']}"
+            f"{' tma' if c['tma'] else ''}")
+
+
 def run(args) -> dict:
     from onepath.ops.cuda.matmul import matmul, pick_config
 
@@ -97,14 +254,7 @@ def run(args) -> dict:
             if args.sweep and m in SWEEP_MS:
                 ref = matmul(x, w, out_dtype=out_dtype)
                 for c in _sweep_configs():
-                    entry = dict(shape=name, K=k, N=n, M=m, config=dataclasses.asdict(c))
-                    try:
-                        entry["same_bits_as_default"] = torch.equal(matmul(x, w, out_dtype=out_dtype, config=c), ref)
-                        entry["us"] = _time_us(lambda: matmul(x, w, out_dtype=out_dtype, config=c), args.rep_ms)
-                        entry["speed_vs_cublas"] = cublas / entry["us"]
-                    except Exception as e:  # noqa: BLE001 -- a config that does not compile is a result
-                        entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    sweep.append(entry)
+                    sweep.append(_sweep_entry(name, x, w, out_dtype, c, ref, cublas, args.rep_ms))
                 here = [e for e in sweep if e["M"] == m and e["shape"] == name]
                 timed = [e for e in here if "us" in e]
                 if timed:
@@ -117,11 +267,7 @@ def run(args) -> dict:
             del x
         del w
         torch.cuda.empty_cache()
-    return dict(
-        environment("cuda"), sms=sms, command="python " + " ".join(sys.argv),
-        timing="do_bench_cudagraph median (graph replay, L2 not flushed)" if GRAPH else KERNEL_TIMING,
-        ceilings=CEILINGS, rows=rows, sweep=sweep,
-    )
+    return _result(sms, ceilings=CEILINGS, rows=rows, sweep=sweep)
 
 
 def main():
@@ -131,13 +277,18 @@ def main():
     p.add_argument("--ms", type=int, nargs="+", default=MS)
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per measurement")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays: the kernel without launch cost")
+    p.add_argument("--decode-sweep", action="store_true", help="sweep tiles and BLOCK_K at decode M (see above)")
+    p.add_argument("--jobs", type=int, default=12, help="processes that compile the decode sweep's builds first")
+    p.add_argument("--shapes", nargs="+", help="decode sweep: only the shapes whose names contain one of these")
+    p.add_argument("--configs", nargs="+", type=parse_tile,
+                   help="decode sweep: these tiles (e.g. 128x256x64w8s4T) at every --ms instead of the grid")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("kernels_matmul: no CUDA device here; nothing timed (run it on the GPU machine)")
         return
     global GRAPH
     GRAPH = args.graph
-    save_json(run(args), Path(args.out))
+    save_json(run_decode_sweep(args) if args.decode_sweep else run(args), Path(args.out))
     print(f"wrote {args.out}")
 
 

@@ -93,12 +93,16 @@ def patch_bf16_rounding() -> None:
     interpreter._convert_float = convert_rtne
 
 
+MMA_K = 16  # the K depth of one Hopper MMA instruction on 16-bit inputs (wgmma and mma.sync)
+
+
 def patch_gemm_interpreter() -> None:
     """Make the interpreter's 16/32-bit dot the MMA chain a row sees on Hopper, and round to bf16 as the GPU.
     The interpreter's dot is numpy's: it reads bf16 as raw uint16 (Triton 3.6), and OpenBLAS's sgemm gives
     a row different bits by its position in the block (FMA or not by micro-tile). This row-independent
-    model replaces it: exact products in fp64, each K block rounded once to fp32 and added to the
-    accumulator. Call it in the interpreted subprocess, before the kernels run."""
+    model replaces it: exact products in fp64, each 16-deep K step (one MMA instruction's) rounded once
+    to fp32 and added to the accumulator in order, so a dot's bits do not depend on how many steps one
+    tl.dot takes. Call it in the interpreted subprocess, before the kernels run."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -110,8 +114,10 @@ def patch_gemm_interpreter() -> None:
         return h.data.astype(np.float64)
 
     def create_dot(self, a, b, d, *rest):
-        block = np.matmul(f64(a), f64(b)).astype(np.float32)
-        return interpreter.TensorHandle(block + d.data, d.dtype.scalar)
+        a64, b64, acc = f64(a), f64(b), d.data
+        for k in range(0, a64.shape[-1], MMA_K):
+            acc = acc + np.matmul(a64[..., k:k + MMA_K], b64[..., k:k + MMA_K, :]).astype(np.float32)
+        return interpreter.TensorHandle(acc, d.dtype.scalar)
 
     interpreter.InterpreterBuilder.create_dot = create_dot
     patch_bf16_rounding()
@@ -135,8 +141,10 @@ def patch_fp8_gemm_interpreter() -> None:
         return h.data.astype(np.float64)
 
     def create_dot(self, a, b, d, *rest):
-        block = np.matmul(f64(a), f64(b)).astype(np.float32)
-        return interpreter.TensorHandle(block + d.data, d.dtype.scalar)
+        a64, b64, acc = f64(a), f64(b), d.data
+        for k in range(0, a64.shape[-1], MMA_K):
+            acc = acc + np.matmul(a64[..., k:k + MMA_K], b64[..., k:k + MMA_K, :]).astype(np.float32)
+        return interpreter.TensorHandle(acc, d.dtype.scalar)
 
     def create_fma(self, x, y, z):
         from onepath.ops.quant_linear import fma

@@ -3,7 +3,7 @@
 consistent (CPU): the GEMM runs on fixed [row_chunk, K] pieces. torch's CPU GEMM picks a kernel
 by M (M = 1, 2..15, >= 16 give a row different bits), so one fixed M per launch is what makes a
 row's bits independent of the batch, of its position in it, and of the phase.
-consistent (CUDA): the Triton persistent GEMM of ops/cuda/matmul.py (fixed BLOCK_K, no split-K).
+consistent (CUDA): the Triton persistent GEMM of ops/cuda/matmul.py (one ascending MMA chain over K, no split-K).
 baseline: one F.linear over all rows (the library's M-dependent choice; cuBLAS on the GPU).
 The LM head returns FP32 logits: the consistent GEMM rounds its FP32 accumulator to FP32 once;
 the baseline rounds to the weights' dtype first, as the stock engines do.

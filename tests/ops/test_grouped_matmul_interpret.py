@@ -28,7 +28,8 @@ def _run_checks() -> dict:
     import torch
 
     from onepath.ops.cuda.grouped_matmul import grouped_matmul
-    from onepath.ops.cuda.matmul import DENSE_TILES, TILES_16BIT, TileConfig, matmul
+    from onepath.ops.cuda.grouped_matmul import GROUPED_TILES
+    from onepath.ops.cuda.matmul import TILES_16BIT, TileConfig, matmul
 
     gen = torch.Generator().manual_seed(0)
     k, n = 200, 72
@@ -44,7 +45,7 @@ def _run_checks() -> dict:
                "tma_16x16": TileConfig(16, 16, 4, 2, group_m=2, tma=True),
                "tma_16x32": TileConfig(16, 32, 4, 2, tma=True),
                **{f"{c.block_m}x{c.block_n}": c for c in TILES_16BIT},
-               **{f"tma_{c.block_m}x{c.block_n}": c for c in DENSE_TILES}}
+               **{f"tma_{c.block_m}x{c.block_n}": c for c in GROUPED_TILES}}
     group_of = torch.repeat_interleave(torch.arange(len(COUNTS)), torch.tensor(COUNTS))
 
     for dtype in (torch.bfloat16, torch.float32):
@@ -208,13 +209,13 @@ def test_config_pick_and_grid():
     # decode: small groups stay on the dense kernel's 64-row tiles, the weight by TMA, x by pointers;
     # training: the largest tile once the groups fill it, both by TMA
     decode = gm.pick_grouped_config([16] * 128, 1536, torch.bfloat16, 132)
-    assert decode.block_m == 64 and decode in mm.DENSE_TILES and decode.tma and not gm.x_by_tma(decode)
-    assert gm.pick_grouped_config([512] * 128, 1536, torch.bfloat16, 132) == mm.DENSE_TILES[0]
-    assert gm.x_by_tma(mm.DENSE_TILES[0])
+    assert decode.block_m == 64 and decode in gm.GROUPED_TILES and decode.tma and not gm.x_by_tma(decode)
+    assert gm.pick_grouped_config([512] * 128, 1536, torch.bfloat16, 132) == gm.GROUPED_TILES[0]
+    assert gm.x_by_tma(gm.GROUPED_TILES[0])
     wide = gm.pick_grouped_config([512] * 128, 2048, torch.bfloat16, 132, torch.float32)
-    assert wide.block_m * wide.block_n <= mm.MAX_TILE_FP32_OUT and wide in mm.DENSE_TILES
+    assert wide.block_m * wide.block_n <= mm.MAX_TILE_FP32_OUT and wide in gm.GROUPED_TILES
     assert gm.pick_grouped_config([1], 72, torch.float32, 3) == mm.TILE_FP32
-    assert gm.pick_grouped_config([0, 0], 72, torch.bfloat16, 3) == mm.DENSE_TILES[-1]
+    assert gm.pick_grouped_config([0, 0], 72, torch.bfloat16, 3) == gm.GROUPED_TILES[-1]
     # persistent: one program per SM, fewer when there are fewer tiles, never none
     assert gm.grouped_programs(160, 1536, decode, 132) == 132
     assert gm.grouped_programs(1, 128, decode, 132) == 1 and gm.grouped_programs(0, 128, decode, 132) == 1
@@ -246,9 +247,10 @@ def test_every_grouped_config_compiles_for_sm90_on_wgmma_within_shared_memory():
     227 KiB of shared memory; fp32 inputs on FMA."""
     import dataclasses
 
+    from onepath.ops.cuda import grouped_matmul as gm
     from onepath.ops.cuda import matmul as mm
 
-    cases = [(dataclasses.replace(c, tma=tma), "bf16", out) for c in mm.DENSE_TILES for tma in (True, False)
+    cases = [(dataclasses.replace(c, tma=tma), "bf16", out) for c in gm.GROUPED_TILES for tma in (True, False)
              for out in ("bf16", "fp32") if out == "bf16" or c.block_m * c.block_n <= mm.MAX_TILE_FP32_OUT]
     cases += [(mm.TILE_FP32, "fp32", "fp32")]
     bad = []

@@ -20,14 +20,16 @@ def _run_checks() -> dict:
     import torch
 
     patch_gemm_interpreter()
-    from onepath.ops.cuda.matmul import DENSE_TILES, TILES_16BIT, TileConfig, matmul
+    from onepath.ops.cuda.matmul import DENSE_TILES, SKINNY_TILES, TILES_16BIT, TileConfig, matmul
 
     gen = torch.Generator().manual_seed(0)
     n, k = 48, 96  # K = 64 + 32: one full K tile and one masked tail
     # Forced configs beside the default: 16-row tiles make M = 1..40 span up to three M tiles and
-    # the 3-program persistent loop walk several tiles; the TMA one reads through descriptors.
+    # the 3-program persistent loop walk several tiles; the TMA one reads through descriptors; the
+    # 128-deep K step takes all of K = 96 in one masked step.
     configs = {"default": None, "16x16": TileConfig(16, 16, 4, 2, group_m=2),
-               "tma_16x32": TileConfig(16, 32, 4, 2, tma=True)}
+               "tma_16x32": TileConfig(16, 32, 4, 2, tma=True),
+               "16x32x128": TileConfig(16, 32, 1, 2, block_k=128)}
     results, record = check_recorder()
 
     def rand(*shape, dtype):
@@ -67,7 +69,7 @@ def _run_checks() -> dict:
         for kk in (k, 100):
             x, w = rand(40, kk, dtype=dtype), rand(n, kk, dtype=dtype)
             ref = matmul(x, w, config=configs["16x16"])
-            for cfg in (*configs.values(), *TILES_16BIT, *DENSE_TILES, TileConfig(64, 64, 4, 3, tma=True)):
+            for cfg in (*configs.values(), *TILES_16BIT, *DENSE_TILES, *SKINNY_TILES, TileConfig(64, 64, 4, 3, tma=True)):
                 record("configs_agree", torch.equal(matmul(x, w, config=cfg), ref), f"{dtype} K={kk} {cfg}")
 
     w, b = rand(n, k, dtype="bfloat16"), rand(n, dtype="bfloat16")
@@ -97,36 +99,40 @@ def _run_checks() -> dict:
     return results
 
 
-def test_pick_config_fills_the_sms_and_keeps_block_k():
+def test_pick_config_fills_the_sms():
     pytest.importorskip("triton")
     import torch
 
     from onepath.ops.cuda import matmul as mm
 
-    assert mm.pick_config(1, 4096, torch.bfloat16, 132) == mm.DENSE_TILES[-1]
-    assert mm.pick_config(1, 32000, torch.bfloat16, 132).block_m == 64, "decode: no 128-row tiles for one row"
-    assert mm.pick_config(256, 4096, torch.bfloat16, 132) == mm.DENSE_TILES[2], "128 tiles of 64x128 fill half"
-    assert mm.pick_config(256, 1024, torch.bfloat16, 132) == mm.DENSE_TILES[-1]
-    assert mm.pick_config(256, 11008, torch.bfloat16, 132) == mm.DENSE_TILES[0]
-    assert mm.pick_config(4096, 4096, torch.bfloat16, 132) == mm.DENSE_TILES[0]
+    skinny, dense = mm.SKINNY_TILES, mm.DENSE_TILES
+    # up to 16 rows: 64x128 tiles where N gives them half the SMs, else 16x32, else 64x32 (narrow N)
+    assert mm.pick_config(1, 11008, torch.bfloat16, 132) == skinny[0]
+    assert mm.pick_config(16, 4096, torch.bfloat16, 132) == skinny[1], "128 tiles of 16x32 fill half"
+    assert mm.pick_config(1, 1024, torch.bfloat16, 132) == skinny[-1]
+    assert mm.pick_config(17, 4096, torch.bfloat16, 132) == dense[-1], "past 16 rows: the dense ladder"
+    assert mm.pick_config(256, 4096, torch.bfloat16, 132) == dense[2], "128 tiles of 64x128 fill half"
+    assert mm.pick_config(256, 2048, torch.bfloat16, 132) == dense[3]
+    assert mm.pick_config(256, 1024, torch.bfloat16, 132) == dense[-1]
+    assert mm.pick_config(256, 11008, torch.bfloat16, 132) == dense[0]
+    assert mm.pick_config(4096, 4096, torch.bfloat16, 132) == dense[0]
     assert mm.pick_config(4096, 4096, torch.float32, 132) == mm.TILE_FP32
     lm_head = mm.pick_config(8192, 151936, torch.bfloat16, 132, torch.float32)
     assert lm_head.block_m * lm_head.block_n <= mm.MAX_TILE_FP32_OUT
-    assert all(c.block_m >= 64 for c in (*mm.TILES_16BIT, *mm.DENSE_TILES)), "BLOCK_M < 64 would leave Hopper's wgmma"
-    assert mm.BLOCK_K == 64
+    assert all(c.block_m >= 64 for c in (*mm.TILES_16BIT, *dense)), "past 16 rows, every tile is on wgmma"
 
 
 def _compile_sm90(cfg, dtype: str, out: str):
     """The kernel compiled for sm_90 by the Triton wheel's own ptxas: (ptx, shared bytes)."""
     from onepath.ops.cuda import matmul as mm
 
-    consts = dict(HAS_BIAS=True, TMA=cfg.tma, EVEN_M=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=mm.BLOCK_K,
+    consts = dict(HAS_BIAS=True, TMA=cfg.tma, EVEN_M=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   GROUP_M=cfg.group_m, NUM_SMS=132)
     sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}", "out_ptr": f"*{out}",
            **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")}}
     if cfg.tma:
-        sig["x_desc"] = f"tensordesc<{dtype}[{cfg.block_m}, {mm.BLOCK_K}]>"
-        sig["w_desc"] = f"tensordesc<{dtype}[{cfg.block_n}, {mm.BLOCK_K}]>"
+        sig["x_desc"] = f"tensordesc<{dtype}[{cfg.block_m}, {cfg.block_k}]>"
+        sig["w_desc"] = f"tensordesc<{dtype}[{cfg.block_n}, {cfg.block_k}]>"
     else:
         consts.update(x_desc=None, w_desc=None)
     aligned = ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
@@ -135,19 +141,20 @@ def _compile_sm90(cfg, dtype: str, out: str):
 
 def test_every_config_compiles_for_sm90_on_wgmma_within_shared_memory():
     """What the launcher can pick builds for the H200: within its shared memory; 16-bit inputs on
-    wgmma only (BLOCK_M >= 64: no mma.sync tile whose MMA could sum differently); fp32 inputs on
-    FMA (ieee, no TF32 tensor-core path)."""
+    wgmma, except the 16-row skinny tiles on mma.sync (whose bits tests/gpu/test_matmul.py proves
+    equal); fp32 inputs on FMA (ieee, no TF32 tensor-core path)."""
     import dataclasses
 
     from onepath.ops.cuda import matmul as mm
 
-    cases = [(dataclasses.replace(c, tma=tma), "bf16", out) for c in (*mm.TILES_16BIT, *mm.DENSE_TILES)
+    cases = [(dataclasses.replace(c, tma=tma), "bf16", out) for c in (*mm.TILES_16BIT, *mm.DENSE_TILES, *mm.SKINNY_TILES)
              for tma in (False, True) for out in ("bf16", "fp32") if out == "bf16" or c.block_m * c.block_n <= mm.MAX_TILE_FP32_OUT]
     cases += [(mm.TILES_16BIT[-1], "fp16", "fp16"), (mm.TILE_FP32, "fp32", "fp32")]
     bad = []
     for cfg, dtype, out in cases:
         ptx, shared = _compile_sm90(cfg, dtype, out)
-        tensor_core = "wgmma.mma_async" in ptx and "mma.sync" not in ptx
+        tensor_core = ("mma.sync" in ptx and "wgmma" not in ptx) if cfg.block_m < 64 else \
+            ("wgmma.mma_async" in ptx and "mma.sync" not in ptx)
         no_mma = "wgmma" not in ptx and "mma.sync" not in ptx
         if shared > SM90_SHARED_BYTES or not (no_mma if dtype == "fp32" else tensor_core):
             bad.append((cfg, dtype, out, shared, "wgmma" in ptx, "mma.sync" in ptx))

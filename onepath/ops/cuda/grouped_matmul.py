@@ -6,8 +6,9 @@ on how many tokens its expert got. What keeps it: the dense kernel's K walk, unc
 - one program computes a whole output tile, walking K in ascending BLOCK_K = matmul.BLOCK_K steps
   with one FP32 accumulator (`tl.dot(a, b, acc)`), the K tail zero-filled as there (masked pointer
   loads, or TMA's out-of-bounds zeros): no split-K, no atomics, no cross-program reduction;
-- the tile config is one of the dense kernel's (DENSE_TILES; fp32 inputs TILE_FP32): each output
-  element's MMA chain over K is the same in every one (tests/gpu/test_matmul.py);
+- the tile config is one of GROUPED_TILES (the dense kernel's ladder before its deeper K steps, which
+  this kernel's sweeps measured; fp32 inputs TILE_FP32): each output element's MMA chain over K is
+  the same in every one and in each of the dense kernel's (tests/gpu/test_matmul.py);
 - a tile never stores past its group: its rows past the group's end (the next group's rows, or zeros
   past M, under TMA) and its columns past N (the next group's weight rows) are computed and dropped,
   which cannot move a stored element, whose products use its own row and column only.
@@ -31,8 +32,16 @@ import triton
 import triton.language as tl
 
 from onepath.ops.host import to_device
-from onepath.ops.cuda.matmul import BLOCK_K, DENSE_TILES, MAX_TILE_FP32_OUT, TILE_FP32, TileConfig, _num_sms, \
-    _tile_coords, _tma_ok
+from onepath.ops.cuda.matmul import BLOCK_K, MAX_TILE_FP32_OUT, TILE_FP32, TileConfig, _num_sms, _tile_coords, _tma_ok
+
+# TMA weight tiles, 64-deep K steps (BLOCK_K): 128-row tiles once the largest group fills them, 64-row ones
+# at decode (bench/results/grouped-variants.json).
+GROUPED_TILES = (
+    TileConfig(128, 256, num_warps=8, num_stages=3, tma=True),
+    TileConfig(128, 128, num_warps=4, num_stages=4, tma=True),
+    TileConfig(64, 128, num_warps=4, num_stages=4, tma=True),
+    TileConfig(64, 64, num_warps=4, num_stages=4, tma=True),
+)
 
 
 def pick_grouped_config(counts: list[int], n: int, dtype: torch.dtype, num_sms: int,
@@ -44,7 +53,7 @@ def pick_grouped_config(counts: list[int], n: int, dtype: torch.dtype, num_sms: 
     if dtype == torch.float32:
         return TILE_FP32
     wide_out = out_dtype == torch.float32
-    configs = [c for c in DENSE_TILES if not (wide_out and c.block_m * c.block_n > MAX_TILE_FP32_OUT)]
+    configs = [c for c in GROUPED_TILES if not (wide_out and c.block_m * c.block_n > MAX_TILE_FP32_OUT)]
     largest = max(counts, default=0)
     for c in configs:
         tiles = sum(-(-m // c.block_m) for m in counts) * -(-n // c.block_n)

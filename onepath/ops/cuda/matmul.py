@@ -2,12 +2,16 @@
 
 The contract: a row's output bits depend only on that row, the weight and the bias; never on M, on
 the other rows or on the row's position. What keeps it:
-- one program computes a whole output tile, walking K in ascending BLOCK_K = 64 steps with one
-  FP32 accumulator (`tl.dot(a, b, acc)`): no split-K, no atomics, no cross-program reduction;
-- BLOCK_K is the same for every tile config, so a row's reduction order is a function of K alone;
-- the tile config may follow M (small tiles fill the 132 SMs at decode, large ones reach the
-  tensor-core peak at prefill) only because each output element's MMA chain over K is the same
-  whatever the tile's M/N extent; tests/gpu/test_matmul.py proves the candidates give equal bits;
+- one program computes a whole output tile, walking K in ascending BLOCK_K steps with one FP32
+  accumulator (`tl.dot(a, b, acc)`): no split-K, no atomics, no cross-program reduction;
+- each tl.dot is a chain of 16-deep MMA instructions into that accumulator, in ascending K, so an
+  output element's sums are the same chain whatever the step: a 128- or 256-deep BLOCK_K issues the
+  64-deep step's instructions, fewer times round the loop (the walk's dependent steps are what a
+  skinny decode GEMM waits on), and the K tail's zeros add nothing;
+- the tile config (rows, columns, K step, warps; wgmma or, for 16-row tiles, mma.sync) may follow M
+  (small tiles fill the 132 SMs at decode, large ones reach the tensor-core peak at prefill) only
+  because each output element's MMA chain over K is the same in every one; tests/gpu/test_matmul.py
+  proves the candidates give equal bits, and a split-K sum does not;
 - no autotuning: it picks by timing and could pick a different config on the other side;
 - `input_precision="ieee"`: tl.dot would run fp32 inputs as TF32 otherwise;
 - the bias is added in FP32 to the accumulator, then one rounding to out_dtype.
@@ -25,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-# The K step of every config: it fixes the order in which a row's products are summed.
+# The K step of a config unless it says otherwise (the grouped kernel's only one).
 BLOCK_K = 64
 # Programs of an interpreted (CPU) launch: small, so the persistent loop walks several tiles.
 INTERPRET_NUM_SMS = 3
@@ -39,6 +43,7 @@ class TileConfig:
     num_stages: int
     group_m: int = 8
     tma: bool = False
+    block_k: int = BLOCK_K
 
     def tiles(self, m: int, n: int) -> int:
         return triton.cdiv(m, self.block_m) * triton.cdiv(n, self.block_n)
@@ -54,16 +59,29 @@ TILES_16BIT = (
     TileConfig(64, 64, num_warps=4, num_stages=4),
     TileConfig(64, 32, num_warps=4, num_stages=5),
 )
-# The dense matmul's own ladder, from CUDA-graph sweeps on the H200 (bench/results/kernels-matmul-sweep-graph*.json):
-# TMA loads throughout (up to 1.6x over pointer loads at M = 256..1024); 128-row tiles once M fills them;
-# at decode 64x128, or 64x64 when N is too small for 64x128 to give half the SMs a tile (32- and 64-column
-# tiles over more SMs ran up to 3x slower than fewer 128-column ones). Every config gave the same bits.
+# The dense matmul's own ladder, from CUDA-graph sweeps on the H200 (bench/results/kernels-matmul-sweep-graph*.json,
+# kernels-matmul-decode-sweep.json): TMA loads throughout (up to 1.6x over pointer loads at M = 256..1024);
+# 128-row tiles once M fills them; below, 64-row tiles as wide as still give half the SMs a tile, with K steps
+# of 128 or 256 (the 64-deep step left the decode GEMMs waiting on their K walk: 1.3-1.6x slower). Every
+# config gave the same bits.
 DENSE_TILES = (
     TileConfig(128, 256, num_warps=8, num_stages=3, tma=True),
     TileConfig(128, 128, num_warps=4, num_stages=4, tma=True),
-    TileConfig(64, 128, num_warps=4, num_stages=4, tma=True),
-    TileConfig(64, 64, num_warps=4, num_stages=4, tma=True),
+    TileConfig(64, 128, num_warps=4, num_stages=4, tma=True, block_k=128),
+    TileConfig(64, 64, num_warps=4, num_stages=6, tma=True, block_k=128),
+    TileConfig(64, 32, num_warps=4, num_stages=4, tma=True, block_k=256),
 )
+# Up to SKINNY_M rows (decode of a few sequences) the weight stream is all the work: 64x128 tiles by pointer
+# loads where N gives them half the SMs (TMA's 64-row x box was slower there), else 16x32 tiles on two warps
+# (mma.sync: the same bits as wgmma's, kernels-matmul-decode-sweep*.json) over 256-deep K steps, else, for a
+# narrow N, 16x16 ones on one warp.
+SKINNY_M = 16
+SKINNY_TILES = (
+    TileConfig(64, 128, num_warps=4, num_stages=4, block_k=128),
+    TileConfig(16, 32, num_warps=2, num_stages=4, tma=True, block_k=256),
+    TileConfig(16, 16, num_warps=1, num_stages=4, tma=True, block_k=256),
+)
+
 # An fp32 output tile is staged through shared memory on its way out; 128x256 with its 3 pipeline
 # stages would need 272 KiB, over the H200's 227 KiB per block (see the sm_90 compile test).
 MAX_TILE_FP32_OUT = 128 * 128
@@ -79,12 +97,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_config(m: int, n: int, dtype: torch.dtype, num_sms: int, out_dtype: torch.dtype | None = None) -> TileConfig:
-    """The largest DENSE_TILES config that still gives half the SMs a tile (fewer, larger tiles
-    beat more, smaller ones in the sweeps down to that point); 64x64 when none does."""
+    """The largest config of the ladder for M (SKINNY_TILES up to SKINNY_M rows, else DENSE_TILES)
+    that still gives half the SMs a tile (fewer, larger tiles beat more, smaller ones in the sweeps
+    down to that point); the ladder's last when none does."""
     if dtype == torch.float32:
         return TILE_FP32
     wide_out = out_dtype == torch.float32
-    return first_filling([c for c in DENSE_TILES if not (wide_out and c.block_m * c.block_n > MAX_TILE_FP32_OUT)],
+    ladder = SKINNY_TILES if m <= SKINNY_M else DENSE_TILES
+    return first_filling([c for c in ladder if not (wide_out and c.block_m * c.block_n > MAX_TILE_FP32_OUT)],
                          m, n, max(1, num_sms // 2))
 
 
@@ -210,15 +230,15 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x_desc = w_desc = None
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
-        x_desc = TensorDescriptor.from_tensor(x2, [config.block_m, BLOCK_K])
-        w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, BLOCK_K])
+        x_desc = TensorDescriptor.from_tensor(x2, [config.block_m, config.block_k])
+        w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
     grid = (min(num_sms, config.tiles(m, n)),)
     _matmul_kernel[grid](
         x2, weight, x_desc, w_desc, bias.contiguous() if bias is not None else None, out,
         m, n, k,
         x2.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, TMA=tma, EVEN_M=m % config.block_m == 0,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=BLOCK_K,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, NUM_SMS=num_sms,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
