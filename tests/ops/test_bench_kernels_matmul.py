@@ -1,0 +1,38 @@
+"""bench/kernels_matmul.py's decode sweep: the tile names --configs accepts and refuses, and the grid it builds
+(the timing is GPU-only)."""
+import argparse
+
+import pytest
+
+from bench.kernels_matmul import DECODE_SWEEP, SHARED_BYTES, _decode_cases, _decode_configs, _decode_shapes, parse_tile
+from onepath.ops.cuda.matmul import TileConfig
+
+
+def test_tile_names_map_to_configs():
+    assert parse_tile("128x256x64w8s4T") == TileConfig(128, 256, 8, 4, tma=True, block_k=64)
+    assert parse_tile("16x32x256w2s4P") == TileConfig(16, 32, 2, 4, tma=False, block_k=256)
+
+
+@pytest.mark.parametrize("name", ["128x256w8s4T", "128x256x64w8s4", "128x256x64w8s4X", "axbxcw1s1T"])
+def test_a_bad_tile_name_says_the_form(name):
+    with pytest.raises(argparse.ArgumentTypeError, match="expected e.g. 128x256x64w8s4T"):
+        parse_tile(name)
+
+
+def test_the_grid_follows_m_and_fits_shared_memory():
+    skinny, wide = _decode_configs(1), _decode_configs(256)
+    assert {c.block_m for c in skinny} == {16, 64} and {c.block_m for c in wide} == {64, 128}
+    assert {c.block_k for c in skinny} == {64, 128, 256, 512}
+    for c in (*skinny, *wide):
+        assert c.num_stages * (c.block_m + c.block_n) * c.block_k * 2 <= SHARED_BYTES, c
+    assert sum(c.tma for c in wide) * 2 == len(wide), "each tile with pointer and TMA loads"
+
+
+def test_shapes_and_ms_narrow_the_sweep():
+    args = argparse.Namespace(ms=[1, 16], shapes=["square", "o_proj 2048->1024"], configs=None)
+    shapes = _decode_shapes(args)
+    assert [(s[0], s[4]) for s in shapes] == [("square 4096x4096", (1, 16)), ("qwen3 o_proj 2048->1024", (1, 16))]
+    fixed = [parse_tile("64x128x128w4s4T")]
+    everywhere = _decode_shapes(argparse.Namespace(ms=[128, 4096], shapes=None, configs=fixed))
+    assert len(everywhere) == len(DECODE_SWEEP) and all(s[4] == (128, 4096) for s in everywhere)
+    assert len(_decode_cases(everywhere, fixed)) == 2 * len(DECODE_SWEEP)
