@@ -2,6 +2,7 @@
 
     python bench/kernels_matmul.py [--out bench/results/kernels-matmul.json] [--sweep]
     python bench/kernels_matmul.py --decode-sweep --graph --out bench/results/kernels-matmul-decode-sweep.json
+    python bench/kernels_matmul.py --summarize bench/results/kernels-matmul-decode-sweep.json
 
 Per (shape, M): median microseconds of both (triton.testing.do_bench, L2 flushed between calls, as
 a decode step reads each layer's weight from HBM), TFLOP/s, GB/s of the bytes a call must move,
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -211,7 +214,34 @@ def run_decode_sweep(args) -> dict:
             del x
         del w
         torch.cuda.empty_cache()
-    return _result(sms, rows=rows, sweep=sweep)
+    return _result(sms, rows=rows, sweep=sweep, k_step_summary=k_step_summary(sweep))
+
+
+def k_step_summary(sweep: list[dict]) -> dict:
+    """Per M class (up to 16 rows, more): how much longer a 64-row TMA tile took with 64-deep K steps than the
+    same tile (columns, warps) with the best of its 128- and 256-deep ones: median, min and max over cases."""
+    best = {}
+    for e in sweep:
+        c = e["config"]
+        if "us" in e and c["block_m"] == 64 and c["tma"]:
+            key = (e["shape"], e["M"], c["block_n"], c["num_warps"])
+            steps = best.setdefault(key, {})
+            steps[c["block_k"]] = min(steps.get(c["block_k"], float("inf")), e["us"])
+    ratios = {"m_le_16": [], "m_gt_16": []}
+    for (_, m, _, _), steps in best.items():
+        deeper = min(steps.get(128, float("inf")), steps.get(256, float("inf")))
+        if 64 in steps and deeper < float("inf"):
+            ratios["m_le_16" if m <= 16 else "m_gt_16"].append(steps[64] / deeper)
+    return {name: dict(cases=len(r), median=statistics.median(r), min=min(r), max=max(r))
+            for name, r in ratios.items() if r}
+
+
+def summarize(path: Path) -> None:
+    """Add k_step_summary to a decode sweep's results file (one written before the summary existed)."""
+    result = json.loads(path.read_text())
+    result["k_step_summary"] = k_step_summary(result["sweep"])
+    save_json(result, path)
+    print(json.dumps(result["k_step_summary"], indent=1))
 
 
 def _result(sms: int, **fields) -> dict:
@@ -280,9 +310,13 @@ def main():
     p.add_argument("--decode-sweep", action="store_true", help="sweep tiles and BLOCK_K at decode M (see above)")
     p.add_argument("--jobs", type=int, default=12, help="processes that compile the decode sweep's builds first")
     p.add_argument("--shapes", nargs="+", help="decode sweep: only the shapes whose names contain one of these")
+    p.add_argument("--summarize", type=Path, help="add the K-step summary to this decode sweep's results file; no GPU")
     p.add_argument("--configs", nargs="+", type=parse_tile,
                    help="decode sweep: these tiles (e.g. 128x256x64w8s4T) at every --ms instead of the grid")
     args = p.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+        return
     if not torch.cuda.is_available():
         print("kernels_matmul: no CUDA device here; nothing timed (run it on the GPU machine)")
         return

@@ -36,3 +36,18 @@ def test_shapes_and_ms_narrow_the_sweep():
     everywhere = _decode_shapes(argparse.Namespace(ms=[128, 4096], shapes=None, configs=fixed))
     assert len(everywhere) == len(DECODE_SWEEP) and all(s[4] == (128, 4096) for s in everywhere)
     assert len(_decode_cases(everywhere, fixed)) == 2 * len(DECODE_SWEEP)
+
+
+def test_k_step_summary_compares_the_same_tile_only():
+    from bench.kernels_matmul import k_step_summary
+
+    def entry(m, bn, bk, us, bm=64, tma=True):
+        return dict(shape="s", M=m, us=us, config=dict(block_m=bm, block_n=bn, num_warps=4, tma=tma, block_k=bk))
+    sweep = [entry(256, 32, 64, 3.0), entry(256, 32, 128, 2.0), entry(256, 32, 256, 1.5),  # 2.0x
+             entry(256, 64, 64, 1.0), entry(256, 64, 128, 1.0),                              # 1.0x
+             entry(256, 128, 64, 9.0),                                                        # no deeper step
+             entry(256, 32, 128, 0.1, tma=False), entry(256, 32, 256, 0.1, bm=16),          # other tiles
+             entry(1, 32, 64, 1.2), entry(1, 32, 256, 1.0)]                                   # 1.2x
+    summary = k_step_summary(sweep)
+    assert summary["m_gt_16"] == dict(cases=2, median=1.5, min=1.0, max=2.0)
+    assert summary["m_le_16"]["cases"] == 1 and abs(summary["m_le_16"]["median"] - 1.2) < 1e-12

@@ -62,8 +62,9 @@ TILES_16BIT = (
 # The dense matmul's own ladder, from CUDA-graph sweeps on the H200 (bench/results/kernels-matmul-sweep-graph*.json,
 # kernels-matmul-decode-sweep.json): TMA loads throughout (up to 1.6x over pointer loads at M = 256..1024);
 # 128-row tiles once M fills them; below, 64-row tiles as wide as still give half the SMs a tile, with K steps
-# of 128 or 256 (the 64-deep step left the decode GEMMs waiting on their K walk: 1.3-1.6x slower). Every
-# config gave the same bits.
+# of 128 or 256 (with 64-deep steps the same tile took a median 1.38x as long at M = 64..256, up to 1.85x: the
+# decode GEMM waits on its K walk; k_step_summary in kernels-matmul-decode-sweep.json). Every config gave
+# the same bits.
 DENSE_TILES = (
     TileConfig(128, 256, num_warps=8, num_stages=3, tma=True),
     TileConfig(128, 128, num_warps=4, num_stages=4, tma=True),
