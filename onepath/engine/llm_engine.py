@@ -48,23 +48,32 @@ class EngineStats:
     ahead_steps: int = 0    # launched before the previous step's tokens reached the host (async scheduling)
 
 
+# The full-collection threshold inside young_objects_gc: never reached (it counts young collections).
+NO_FULL_COLLECTIONS = 1 << 30
+
+
 @contextlib.contextmanager
 def young_objects_gc():
-    """Inside the block Python's full garbage collections traverse only the objects created inside it:
+    """Inside the block Python's collector runs its young collections only, over objects made inside it:
     gc.freeze() moves every object alive at entry (torch, the model, the caller's own) into the permanent
-    generation, gc.unfreeze() returns them at exit, so nothing is kept from collection past the block. In
-    the rollout benchmark's host code (bench/gc_pauses.py) a full collection over the loaded process fell in
-    the first decode window after a generate: 86 ms on a 2-core CPU machine (gc-pauses-cpu.json), 129 ms on
-    the H200's host, where that window ran 6.31 ms a step against 4.30 (gc-pauses-cuda.json); with this
-    block no window's timed steps held one. A caller that froze objects itself keeps them frozen: the block
-    then changes nothing."""
+    generation, and the full-collection threshold is out of reach; at exit both are undone, so nothing is
+    kept from collection past the block (the next full collection, outside, sees it all).
+    In the rollout benchmark's host code (bench/gc_pauses.py) a full collection fell in the first decode
+    window after a generate: 86 ms on a 2-core CPU machine (gc-pauses-cpu.json), 129 ms on the H200's host,
+    where that window ran 6.31 ms a step against 4.30 (gc-pauses-cuda.json). Freezing alone still let one
+    through over the objects made inside the block: 96 ms in a window's timed steps, which ran 6.69 ms a step
+    against 5.26 in another run (gc-pauses-cuda-full.json, rollout-qwen3-0.6b-deep-k.json). A caller that
+    froze objects itself keeps its freeze and its thresholds: the block then changes nothing."""
     if gc.get_freeze_count():
         yield
         return
+    thresholds = gc.get_threshold()
     gc.freeze()
+    gc.set_threshold(thresholds[0], thresholds[1], NO_FULL_COLLECTIONS)
     try:
         yield
     finally:
+        gc.set_threshold(*thresholds)
         gc.unfreeze()
 
 

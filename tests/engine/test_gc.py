@@ -1,6 +1,7 @@
-"""The engine's generate() under young_objects_gc: full collections inside skip the objects alive at entry
-(frozen), and everything is collectable again after; a caller's own freeze is left as it was. Before and
-after generate() nothing is frozen (the probe's control)."""
+"""The engine's generate() under young_objects_gc: no full collection inside, the young ones skip the objects
+alive at entry (frozen), and everything is collectable again after; a caller's own freeze and thresholds are left
+as they were. Before and after generate() nothing is frozen (the probe's control); outside the block the same
+allocations run a full collection (the threshold test's control)."""
 import gc
 import weakref
 
@@ -57,5 +58,42 @@ def test_block_collects_young_cycles_and_keeps_a_callers_freeze():
         with young_objects_gc():
             assert gc.get_freeze_count() == frozen
         assert gc.get_freeze_count() == frozen, "the block unfroze the caller's objects"
+    finally:
+        gc.unfreeze()
+
+
+def _collections_while_keeping(n: int) -> list[int]:
+    """The generations of the automatic collections that run while n new containers are made and kept."""
+    seen = []
+
+    def record(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+
+    gc.callbacks.append(record)
+    try:
+        kept = [[] for _ in range(n)]
+    finally:
+        gc.callbacks.remove(record)
+    del kept
+    return seen
+
+
+def test_no_full_collection_inside_the_block_and_thresholds_restored():
+    n = 2_000_000
+    gc.collect()
+    outside = _collections_while_keeping(n)
+    assert 2 in outside, f"control: {n} kept containers ran no full collection outside the block ({set(outside)})"
+    before = gc.get_threshold()
+    with young_objects_gc():
+        inside = _collections_while_keeping(n)
+        caller = gc.get_threshold()
+    assert 0 in inside, "the young collections stopped inside the block"
+    assert 2 not in inside, "a full collection ran inside the block"
+    assert caller[:2] == before[:2] and gc.get_threshold() == before, "thresholds not kept / restored"
+    gc.freeze()
+    try:
+        with young_objects_gc():
+            assert gc.get_threshold() == before, "the block changed a freezing caller's thresholds"
     finally:
         gc.unfreeze()
