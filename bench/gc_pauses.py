@@ -58,7 +58,7 @@ class Pauses:
         try:
             yield
         finally:
-            self.section = None
+            self.section, self.timed = None, False
 
 
 def run(args, frozen: bool) -> list[dict]:
