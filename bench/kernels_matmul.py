@@ -122,8 +122,8 @@ def _decode_configs(m: int):
     grid += [(64, bn, 4, s, bk) for bn in (32, 64, 128) for s in (3, 4, 6) for bk in (64, 128, 256)]
     if m >= 128:
         grid += [(128, bn, 8, s, bk) for bn in (128, 256) for s in (3, 4) for bk in (64, 128)]
-    return [TileConfig(bm, bn, w, s, tma=tma, block_k=bk) for bm, bn, w, s, bk in grid
-            if s * (bm + bn) * bk * 2 <= SHARED_BYTES for tma in (False, True)]
+    tiles = [TileConfig(bm, bn, w, s, tma=tma, block_k=bk) for bm, bn, w, s, bk in grid for tma in (False, True)]
+    return [c for c in tiles if c.pipeline_bytes() <= SHARED_BYTES]
 
 
 def _decode_shapes(args):

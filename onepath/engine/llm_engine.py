@@ -64,8 +64,8 @@ def young_objects_gc():
     through over the objects made inside the block: 96 ms in a window's timed steps, which ran 6.69 ms a step
     against 5.26 in another run (gc-pauses-cuda-full.json, rollout-qwen3-0.6b-deep-k.json). With the threshold
     lifted too, none fell in any section on the CPU machine, where plain gc had 105 ms in a window's timed steps
-    (gc-pauses-cpu-threshold.json). A caller that
-    froze objects itself keeps its freeze and its thresholds: the block then changes nothing."""
+    (gc-pauses-cpu-threshold.json). A caller that froze objects itself keeps its freeze and its thresholds:
+    the block then changes nothing."""
     if gc.get_freeze_count():
         yield
         return

@@ -48,6 +48,10 @@ class TileConfig:
     def tiles(self, m: int, n: int) -> int:
         return triton.cdiv(m, self.block_m) * triton.cdiv(n, self.block_n)
 
+    def pipeline_bytes(self) -> int:
+        """Shared memory of the 16-bit operand tiles in flight: every stage's x and weight tiles."""
+        return self.num_stages * (self.block_m + self.block_n) * self.block_k * 2
+
 
 # 16-bit inputs, largest tile first. BLOCK_M stays >= 64 so every config runs Hopper's wgmma
 # (an m64 instruction per warpgroup); 64-row and 32-column tiles fill the SMs at decode, where the
