@@ -3,6 +3,7 @@
     python bench/kernels_matmul.py [--out bench/results/kernels-matmul.json] [--sweep]
     python bench/kernels_matmul.py --decode-sweep --graph --out bench/results/kernels-matmul-decode-sweep.json
     python bench/kernels_matmul.py --summarize bench/results/kernels-matmul-decode-sweep.json
+    python bench/kernels_matmul.py --rank-picks A.json B.json [--out bench/results/kernels-matmul-pick-model.json]
 
 Per (shape, M): median microseconds of both (triton.testing.do_bench, L2 flushed between calls, as
 a decode step reads each layer's weight from HBM), TFLOP/s, GB/s of the bytes a call must move,
@@ -11,7 +12,11 @@ and TMA loads) and records whether its bits equal the default's: the data for ch
 --decode-sweep does the same at decode M (1..256) over a grid that also varies BLOCK_K (fewer, longer
 K steps: a program's walk over K is a chain of dependent steps, the latency a skinny GEMM waits on),
 on the listed shapes and the projections of the Qwen3-0.6B/1.7B shapes at a batch of 256; its
-Triton builds are compiled first by --jobs processes, then timed one by one.
+Triton builds are compiled first by --jobs processes, then timed one by one; --configs times given tiles
+instead of the grid, and --last-rows-past-m with the last row tile running past M (the comparison for
+matmul.LAST_ROWS_BACK). --rank-picks (no GPU) reads such sweeps, a later file's cases replacing an earlier
+one's, and for each case where every DENSE_TILES config was timed compares pick_config's tile and the
+rule before it (the largest tile still giving half the SMs one) with the best of them.
 Without CUDA it prints why and exits 0.
 """
 from __future__ import annotations
@@ -90,6 +95,7 @@ DECODE_SWEEP = [
     ("qwen3-1.7b o_proj 2048->2048", 2048, 2048, torch.bfloat16, (256,)),
     ("qwen3-1.7b gate_up 2048->12288", 2048, 12288, torch.bfloat16, (256,)),
     ("qwen3-1.7b down 6144->2048", 6144, 2048, torch.bfloat16, (256,)),
+    ("qwen3-1.7b lm head 2048->151936 fp32", 2048, 151936, torch.float32, (256,)),
 ]
 SHARED_BYTES = 220 * 1024  # what a config's pipeline may take of the 227 KiB (the epilogue needs some)
 
@@ -151,10 +157,12 @@ def _decode_cases(shapes, configs=None):
             for m in ms for c in (configs or _decode_configs(m))]
 
 
-def _compile_shard(shard: list) -> int:
+def _compile_shard(shard: list, last_rows_back: bool = True) -> int:
     """Build (and run once) each case's kernel so the timing process finds it in Triton's cache."""
+    from onepath.ops.cuda import matmul as mm
     from onepath.ops.cuda.matmul import matmul
 
+    mm.LAST_ROWS_BACK = last_rows_back
     failed = 0
     for k, n, out_dtype, m, c in shard:
         try:
@@ -166,7 +174,7 @@ def _compile_shard(shard: list) -> int:
     return failed
 
 
-def _precompile(cases, jobs: int) -> None:
+def _precompile(cases, jobs: int, last_rows_back: bool) -> None:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -177,7 +185,7 @@ def _precompile(cases, jobs: int) -> None:
     unique = list(builds.values())
     shards = [unique[i::jobs] for i in range(jobs)]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        failed = sum(pool.map(_compile_shard, shards))
+        failed = sum(pool.map(_compile_shard, shards, [last_rows_back] * len(shards)))
     print(f"precompiled {len(unique)} builds in {jobs} processes ({failed} failed)", flush=True)
 
 
@@ -188,7 +196,7 @@ def run_decode_sweep(args) -> dict:
     shapes = _decode_shapes(args)
     cases = _decode_cases(shapes, args.configs)
     if args.jobs > 1:
-        _precompile(cases, args.jobs)
+        _precompile(cases, args.jobs, not args.last_rows_past_m)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows, sweep = [], []
     for name, k, n, out_dtype, ms in shapes:
@@ -242,6 +250,53 @@ def summarize(path: Path) -> None:
     result["k_step_summary"] = k_step_summary(result["sweep"])
     save_json(result, path)
     print(json.dumps(result["k_step_summary"], indent=1))
+
+
+def _half_the_sms_rule(m: int, n: int, out_dtype: torch.dtype, sms: int):
+    """The dense pick before DENSE_SPEED: the largest ladder tile that still gives half the SMs a tile."""
+    from onepath.ops.cuda.matmul import DENSE_TILES, MAX_TILE_FP32_OUT, first_filling
+    ladder = [c for c in DENSE_TILES if not (out_dtype == torch.float32 and c.block_m * c.block_n > MAX_TILE_FP32_OUT)]
+    return first_filling(ladder, m, n, sms // 2)
+
+
+def rank_picks(paths: list[Path], sms: int = 132) -> dict:
+    """pick_config's and the previous rule's tile against the best DENSE_TILES tile, per swept case past SKINNY_M."""
+    from onepath.ops.cuda.matmul import DENSE_TILES, MAX_TILE_FP32_OUT, SKINNY_M, TileConfig, pick_config
+
+    cases = {}
+    for path in paths:
+        for e in json.loads(path.read_text())["sweep"]:
+            if "us" in e and e["M"] > SKINNY_M:
+                out_dtype = torch.float32 if "fp32" in e["shape"] else torch.bfloat16
+                case = cases.setdefault((e["shape"], e["K"], e["N"], e["M"]), {"out_dtype": out_dtype, "source": ""})
+                if case["source"] != path.name:  # a later file's case replaces the whole case
+                    case.clear()
+                    case.update(out_dtype=out_dtype, source=path.name, us={})
+                case["us"][TileConfig(**e["config"])] = e["us"]
+    rows = []
+    for (shape, k, n, m), case in sorted(cases.items()):
+        ladder = [c for c in DENSE_TILES if c.block_m <= max(64, m)
+                  and not (case["out_dtype"] == torch.float32 and c.block_m * c.block_n > MAX_TILE_FP32_OUT)]
+        if not all(c in case["us"] for c in ladder):
+            continue
+        best = min(case["us"][c] for c in ladder)
+        picked = pick_config(m, n, torch.bfloat16, sms, case["out_dtype"])
+        before = _half_the_sms_rule(m, n, case["out_dtype"], sms)
+        rows.append(dict(shape=shape, K=k, N=n, M=m, source=case["source"], best_us=best,
+                         pick=_tile_name(dataclasses.asdict(picked)), pick_vs_best=case["us"][picked] / best,
+                         before=_tile_name(dataclasses.asdict(before)), before_vs_best=case["us"][before] / best))
+    if not rows:
+        raise ValueError(f"rank_picks: no case in {[p.name for p in paths]} has every DENSE_TILES tile timed")
+    geo = lambda xs: float(torch.tensor(xs, dtype=torch.float64).log().mean().exp())  # noqa: E731
+    summary = {rule: dict(geomean_vs_best=geo([r[f"{rule}_vs_best"] for r in rows]),
+                          worst_vs_best=max(r[f"{rule}_vs_best"] for r in rows)) for rule in ("pick", "before")}
+    summary["cases"] = len(rows)
+    for r in sorted(rows, key=lambda r: -r["before_vs_best"])[:10]:
+        print(f"{r['shape']:38s} M={r['M']:4d} before {r['before']:24s} {r['before_vs_best']:.2f}  "
+              f"pick {r['pick']:24s} {r['pick_vs_best']:.2f}")
+    print(json.dumps(summary, indent=1))
+    return dict(environment("cpu"), command="python " + " ".join(sys.argv), sources=[p.name for p in paths],
+                sms=sms, summary=summary, rows=rows)
 
 
 def _result(sms: int, **fields) -> dict:
@@ -311,9 +366,17 @@ def main():
     p.add_argument("--jobs", type=int, default=12, help="processes that compile the decode sweep's builds first")
     p.add_argument("--shapes", nargs="+", help="decode sweep: only the shapes whose names contain one of these")
     p.add_argument("--summarize", type=Path, help="add the K-step summary to this decode sweep's results file; no GPU")
+    p.add_argument("--last-rows-past-m", action="store_true",
+                   help="the last row tile runs past M (matmul.LAST_ROWS_BACK off): the comparison")
     p.add_argument("--configs", nargs="+", type=parse_tile,
                    help="decode sweep: these tiles (e.g. 128x256x64w8s4T) at every --ms instead of the grid")
+    p.add_argument("--rank-picks", nargs="+", type=Path, metavar="SWEEP",
+                   help="no GPU: pick_config and the rule before it against the best tile in these sweeps")
     args = p.parse_args()
+    if args.rank_picks:
+        save_json(rank_picks(args.rank_picks), Path(args.out))
+        print(f"wrote {args.out}")
+        return
     if args.summarize:
         summarize(args.summarize)
         return
@@ -322,6 +385,9 @@ def main():
         return
     global GRAPH
     GRAPH = args.graph
+    if args.last_rows_past_m:
+        from onepath.ops.cuda import matmul as mm
+        mm.LAST_ROWS_BACK = False
     save_json(run_decode_sweep(args) if args.decode_sweep else run(args), Path(args.out))
     print(f"wrote {args.out}")
 

@@ -34,7 +34,7 @@ from onepath.bench.results import environment, save_json
 from onepath.bench.roofline import COPY_CEILING_B_S, COPY_CEILING_SOURCE, HBM_PEAK_B_S, HBM_PEAK_SOURCE
 from onepath.bench.summary import TARGETS, WORKLOAD_ROOFLINE, checks, derive, errors, print_summary
 from onepath.bench.workloads import MODELS, WORKLOADS, Workload, model_config, workload
-from onepath.engine.llm_engine import LLMEngine, young_objects_gc
+from onepath.engine.llm_engine import LLMEngine, young_collections_only
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.config import ModelConfig
@@ -305,7 +305,7 @@ def decode_window(engine: LLMEngine, w: Workload, prompt_len: int, args) -> dict
     for p in torch.randint(0, engine.model.config.vocab_size, (batch, prompt_len), generator=g).tolist():
         engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=args.seed))
     scheduler = engine.scheduler
-    with young_objects_gc():  # as generate() steps
+    with young_collections_only():  # as generate() steps
         for _ in range(max_tokens):
             if not scheduler.waiting and all(s.num_uncomputed_tokens == 1 for s in scheduler.running):
                 break

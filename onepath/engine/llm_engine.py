@@ -48,35 +48,28 @@ class EngineStats:
     ahead_steps: int = 0    # launched before the previous step's tokens reached the host (async scheduling)
 
 
-# The full-collection threshold inside young_objects_gc: never reached (it counts young collections).
+# The full-collection threshold inside young_collections_only: never reached (it counts young collections).
 NO_FULL_COLLECTIONS = 1 << 30
 
 
 @contextlib.contextmanager
-def young_objects_gc():
-    """Inside the block Python's collector runs its young collections only, over objects made inside it:
-    gc.freeze() moves every object alive at entry (torch, the model, the caller's own) into the permanent
-    generation, and the full-collection threshold is out of reach; at exit both are undone, so nothing is
-    kept from collection past the block (the next full collection, outside, sees it all).
+def young_collections_only():
+    """Inside the block Python's collector runs its young collections only: the full-collection threshold
+    is out of reach, and the caller's thresholds come back at exit, so the next full collection, outside,
+    sees everything made inside. Nothing is frozen, so blocks nest and a caller's own gc.freeze() stays as it
+    was.
     In the rollout benchmark's host code (bench/gc_pauses.py) a full collection fell in the first decode
     window after a generate: 86 ms on a 2-core CPU machine (gc-pauses-cpu.json), 129 ms on the H200's host,
-    where that window ran 6.31 ms a step against 4.30 (gc-pauses-cuda.json). Freezing alone still let one
-    through over the objects made inside the block: 96 ms in a window's timed steps, which ran 6.69 ms a step
-    against 5.26 in another run (gc-pauses-cuda-full.json, rollout-qwen3-0.6b-deep-k.json). With the threshold
-    lifted too, none fell in any section on the CPU machine, where plain gc had 105 ms in a window's timed steps
-    (gc-pauses-cpu-threshold.json). A caller that froze objects itself keeps its freeze and its thresholds:
-    the block then changes nothing."""
-    if gc.get_freeze_count():
-        yield
-        return
+    where that window ran 6.31 ms a step against 4.30 (gc-pauses-cuda.json). A first form froze the objects
+    alive at entry and stood aside when anything was frozen already; on the H200's Python 3.12 something
+    always was (375 objects), so it never acted and a 125 ms full collection still fell in a window's timed
+    steps (gc-pauses-cuda-stacks.json, with the thresholds and stack at its start)."""
     thresholds = gc.get_threshold()
-    gc.freeze()
     gc.set_threshold(thresholds[0], thresholds[1], NO_FULL_COLLECTIONS)
     try:
         yield
     finally:
         gc.set_threshold(*thresholds)
-        gc.unfreeze()
 
 
 class LLMEngine:
@@ -196,7 +189,7 @@ class LLMEngine:
                 outputs[rid] = RequestOutput(rid, list(ids), [], [], "error", str(e))
         start = time.perf_counter()
         preemptions, cached = self.scheduler.num_preemptions, self.block_manager.num_cached_tokens_hit
-        with young_objects_gc():
+        with young_collections_only():
             while self.has_unfinished():
                 for seq in self.step():
                     outputs[seq.request_id] = self.output(seq)

@@ -51,3 +51,31 @@ def test_k_step_summary_compares_the_same_tile_only():
     summary = k_step_summary(sweep)
     assert summary["m_gt_16"] == dict(cases=2, median=1.5, min=1.0, max=2.0)
     assert summary["m_le_16"]["cases"] == 1 and abs(summary["m_le_16"]["median"] - 1.2) < 1e-12
+
+
+def test_rank_picks_reads_later_sweeps_over_earlier_ones(tmp_path):
+    """A case counts only where every ladder tile was timed; a later file's case replaces an earlier one's whole."""
+    import dataclasses
+    import json
+
+    import torch
+
+    from bench.kernels_matmul import rank_picks
+    from onepath.ops.cuda.matmul import DENSE_TILES, pick_config
+
+    def sweep(path, m, us_of):
+        entries = [dict(shape="s", K=4096, N=11008, M=m, config=dataclasses.asdict(c), us=us_of(c)) for c in DENSE_TILES]
+        path.write_text(json.dumps(dict(sweep=entries)))
+        return path
+
+    picked = pick_config(256, 11008, torch.bfloat16, 132)
+    early = sweep(tmp_path / "early.json", 256, lambda c: 1.0)
+    late = sweep(tmp_path / "late.json", 256, lambda c: 1.0 if c == picked else 2.0)
+    result = rank_picks([early, late])
+    (row,) = result["rows"]
+    assert row["source"] == "late.json" and row["pick_vs_best"] == 1.0
+    assert row["before"] != row["pick"] and row["before_vs_best"] == 2.0, "the previous rule picked 128x256 here"
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps(dict(sweep=json.loads(late.read_text())["sweep"][:-1])))
+    with pytest.raises(ValueError):  # no case left to rank: every ladder tile is needed
+        rank_picks([partial])

@@ -12,6 +12,8 @@ the other rows or on the row's position. What keeps it:
   (small tiles fill the 132 SMs at decode, large ones reach the tensor-core peak at prefill) only
   because each output element's MMA chain over K is the same in every one; tests/gpu/test_matmul.py
   proves the candidates give equal bits, and a split-K sum does not;
+- where M is not a multiple of the row tile, the last row tile is moved back to end at M: its first rows
+  are computed by two programs, to the same bits, and stored twice (no TMA box reaches past M);
 - no autotuning: it picks by timing and could pick a different config on the other side;
 - `input_precision="ieee"`: tl.dot would run fp32 inputs as TF32 otherwise;
 - the bias is added in FP32 to the accumulator, then one rounding to out_dtype.
@@ -33,6 +35,9 @@ import triton.language as tl
 BLOCK_K = 64
 # Programs of an interpreted (CPU) launch: small, so the persistent loop walks several tiles.
 INTERPRET_NUM_SMS = 3
+# Where M is at least a row tile but not a multiple of it, the last row tile ends at M (see _tile_offsets):
+# no TMA box or masked load reaches past M. Off: the last tile runs past M (the benchmark's comparison).
+LAST_ROWS_BACK = True
 
 
 @dataclass(frozen=True)
@@ -64,11 +69,10 @@ TILES_16BIT = (
     TileConfig(64, 32, num_warps=4, num_stages=5),
 )
 # The dense matmul's own ladder, from CUDA-graph sweeps on the H200 (bench/results/kernels-matmul-sweep-graph*.json,
-# kernels-matmul-decode-sweep.json): TMA loads throughout (up to 1.6x over pointer loads at M = 256..1024);
-# 128-row tiles once M fills them; below, 64-row tiles as wide as still give half the SMs a tile, with K steps
-# of 128 or 256 (with 64-deep steps the same tile took a median 1.38x as long at M = 64..256, up to 1.85x: the
-# decode GEMM waits on its K walk; k_step_summary in kernels-matmul-decode-sweep.json). Every config gave
-# the same bits.
+# kernels-matmul-decode-sweep.json, kernels-matmul-ladder-*.json): TMA loads throughout (up to 1.6x over pointer
+# loads at M = 256..1024); 128-row tiles once M fills them, 64-row ones with K steps of 128 or 256 (with 64-deep
+# steps the same tile took a median 1.38x as long at M = 64..256, up to 1.85x: the decode GEMM waits on its K
+# walk; k_step_summary in kernels-matmul-decode-sweep.json). Every config gave the same bits.
 DENSE_TILES = (
     TileConfig(128, 256, num_warps=8, num_stages=3, tma=True),
     TileConfig(128, 128, num_warps=4, num_stages=4, tma=True),
@@ -76,6 +80,14 @@ DENSE_TILES = (
     TileConfig(64, 64, num_warps=4, num_stages=6, tma=True, block_k=128),
     TileConfig(64, 32, num_warps=4, num_stages=4, tma=True, block_k=256),
 )
+# pick_config's model of a dense tile's time: the rounds of tiles the SMs run (the last one partly idle) times
+# a tile's outputs over its speed per output, relative to 128x256. Fitted to CUDA-graph sweeps at M = 32..512
+# over 13 shapes (`python bench/kernels_matmul.py --rank-picks kernels-matmul-ladder-m32-512.json
+# kernels-matmul-ladder-rows-back.json`, kernels-matmul-pick-model.json): over 143 cases the picked tile took
+# 1.006x the best ladder tile's time (geometric mean; at worst 1.20x, 64-row tiles at M = 32), against 1.034x
+# for the rule before it (the largest tile still giving half the SMs one; at worst 1.54x, 128-row tiles at
+# M = 160..384 where N is wide).
+DENSE_SPEED = {(128, 256): 1.0, (128, 128): 0.8, (64, 128): 0.8, (64, 64): 0.5, (64, 32): 0.3}
 # Up to SKINNY_M rows (decode of a few sequences) the weight stream is all the work: 64x128 tiles by pointer
 # loads where N gives them half the SMs (TMA's 64-row x box was slower there), else 16x32 tiles on two warps
 # (mma.sync: the same bits as wgmma's, kernels-matmul-decode-sweep*.json) over 256-deep K steps, else, for a
@@ -102,15 +114,21 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_config(m: int, n: int, dtype: torch.dtype, num_sms: int, out_dtype: torch.dtype | None = None) -> TileConfig:
-    """The largest config of the ladder for M (SKINNY_TILES up to SKINNY_M rows, else DENSE_TILES)
-    that still gives half the SMs a tile (fewer, larger tiles beat more, smaller ones in the sweeps
-    down to that point); the ladder's last when none does."""
+    """Up to SKINNY_M rows, the largest SKINNY_TILES config that still gives half the SMs a tile; past
+    them, the DENSE_TILES config of least modelled time (DENSE_SPEED), 128-row tiles once M fills them."""
     if dtype == torch.float32:
         return TILE_FP32
     wide_out = out_dtype == torch.float32
-    ladder = SKINNY_TILES if m <= SKINNY_M else DENSE_TILES
-    return first_filling([c for c in ladder if not (wide_out and c.block_m * c.block_n > MAX_TILE_FP32_OUT)],
-                         m, n, max(1, num_sms // 2))
+    ladder = [c for c in (SKINNY_TILES if m <= SKINNY_M else DENSE_TILES)
+              if not (wide_out and c.block_m * c.block_n > MAX_TILE_FP32_OUT)]
+    if m <= SKINNY_M:
+        return first_filling(ladder, m, n, max(1, num_sms // 2))
+
+    def modelled(c: TileConfig) -> tuple[float, int]:
+        rounds = -(-c.tiles(m, n) // num_sms)
+        return rounds * c.block_m * c.block_n / DENSE_SPEED[c.block_m, c.block_n], -c.block_m * c.block_n
+
+    return min((c for c in ladder if c.block_m <= max(64, m)), key=modelled)
 
 
 def first_filling(configs, m: int, n: int, num_sms: int) -> TileConfig:
@@ -134,11 +152,18 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _tile_offsets(tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  GROUP_M: tl.constexpr, EVEN_M: tl.constexpr):
-    """A tile's coordinates, its rows and columns, and the rows and columns to read."""
+                  GROUP_M: tl.constexpr, EVEN_M: tl.constexpr, LAST_ROWS_BACK: tl.constexpr):
+    """A tile's first row and column, its rows and columns, and the rows and columns to read.
+    LAST_ROWS_BACK: where M is at least a tile but not a multiple of it, the last row tile starts at
+    M - BLOCK_M instead of running past M, so every tile is whole. Its first rows are the previous tile's
+    last ones, computed again to the same bits (a row's bits do not depend on its tile) and stored again."""
     pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row0 = pid_m * BLOCK_M
+    if LAST_ROWS_BACK and not EVEN_M:
+        row0 = tl.maximum(tl.minimum(row0, M - BLOCK_M), 0)
+    col0 = pid_n * BLOCK_N
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = col0 + tl.arange(0, BLOCK_N)
     # Rows past M are masked (no memory request): reading row 0 in their place made every
     # program hammer one L2 line at decode (M=1 ran 4x slower than M=64). Columns past N read
     # column 0; their results are never stored.
@@ -146,7 +171,7 @@ def _tile_offsets(tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M: tl.constexpr, BL
     # EVEN_M (every tile full) drops the row mask: a row's values, so its bits, are the same either way.
     row_ok = (offs_m < M) | EVEN_M
     cols = tl.where(offs_n < N, offs_n, 0)
-    return pid_m, pid_n, offs_m, offs_n, rows, row_ok, cols
+    return row0, col0, offs_m, offs_n, rows, row_ok, cols
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -154,7 +179,7 @@ def _matmul_kernel(
     x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, TMA: tl.constexpr, EVEN_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, TMA: tl.constexpr, EVEN_M: tl.constexpr, LAST_ROWS_BACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
 ):
@@ -166,15 +191,15 @@ def _matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n, offs_m, offs_n, rows, row_ok, cols = _tile_offsets(
-            tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, EVEN_M)
+        row0, col0, offs_m, offs_n, rows, row_ok, cols = _tile_offsets(
+            tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, EVEN_M, LAST_ROWS_BACK)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # One ascending walk over K per tile, one accumulator: the reduction order of a row.
         for ki in range(k_tiles):
             if TMA:
-                a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
-                b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K]).T
+                a = x_desc.load([row0, ki * BLOCK_K])
+                b = w_desc.load([col0, ki * BLOCK_K]).T
             else:
                 k_left = K - ki * BLOCK_K
                 a = tl.load(x_ptr + rows[:, None] * stride_xm + (ki * BLOCK_K + offs_k)[None, :],
@@ -242,7 +267,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x2, weight, x_desc, w_desc, bias.contiguous() if bias is not None else None, out,
         m, n, k,
         x2.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, TMA=tma, EVEN_M=m % config.block_m == 0,
+        HAS_BIAS=bias is not None, TMA=tma, EVEN_M=m % config.block_m == 0, LAST_ROWS_BACK=LAST_ROWS_BACK,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, NUM_SMS=num_sms,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -79,7 +79,7 @@ def _matmul_fp8_kernel(
 
     for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=True):
         _, _, offs_m, offs_n, rows, row_ok, cols = _tile_offsets(
-            tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, False)
+            tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, False, False)
         w_blocks = cols // W_BLOCK_N
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
