@@ -134,6 +134,8 @@ def test_pick_config_fills_the_sms():
     # at 0.8 the speed: 0.94 of the time (it ran 43.4 against 46.2 us, kernels-matmul-ladder-m32-512.json)
     assert mm.pick_config(256, 11008, torch.bfloat16, 132) == dense[2]
     assert mm.pick_config(1024, 6144, torch.bfloat16, 132) == dense[1], "3 rounds of 128x128 tiles model below 2 of 128x256"
+    # the FP32-output LM head at training M: 128x128 (64x128 ran it 1.08x slower, kernels-matmul-sweep-large-tiles.json)
+    assert all(mm.pick_config(m, 151936, torch.bfloat16, 132, torch.float32) == dense[1] for m in (1000, 4096, 6000, 8192))
     assert mm.pick_config(4096, 4096, torch.bfloat16, 132) == dense[0]
     assert mm.pick_config(4096, 4096, torch.float32, 132) == mm.TILE_FP32
     lm_head = mm.pick_config(8192, 151936, torch.bfloat16, 132, torch.float32)

@@ -86,8 +86,9 @@ DENSE_TILES = (
 # kernels-matmul-ladder-rows-back.json`, kernels-matmul-pick-model.json): over 143 cases the picked tile took
 # 1.006x the best ladder tile's time (geometric mean; at worst 1.20x, 64-row tiles at M = 32), against 1.034x
 # for the rule before it (the largest tile still giving half the SMs one; at worst 1.54x, 128-row tiles at
-# M = 160..384 where N is wide).
-DENSE_SPEED = {(128, 256): 1.0, (128, 128): 0.8, (64, 128): 0.8, (64, 64): 0.5, (64, 32): 0.3}
+# M = 160..384 where N is wide). 128x128 at 0.8 to 0.9 fits those sweeps alike; 0.85 keeps it ahead of 64x128
+# at training M, where 64x128 ran the FP32-output LM head 1.08x slower (kernels-matmul-sweep-large-tiles.json).
+DENSE_SPEED = {(128, 256): 1.0, (128, 128): 0.85, (64, 128): 0.8, (64, 64): 0.5, (64, 32): 0.3}
 # Up to SKINNY_M rows (decode of a few sequences) the weight stream is all the work: 64x128 tiles by pointer
 # loads where N gives them half the SMs (TMA's 64-row x box was slower there), else 16x32 tiles on two warps
 # (mma.sync: the same bits as wgmma's, kernels-matmul-decode-sweep*.json) over 256-deep K steps, else, for a
