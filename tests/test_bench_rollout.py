@@ -13,6 +13,7 @@ from onepath.bench.roofline import HBM_PEAK_B_S, decode_roofline, experts_touche
 from onepath.bench.summary import TARGETS
 from onepath.bench.workloads import MODELS, model_config
 from onepath.cli import main
+from onepath.engine.llm_engine import LLMEngine
 from onepath.models.batch import ForwardBatch
 from onepath.models import build_decoder
 from onepath.models.config import ModelConfig
@@ -161,3 +162,17 @@ def test_roofline_reads_the_experts_a_batch_touches():
     full = model_config("qwen3-30b-a3b-12l")
     assert experts_touched(full, 256) > 1 - 1e-6 and experts_touched(full, 1) == 8 / 128
     assert experts_touched(model_config("tiny"), 1) == 1.0  # a dense model reads every weight
+
+
+def test_graph_batch_sizes_reach_the_engine_and_bad_ones_fail_by_name(tmp_path):
+    out = tmp_path / "rollout.json"
+    args = [*SMALL, "--workloads", "fixed-1000", "--modes", "consistent", "--no-hf", "--decode-prompts", "4"]
+    assert main(["bench", "rollout", *args, "--graph-batch-sizes", "1,2,8", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["models"]["tiny"]["workloads"]["fixed-1000"]["modes"]["consistent"]
+    assert row["engine"]["graph_batch_sizes"] == [1, 2, 8]
+    with pytest.raises(SystemExit):
+        main(["bench", "rollout", *args, "--graph-batch-sizes", "0,8"])
+    model = build_decoder(model_config("tiny"), Ops(ExecutionSpec.default("consistent", "cpu")))
+    for bad in ([], [0, 8]):
+        with pytest.raises(ValueError, match=r"graph_batch_sizes .* must be batch sizes >= 1"):
+            LLMEngine(model, num_blocks=8, graph_batch_sizes=bad)

@@ -76,6 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt lengths of the all-decode windows, one window each (default: the first fixed "
                         "workload's prompt length); e.g. 150,1000,3000 times decode steps at three contexts")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default torch's; 1 for tiny CPU runs)")
+    p.add_argument("--graph-batch-sizes", type=_lengths, default=None, metavar="N[,N...]",
+                   help="the batch sizes decode graphs are captured at (default the engine's: 1, 2, 4, 8 and "
+                        "multiples of 16 up to --max-num-seqs); a decode step pads to the next one")
 
 
 def main(argv: list[str] | None = None, prog: str = "python bench/rollout.py") -> int:
@@ -227,6 +230,8 @@ def build_engine(config: ModelConfig, mode: str, state: dict, max_model_len: int
         kwargs["num_blocks"] = batch * math.ceil(max_model_len / BLOCK_SIZE)
     if "cuda_graphs" in accepted:
         kwargs["cuda_graphs"] = False if args.no_cuda_graphs else None
+    if args.graph_batch_sizes:
+        kwargs["graph_batch_sizes"] = args.graph_batch_sizes
     if "async_scheduling" in accepted:
         kwargs["async_scheduling"] = not args.no_async_scheduling
     used = dict(kwargs, scheduler=dataclasses.asdict(kwargs["scheduler"]),

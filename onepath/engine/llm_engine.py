@@ -105,6 +105,9 @@ class LLMEngine:
             num_blocks = memory.kv_blocks_for(model, config, block_size, gpu_memory_utilization) if on_cuda else 1024
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
+        if graph_batch_sizes is not None and (not graph_batch_sizes or min(graph_batch_sizes) < 1):
+            raise ValueError(f"graph_batch_sizes {graph_batch_sizes} must be batch sizes >= 1, e.g. [1, 2, 4, 8, 16, "
+                             "32]; a decode step of more sequences than the largest runs eagerly")
         sizes = (graph_batch_sizes or graph_batch_sizes_for(config.max_num_seqs)) if cuda_graphs else None
         self.runner = ModelRunner(model, num_blocks, block_size, max_model_len=config.max_model_len,
                                   graph_batch_sizes=sizes, record_routing=record_routing)
