@@ -254,34 +254,31 @@ def summarize(path: Path) -> None:
 
 def _half_the_sms_rule(m: int, n: int, out_dtype: torch.dtype, sms: int):
     """The dense pick before DENSE_SPEED: the largest ladder tile that still gives half the SMs a tile."""
-    from onepath.ops.cuda.matmul import DENSE_TILES, MAX_TILE_FP32_OUT, first_filling
-    ladder = [c for c in DENSE_TILES if not (out_dtype == torch.float32 and c.block_m * c.block_n > MAX_TILE_FP32_OUT)]
-    return first_filling(ladder, m, n, sms // 2)
+    from onepath.ops.cuda.matmul import dense_candidates, first_filling
+    return first_filling(dense_candidates(m, out_dtype), m, n, sms // 2)
 
 
 def rank_picks(paths: list[Path], sms: int = 132) -> dict:
     """pick_config's and the previous rule's tile against the best DENSE_TILES tile, per swept case past SKINNY_M."""
-    from onepath.ops.cuda.matmul import DENSE_TILES, MAX_TILE_FP32_OUT, SKINNY_M, TileConfig, pick_config
+    from onepath.ops.cuda.matmul import SKINNY_M, TileConfig, dense_candidates, pick_config
 
-    cases = {}
+    cases = {}  # (shape, K, N, M) -> the file it was read from and its times by tile
     for path in paths:
+        read = {}
         for e in json.loads(path.read_text())["sweep"]:
             if "us" in e and e["M"] > SKINNY_M:
-                out_dtype = torch.float32 if "fp32" in e["shape"] else torch.bfloat16
-                case = cases.setdefault((e["shape"], e["K"], e["N"], e["M"]), {"out_dtype": out_dtype, "source": ""})
-                if case["source"] != path.name:  # a later file's case replaces the whole case
-                    case.clear()
-                    case.update(out_dtype=out_dtype, source=path.name, us={})
+                case = read.setdefault((e["shape"], e["K"], e["N"], e["M"]), dict(source=path.name, us={}))
                 case["us"][TileConfig(**e["config"])] = e["us"]
+        cases.update(read)  # a later file's case replaces the whole case
     rows = []
     for (shape, k, n, m), case in sorted(cases.items()):
-        ladder = [c for c in DENSE_TILES if c.block_m <= max(64, m)
-                  and not (case["out_dtype"] == torch.float32 and c.block_m * c.block_n > MAX_TILE_FP32_OUT)]
+        out_dtype = torch.float32 if "fp32" in shape else torch.bfloat16
+        ladder = dense_candidates(m, out_dtype)
         if not all(c in case["us"] for c in ladder):
             continue
         best = min(case["us"][c] for c in ladder)
-        picked = pick_config(m, n, torch.bfloat16, sms, case["out_dtype"])
-        before = _half_the_sms_rule(m, n, case["out_dtype"], sms)
+        picked = pick_config(m, n, torch.bfloat16, sms, out_dtype)
+        before = _half_the_sms_rule(m, n, out_dtype, sms)
         rows.append(dict(shape=shape, K=k, N=n, M=m, source=case["source"], best_us=best,
                          pick=_tile_name(dataclasses.asdict(picked)), pick_vs_best=case["us"][picked] / best,
                          before=_tile_name(dataclasses.asdict(before)), before_vs_best=case["us"][before] / best))

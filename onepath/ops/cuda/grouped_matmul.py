@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from onepath.ops.host import to_device
-from onepath.ops.cuda.matmul import BLOCK_K, MAX_TILE_FP32_OUT, TILE_FP32, TileConfig, _num_sms, _tile_coords, _tma_ok
+from onepath.ops.cuda.matmul import BLOCK_K, TILE_FP32, TileConfig, _num_sms, _tile_coords, _tma_ok, stages_output
 
 # TMA weight tiles, 64-deep K steps (BLOCK_K): 128-row tiles once the largest group fills them, 64-row ones
 # at decode (bench/results/grouped-variants.json).
@@ -52,8 +52,7 @@ def pick_grouped_config(counts: list[int], n: int, dtype: torch.dtype, num_sms: 
     (~1.4 us a call on the host) cost ~0.5 ms over 128 groups."""
     if dtype == torch.float32:
         return TILE_FP32
-    wide_out = out_dtype == torch.float32
-    configs = [c for c in GROUPED_TILES if not (wide_out and c.block_m * c.block_n > MAX_TILE_FP32_OUT)]
+    configs = [c for c in GROUPED_TILES if stages_output(c, out_dtype)]
     largest = max(counts, default=0)
     for c in configs:
         tiles = sum(-(-m // c.block_m) for m in counts) * -(-n // c.block_n)

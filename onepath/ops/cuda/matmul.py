@@ -114,22 +114,29 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def stages_output(config: TileConfig, out_dtype: torch.dtype | None) -> bool:
+    """Whether the config's output tile fits the shared memory it is staged through (MAX_TILE_FP32_OUT)."""
+    return out_dtype != torch.float32 or config.block_m * config.block_n <= MAX_TILE_FP32_OUT
+
+
+def dense_candidates(m: int, out_dtype: torch.dtype | None = None) -> list[TileConfig]:
+    """The DENSE_TILES configs an M-row launch may take: 128-row tiles once M fills them."""
+    return [c for c in DENSE_TILES if c.block_m <= max(64, m) and stages_output(c, out_dtype)]
+
+
 def pick_config(m: int, n: int, dtype: torch.dtype, num_sms: int, out_dtype: torch.dtype | None = None) -> TileConfig:
     """Up to SKINNY_M rows, the largest SKINNY_TILES config that still gives half the SMs a tile; past
     them, the DENSE_TILES config of least modelled time (DENSE_SPEED), 128-row tiles once M fills them."""
     if dtype == torch.float32:
         return TILE_FP32
-    wide_out = out_dtype == torch.float32
-    ladder = [c for c in (SKINNY_TILES if m <= SKINNY_M else DENSE_TILES)
-              if not (wide_out and c.block_m * c.block_n > MAX_TILE_FP32_OUT)]
     if m <= SKINNY_M:
-        return first_filling(ladder, m, n, max(1, num_sms // 2))
+        return first_filling([c for c in SKINNY_TILES if stages_output(c, out_dtype)], m, n, max(1, num_sms // 2))
 
     def modelled(c: TileConfig) -> tuple[float, int]:
         rounds = -(-c.tiles(m, n) // num_sms)
         return rounds * c.block_m * c.block_n / DENSE_SPEED[c.block_m, c.block_n], -c.block_m * c.block_n
 
-    return min((c for c in ladder if c.block_m <= max(64, m)), key=modelled)
+    return min(dense_candidates(m, out_dtype), key=modelled)
 
 
 def first_filling(configs, m: int, n: int, num_sms: int) -> TileConfig:
