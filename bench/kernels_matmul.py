@@ -4,19 +4,22 @@
     python bench/kernels_matmul.py --decode-sweep --graph --out bench/results/kernels-matmul-decode-sweep.json
     python bench/kernels_matmul.py --summarize bench/results/kernels-matmul-decode-sweep.json
     python bench/kernels_matmul.py --rank-picks A.json B.json [--out bench/results/kernels-matmul-pick-model.json]
+    python bench/kernels_matmul.py --past-m --graph --out bench/results/kernels-matmul-past-m.json
 
 Per (shape, M): median microseconds of both (triton.testing.do_bench, L2 flushed between calls, as
 a decode step reads each layer's weight from HBM), TFLOP/s, GB/s of the bytes a call must move,
-and speed vs cuBLAS (cuBLAS time / ours). --sweep also times every candidate tile config (pointer
-and TMA loads) and records whether its bits equal the default's: the data for choosing the table.
+and speed vs cuBLAS (cuBLAS time / ours); --cublas-kernels records the kernels cuBLAS launched (a split-K
+shows its reduce kernel). --sweep also times every candidate tile config (pointer and TMA loads) and records
+whether its bits equal the default's: the data for choosing the table.
 --decode-sweep does the same at decode M (1..256) over a grid that also varies BLOCK_K (fewer, longer
 K steps: a program's walk over K is a chain of dependent steps, the latency a skinny GEMM waits on),
 on the listed shapes and the projections of the Qwen3-0.6B/1.7B shapes at a batch of 256; its
 Triton builds are compiled first by --jobs processes, then timed one by one; --configs times given tiles
 instead of the grid, and --last-rows-past-m with the last row tile running past M (the comparison for
 matmul.LAST_ROWS_BACK). --rank-picks (no GPU) reads such sweeps, a later file's cases replacing an earlier
-one's, and for each case where every DENSE_TILES config was timed compares pick_config's tile and the
-rule before it (the largest tile still giving half the SMs one) with the best of them.
+one's, and for each case where every tile a rule may take was timed compares pick_config's tile and the
+two rules before it with the best of them (rank_picks). --past-m times a row tile past M with its x box and its
+store each whole or past M: which of the two costs.
 Without CUDA it prints why and exits 0.
 """
 from __future__ import annotations
@@ -252,15 +255,28 @@ def summarize(path: Path) -> None:
     print(json.dumps(result["k_step_summary"], indent=1))
 
 
+def _ladder_before(m: int, out_dtype: torch.dtype):
+    """The dense tiles before SMALL_TILES and the deeper 128x128 ring: DENSE_TILES, 128-row ones once M filled one."""
+    from onepath.ops.cuda.matmul import DENSE_TILES, stages_output
+    return [c for c in DENSE_TILES if c.block_m <= max(64, m) and stages_output(c, out_dtype)]
+
+
 def _half_the_sms_rule(m: int, n: int, out_dtype: torch.dtype, sms: int):
     """The dense pick before DENSE_SPEED: the largest ladder tile that still gives half the SMs a tile."""
-    from onepath.ops.cuda.matmul import dense_candidates, first_filling
-    return first_filling(dense_candidates(m, out_dtype), m, n, sms // 2)
+    from onepath.ops.cuda.matmul import first_filling
+    return first_filling(_ladder_before(m, out_dtype), m, n, sms // 2)
+
+
+RULES = ("pick", "dense_model", "half_sms")  # rank_picks: pick_config now, and the two rules before it
 
 
 def rank_picks(paths: list[Path], sms: int = 132) -> dict:
-    """pick_config's and the previous rule's tile against the best DENSE_TILES tile, per swept case past SKINNY_M."""
-    from onepath.ops.cuda.matmul import SKINNY_M, TileConfig, dense_candidates, pick_config
+    """Per swept case past SKINNY_M, the time of each rule's tile against the best of the tiles any rule may
+    take there: pick_config's (SMALL_TILES up to SMALL_M rows, dense_candidates past them), the DENSE_SPEED model
+    over the ladder before (_ladder_before; what every M past SKINNY_M took before SMALL_TILES) and the rule
+    before that (the largest ladder tile still giving half the SMs one). A case counts where all were timed."""
+    from onepath.ops.cuda.matmul import (SKINNY_M, SMALL_M, SMALL_TILES, TileConfig, dense_candidates, dense_pick,
+                                        pick_config, stages_output)
 
     cases = {}  # (shape, K, N, M) -> the file it was read from and its times by tile
     for path in paths:
@@ -273,27 +289,95 @@ def rank_picks(paths: list[Path], sms: int = 132) -> dict:
     rows = []
     for (shape, k, n, m), case in sorted(cases.items()):
         out_dtype = torch.float32 if "fp32" in shape else torch.bfloat16
-        ladder = dense_candidates(m, out_dtype)
-        if not all(c in case["us"] for c in ladder):
+        before = _ladder_before(m, out_dtype)
+        pool = {*dense_candidates(m, out_dtype), *before,
+                *(c for c in SMALL_TILES if m <= SMALL_M and stages_output(c, out_dtype))}
+        if not all(c in case["us"] for c in pool):
             continue
-        best = min(case["us"][c] for c in ladder)
-        picked = pick_config(m, n, torch.bfloat16, sms, out_dtype)
-        before = _half_the_sms_rule(m, n, out_dtype, sms)
-        rows.append(dict(shape=shape, K=k, N=n, M=m, source=case["source"], best_us=best,
-                         pick=_tile_name(dataclasses.asdict(picked)), pick_vs_best=case["us"][picked] / best,
-                         before=_tile_name(dataclasses.asdict(before)), before_vs_best=case["us"][before] / best))
+        best = min(case["us"][c] for c in pool)
+        tiles = dict(pick=pick_config(m, n, torch.bfloat16, sms, out_dtype),
+                     dense_model=dense_pick(m, n, sms, out_dtype, before), half_sms=_half_the_sms_rule(m, n, out_dtype, sms))
+        row = dict(shape=shape, K=k, N=n, M=m, source=case["source"], best_us=best)
+        for rule, tile in tiles.items():
+            row[rule] = _tile_name(dataclasses.asdict(tile))
+            row[f"{rule}_vs_best"] = case["us"][tile] / best
+        rows.append(row)
     if not rows:
-        raise ValueError(f"rank_picks: no case in {[p.name for p in paths]} has every DENSE_TILES tile timed")
+        raise ValueError(f"rank_picks: no case in {[p.name for p in paths]} has every tile pick_config may take timed")
     geo = lambda xs: float(torch.tensor(xs, dtype=torch.float64).log().mean().exp())  # noqa: E731
-    summary = {rule: dict(geomean_vs_best=geo([r[f"{rule}_vs_best"] for r in rows]),
-                          worst_vs_best=max(r[f"{rule}_vs_best"] for r in rows)) for rule in ("pick", "before")}
-    summary["cases"] = len(rows)
-    for r in sorted(rows, key=lambda r: -r["before_vs_best"])[:10]:
-        print(f"{r['shape']:38s} M={r['M']:4d} before {r['before']:24s} {r['before_vs_best']:.2f}  "
-              f"pick {r['pick']:24s} {r['pick_vs_best']:.2f}")
+    summary = {}
+    for name, chosen in (("all", rows), (f"M <= {SMALL_M}", [r for r in rows if r["M"] <= SMALL_M]),
+                         (f"M > {SMALL_M}", [r for r in rows if r["M"] > SMALL_M])):
+        if chosen:
+            summary[name] = dict(cases=len(chosen), **{rule: dict(
+                geomean_vs_best=geo([r[f"{rule}_vs_best"] for r in chosen]),
+                worst_vs_best=max(r[f"{rule}_vs_best"] for r in chosen)) for rule in RULES})
+    for r in sorted(rows, key=lambda r: -r["pick_vs_best"])[:10]:
+        print(f"{r['shape']:38s} M={r['M']:4d} " + "  ".join(f"{rule} {r[rule]:24s} {r[f'{rule}_vs_best']:.2f}"
+                                                          for rule in RULES))
     print(json.dumps(summary, indent=1))
     return dict(environment("cpu"), command="python " + " ".join(sys.argv), sources=[p.name for p in paths],
                 sms=sms, summary=summary, rows=rows)
+
+
+# (K, N, M, M rounded up to the tile, tile) of --past-m: row tiles past M by 8..32 rows
+PAST_M_CASES = [(k, n, m, full, tile) for k, n in ((4096, 4096), (4096, 11008)) for m, full, tile in (
+    (32, 64, "64x32x256w4s4T"), (32, 64, "64x64x128w4s6T"), (40, 64, "64x64x128w4s6T"), (96, 128, "64x64x128w4s6T"),
+    (96, 128, "128x128x64w4s4T"), (24, 32, "32x128x128w4s4T"))]
+
+
+def run_past_m(args) -> dict:
+    """Which part of a row tile past M costs: the TMA box of x reaching past M, or the store masked to M? The
+    kernel is launched on x padded with zero rows to a whole tile, its box over M rows or over all of them, and
+    told M or the whole tile's rows (the store masked to M or not): four launches of one tile per case, with
+    the bits of the M rows checked against matmul()."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from onepath.ops.cuda import matmul as mm
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for k, n, m, full, name in PAST_M_CASES:
+        cfg = parse_tile(name)
+        w = (torch.randn(n, k, device="cuda") * k ** -0.5).bfloat16()
+        x = torch.randn(full, k, device="cuda").bfloat16()
+        x[m:] = 0
+        out = torch.empty(full, n, device="cuda", dtype=torch.bfloat16)
+        w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
+        ref = mm.matmul(x[:m], w, config=cfg)
+
+        def launch(box_rows, m_kernel):
+            x_desc = TensorDescriptor.from_tensor(x[:box_rows], [cfg.block_m, cfg.block_k])
+            return lambda: mm._matmul_kernel[(min(sms, cfg.tiles(m_kernel, n)),)](
+                x, w, x_desc, w_desc, None, out, m_kernel, n, k, x.stride(0), w.stride(0), out.stride(0),
+                HAS_BIAS=False, TMA=True, EVEN_M=m_kernel % cfg.block_m == 0, LAST_ROWS_BACK=False,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=sms,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+        row = dict(K=k, N=n, M=m, tile_rows=full, tile=name)
+        for case, box_rows, m_kernel in (("box_past_m_store_masked", m, m), ("box_whole_store_masked", full, m),
+                                         ("box_past_m_store_whole", m, full), ("box_whole_store_whole", full, full)):
+            fn = launch(box_rows, m_kernel)
+            fn()
+            row[f"{case}_same_bits"] = torch.equal(out[:m], ref)
+            row[f"{case}_us"] = _time_us(fn, args.rep_ms)
+        rows.append(row)
+        print(f"K={k} N={n} M={m} {name}: " + "  ".join(f"{c} {row[c + '_us']:.1f}" for c in (
+            "box_past_m_store_masked", "box_whole_store_masked", "box_past_m_store_whole", "box_whole_store_whole")),
+            flush=True)
+    return _result(sms, rows=rows)
+
+
+def _kernel_names(fn) -> list[str]:
+    """The CUDA kernels one call of fn launches (torch.profiler), e.g. whether cuBLAS split K."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name[:120] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def _result(sms: int, **fields) -> dict:
@@ -329,6 +413,8 @@ def run(args) -> dict:
                        ours_us=ours, cublas_us=cublas, baseline=base_name, speed_vs_cublas=cublas / ours,
                        ours_tflops=flops / ours * 1e-6, cublas_tflops=flops / cublas * 1e-6,
                        ours_gb_s=moved / ours * 1e-3, cublas_gb_s=moved / cublas * 1e-3)
+            if args.cublas_kernels:
+                row["cublas_kernels"] = _kernel_names(lambda: base_fn(x, w))
             rows.append(row)
             tile = f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}"
             print(f"{name:34s} {m:5d} {tile:>14s} {ours:9.1f} {cublas:9.1f} {cublas / ours:6.2f} "
@@ -367,6 +453,10 @@ def main():
                    help="the last row tile runs past M (matmul.LAST_ROWS_BACK off): the comparison")
     p.add_argument("--configs", nargs="+", type=parse_tile,
                    help="decode sweep: these tiles (e.g. 128x256x64w8s4T) at every --ms instead of the grid")
+    p.add_argument("--cublas-kernels", action="store_true",
+                   help="record the kernels each cuBLAS call launches (torch.profiler): split-K shows as a reduce kernel")
+    p.add_argument("--past-m", action="store_true",
+                   help="time a row tile past M with its x box and its store each whole or past M (PAST_M_CASES)")
     p.add_argument("--rank-picks", nargs="+", type=Path, metavar="SWEEP",
                    help="no GPU: pick_config and the rule before it against the best tile in these sweeps")
     args = p.parse_args()
@@ -385,7 +475,8 @@ def main():
     if args.last_rows_past_m:
         from onepath.ops.cuda import matmul as mm
         mm.LAST_ROWS_BACK = False
-    save_json(run_decode_sweep(args) if args.decode_sweep else run(args), Path(args.out))
+    runner = run_decode_sweep if args.decode_sweep else run_past_m if args.past_m else run
+    save_json(runner(args), Path(args.out))
     print(f"wrote {args.out}")
 
 

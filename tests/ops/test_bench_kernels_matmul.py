@@ -54,28 +54,37 @@ def test_k_step_summary_compares_the_same_tile_only():
 
 
 def test_rank_picks_reads_later_sweeps_over_earlier_ones(tmp_path):
-    """A case counts only where every ladder tile was timed; a later file's case replaces an earlier one's whole."""
+    """A case counts only where every tile a rule may take was timed; a later file's case replaces an earlier
+    one's whole; each rule's tile is timed against the best."""
     import dataclasses
     import json
 
     import torch
 
     from bench.kernels_matmul import rank_picks
-    from onepath.ops.cuda.matmul import DENSE_TILES, pick_config
+    from onepath.ops.cuda.matmul import DENSE_TILES, SMALL_TILES, dense_candidates, pick_config
 
-    def sweep(path, m, us_of):
-        entries = [dict(shape="s", K=4096, N=11008, M=m, config=dataclasses.asdict(c), us=us_of(c)) for c in DENSE_TILES]
+    def sweep(path, cases):
+        entries = [dict(shape="s", K=4096, N=n, M=m, config=dataclasses.asdict(c), us=us_of(c))
+                   for m, n, us_of in cases for c in {*DENSE_TILES, *dense_candidates(m), *SMALL_TILES}]
         path.write_text(json.dumps(dict(sweep=entries)))
         return path
 
-    picked = pick_config(256, 11008, torch.bfloat16, 132)
-    early = sweep(tmp_path / "early.json", 256, lambda c: 1.0)
-    late = sweep(tmp_path / "late.json", 256, lambda c: 1.0 if c == picked else 2.0)
+    wide = pick_config(256, 11008, torch.bfloat16, 132)
+    small = pick_config(32, 4096, torch.bfloat16, 132)
+    assert small in SMALL_TILES
+    early = sweep(tmp_path / "early.json", [(256, 11008, lambda c: 1.0)])
+    late = sweep(tmp_path / "late.json", [(256, 11008, lambda c: 1.0 if c == wide else 2.0),
+                                          (32, 4096, lambda c: 1.0 if c == small else 1.5)])
     result = rank_picks([early, late])
-    (row,) = result["rows"]
-    assert row["source"] == "late.json" and row["pick_vs_best"] == 1.0
-    assert row["before"] != row["pick"] and row["before_vs_best"] == 2.0, "the previous rule picked 128x256 here"
+    by_m = {row["M"]: row for row in result["rows"]}
+    assert by_m[256]["source"] == "late.json" and by_m[256]["pick_vs_best"] == 1.0
+    assert by_m[256]["half_sms"] != by_m[256]["pick"] and by_m[256]["half_sms_vs_best"] == 2.0, \
+        "the half-the-SMs rule picked 128x256 here"
+    assert by_m[32]["pick_vs_best"] == 1.0 and by_m[32]["dense_model_vs_best"] == 1.5, "M = 32 took a 64-row tile before"
+    assert result["summary"]["M <= 32"]["cases"] == 1
     partial = tmp_path / "partial.json"
-    partial.write_text(json.dumps(dict(sweep=json.loads(late.read_text())["sweep"][:-1])))
-    with pytest.raises(ValueError):  # no case left to rank: every ladder tile is needed
+    partial.write_text(json.dumps(dict(sweep=[e for e in json.loads(late.read_text())["sweep"]
+                                              if e["M"] == 256 and e["config"] != dataclasses.asdict(wide)])))
+    with pytest.raises(ValueError):  # no case left to rank: every tile a rule may take is needed
         rank_picks([partial])

@@ -21,7 +21,8 @@ def _run_checks() -> dict:
     import torch
 
     patch_gemm_interpreter()
-    from onepath.ops.cuda.matmul import DENSE_TILES, SKINNY_TILES, TILES_16BIT, TileConfig, matmul
+    from onepath.ops.cuda.matmul import (DENSE_TILES, SKINNY_TILES, SMALL_TILES, TILES_16BIT, TileConfig,
+                                        dense_candidates, matmul)
 
     gen = torch.Generator().manual_seed(0)
     n, k = 48, 96  # K = 64 + 32: one full K tile and one masked tail
@@ -70,7 +71,8 @@ def _run_checks() -> dict:
         for kk in (k, 100):
             x, w = rand(40, kk, dtype=dtype), rand(n, kk, dtype=dtype)
             ref = matmul(x, w, config=configs["16x16"])
-            for cfg in (*configs.values(), *TILES_16BIT, *DENSE_TILES, *SKINNY_TILES, TileConfig(64, 64, 4, 3, tma=True)):
+            for cfg in (*configs.values(), *TILES_16BIT, *DENSE_TILES, *SKINNY_TILES, *SMALL_TILES,
+                        *dense_candidates(512), TileConfig(64, 64, 4, 3, tma=True)):
                 record("configs_agree", torch.equal(matmul(x, w, config=cfg), ref), f"{dtype} K={kk} {cfg}")
 
     # The last row tile moved back to end at M (rows computed twice, stored twice) or running past M: the same
@@ -117,6 +119,8 @@ def _run_checks() -> dict:
 
 def test_pick_config_fills_the_sms():
     pytest.importorskip("triton")
+    import dataclasses
+
     import torch
 
     from onepath.ops.cuda import matmul as mm
@@ -126,16 +130,30 @@ def test_pick_config_fills_the_sms():
     assert mm.pick_config(1, 11008, torch.bfloat16, 132) == skinny[0]
     assert mm.pick_config(16, 4096, torch.bfloat16, 132) == skinny[1], "128 tiles of 16x32 fill half"
     assert mm.pick_config(1, 1024, torch.bfloat16, 132) == skinny[-1]
-    assert mm.pick_config(17, 4096, torch.bfloat16, 132) == dense[-1], "past 16 rows: the dense ladder"
+    # 17..32 rows: 16- and 32-row tiles where one gives half the SMs a tile, else the dense ladder
+    small = mm.SMALL_TILES
+    assert mm.pick_config(17, 4096, torch.bfloat16, 132) == small[2], "128 tiles of 16x64"
+    assert mm.pick_config(32, 11008, torch.bfloat16, 132) == small[0], "86 tiles of 32x128"
+    assert mm.pick_config(32, 6144, torch.bfloat16, 132) == small[1]
+    assert mm.pick_config(32, 2048, torch.bfloat16, 132) == small[3]
+    assert mm.pick_config(32, 151936, torch.bfloat16, 132, torch.float32) == small[0]
+    assert mm.pick_config(32, 1024, torch.bfloat16, 132) == dense[-1], "no small tile gives half the SMs one"
+    assert mm.pick_config(33, 4096, torch.bfloat16, 132) == dense[-1], "past 32 rows: the dense ladder"
     assert mm.pick_config(256, 4096, torch.bfloat16, 132) == dense[2], "128 tiles of 64x128 fill half"
     assert mm.pick_config(256, 2048, torch.bfloat16, 132) == dense[3]
     assert mm.pick_config(256, 1024, torch.bfloat16, 132) == dense[-1]
     # 128x256 gives 86 tiles, one round on 132 SMs; 64x128 gives 344, three rounds of a quarter the outputs
     # at 0.8 the speed: 0.94 of the time (it ran 43.4 against 46.2 us, kernels-matmul-ladder-m32-512.json)
     assert mm.pick_config(256, 11008, torch.bfloat16, 132) == dense[2]
-    assert mm.pick_config(1024, 6144, torch.bfloat16, 132) == dense[1], "3 rounds of 128x128 tiles model below 2 of 128x256"
-    # the FP32-output LM head at training M: 128x128 (64x128 ran it 1.08x slower, kernels-matmul-sweep-large-tiles.json)
-    assert all(mm.pick_config(m, 151936, torch.bfloat16, 132, torch.float32) == dense[1] for m in (1000, 4096, 6000, 8192))
+    deep = dataclasses.replace(dense[1], num_stages=mm.DEEP_RING_STAGES)
+    assert mm.pick_config(1024, 6144, torch.bfloat16, 132) == deep, "3 rounds of 128x128 tiles model below 2 of 128x256"
+    # the FP32-output LM head at training M: 128x128 (64x128 ran it 1.08x slower, kernels-matmul-sweep-large-tiles.json),
+    # with the fifth stage up to DEEP_RING_M rows
+    assert mm.pick_config(1000, 151936, torch.bfloat16, 132, torch.float32) == deep
+    assert all(mm.pick_config(m, 151936, torch.bfloat16, 132, torch.float32) == dense[1] for m in (4096, 6000, 8192))
+    # 128-row tiles once M fills three quarters of one: llama's 4096x11008 at M = 96 (one round of 86 tiles), not 80
+    assert mm.pick_config(96, 11008, torch.bfloat16, 132) == deep
+    assert mm.pick_config(80, 11008, torch.bfloat16, 132).block_m == 64
     assert mm.pick_config(4096, 4096, torch.bfloat16, 132) == dense[0]
     assert mm.pick_config(4096, 4096, torch.float32, 132) == mm.TILE_FP32
     lm_head = mm.pick_config(8192, 151936, torch.bfloat16, 132, torch.float32)
@@ -163,13 +181,14 @@ def _compile_sm90(cfg, dtype: str, out: str):
 
 def test_every_config_compiles_for_sm90_on_wgmma_within_shared_memory():
     """What the launcher can pick builds for the H200: within its shared memory; 16-bit inputs on
-    wgmma, except the 16-row skinny tiles on mma.sync (whose bits tests/gpu/test_matmul.py proves
+    wgmma, except the 16- and 32-row tiles on mma.sync (whose bits tests/gpu/test_matmul.py proves
     equal); fp32 inputs on FMA (ieee, no TF32 tensor-core path)."""
     import dataclasses
 
     from onepath.ops.cuda import matmul as mm
 
-    cases = [(dataclasses.replace(c, tma=tma), "bf16", out) for c in (*mm.TILES_16BIT, *mm.DENSE_TILES, *mm.SKINNY_TILES)
+    cases = [(dataclasses.replace(c, tma=tma), "bf16", out) for c in (*mm.TILES_16BIT, *mm.DENSE_TILES, *mm.SKINNY_TILES,
+                                                                        *mm.SMALL_TILES, *mm.dense_candidates(512))
              for tma in (False, True) for out in ("bf16", "fp32") if out == "bf16" or c.block_m * c.block_n <= mm.MAX_TILE_FP32_OUT]
     cases += [(mm.TILES_16BIT[-1], "fp16", "fp16"), (mm.TILE_FP32, "fp32", "fp32")]
     bad = []

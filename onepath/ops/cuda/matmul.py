@@ -8,7 +8,7 @@ the other rows or on the row's position. What keeps it:
   output element's sums are the same chain whatever the step: a 128- or 256-deep BLOCK_K issues the
   64-deep step's instructions, fewer times round the loop (the walk's dependent steps are what a
   skinny decode GEMM waits on), and the K tail's zeros add nothing;
-- the tile config (rows, columns, K step, warps; wgmma or, for 16-row tiles, mma.sync) may follow M
+- the tile config (rows, columns, K step, warps; wgmma or, for 16- and 32-row tiles, mma.sync) may follow M
   (small tiles fill the 132 SMs at decode, large ones reach the tensor-core peak at prefill) only
   because each output element's MMA chain over K is the same in every one; tests/gpu/test_matmul.py
   proves the candidates give equal bits, and a split-K sum does not;
@@ -25,7 +25,7 @@ descriptors with `TileConfig.tma` (same values, same dot; a config flag, so the 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -89,6 +89,17 @@ DENSE_TILES = (
 # M = 160..384 where N is wide). 128x128 at 0.8 to 0.9 fits those sweeps alike; 0.85 keeps it ahead of 64x128
 # at training M, where 64x128 ran the FP32-output LM head 1.08x slower (kernels-matmul-sweep-large-tiles.json).
 DENSE_SPEED = {(128, 256): 1.0, (128, 128): 0.85, (64, 128): 0.8, (64, 64): 0.5, (64, 32): 0.3}
+# A row tile whose TMA box of x reaches past M pays for the rows past M, more the more rows: on the H200 a 64x32
+# tile at M = 32 took 17.9 us against 8.8 with the box whole, the store masked alike (`python bench/kernels_matmul.py
+# --past-m`, kernels-matmul-past-m.json). From one tile up the last row tile ends at M (LAST_ROWS_BACK); below one,
+# 128-row tiles are candidates once M fills three quarters of one: at M = 96 and 112 they were the fastest on the
+# widest N, at M = 72 and 80 64-row ones (kernels-matmul-ladder-m96-256-stages.json, -m72-112-stages.json).
+# 128x128 tiles keep a fifth K step in flight up to DEEP_RING_M rows: llama's 4096x11008 at M = 96..128 took
+# 29.7 / 28.9 us against 32.3 / 33.0 with four (cuBLAS 25.2 / 26.0), the FP32 LM head at M = 1024 596 against
+# 626; past 1024 rows four were as fast or faster on the 13 swept shapes, up to 4% at M = 8192
+# (kernels-matmul-ladder-train-stages.json). Every depth gave the same bits.
+DEEP_RING_M = 1024
+DEEP_RING_STAGES = 5
 # Up to SKINNY_M rows (decode of a few sequences) the weight stream is all the work: 64x128 tiles by pointer
 # loads where N gives them half the SMs (TMA's 64-row x box was slower there), else 16x32 tiles on two warps
 # (mma.sync: the same bits as wgmma's, kernels-matmul-decode-sweep*.json) over 256-deep K steps, else, for a
@@ -98,6 +109,19 @@ SKINNY_TILES = (
     TileConfig(64, 128, num_warps=4, num_stages=4, block_k=128),
     TileConfig(16, 32, num_warps=2, num_stages=4, tma=True, block_k=256),
     TileConfig(16, 16, num_warps=1, num_stages=4, tma=True, block_k=256),
+)
+# From SKINNY_M to SMALL_M rows, tiles of 32 or 16 rows (mma.sync, the same bits), the largest that still gives
+# half the SMs a tile: a 64-row tile's TMA box of x reaches past M there, and such tiles ran up to twice their time
+# at M = 64 (kernels-matmul-ladder-m32-512.json). At M = 24 and 32 over the decode sweep's 13 shapes one of these
+# was the fastest tile on 11 of 13 shapes, 10.0 us against 17.7 (64x32) on 4096x4096 at M = 32
+# (kernels-matmul-ladder-m24-56.json); where none gives half the SMs a tile (N = 1024) a 64-row one was, and from
+# M = 40 the 64-row ladder was faster again.
+SMALL_M = 32
+SMALL_TILES = (
+    TileConfig(32, 128, num_warps=4, num_stages=4, tma=True, block_k=128),
+    TileConfig(32, 64, num_warps=4, num_stages=4, tma=True, block_k=256),
+    TileConfig(16, 64, num_warps=4, num_stages=4, tma=True, block_k=256),
+    TileConfig(16, 32, num_warps=2, num_stages=4, tma=True, block_k=256),
 )
 
 # An fp32 output tile is staged through shared memory on its way out; 128x256 with its 3 pipeline
@@ -120,23 +144,44 @@ def stages_output(config: TileConfig, out_dtype: torch.dtype | None) -> bool:
 
 
 def dense_candidates(m: int, out_dtype: torch.dtype | None = None) -> list[TileConfig]:
-    """The DENSE_TILES configs an M-row launch may take: 128-row tiles once M fills them."""
-    return [c for c in DENSE_TILES if c.block_m <= max(64, m) and stages_output(c, out_dtype)]
+    """The DENSE_TILES configs an M-row launch may take: 128-row tiles once M fills three quarters of one,
+    128x128 ones with DEEP_RING_STAGES up to DEEP_RING_M rows (see the comment above DEEP_RING_M)."""
+    tiles = []
+    for c in DENSE_TILES:
+        if c.block_m > 64 and 4 * m < 3 * c.block_m:
+            continue
+        if (c.block_m, c.block_n) == (128, 128) and m <= DEEP_RING_M:
+            c = replace(c, num_stages=DEEP_RING_STAGES)
+        if stages_output(c, out_dtype):
+            tiles.append(c)
+    return tiles
 
 
 def pick_config(m: int, n: int, dtype: torch.dtype, num_sms: int, out_dtype: torch.dtype | None = None) -> TileConfig:
-    """Up to SKINNY_M rows, the largest SKINNY_TILES config that still gives half the SMs a tile; past
-    them, the DENSE_TILES config of least modelled time (DENSE_SPEED), 128-row tiles once M fills them."""
+    """Up to SKINNY_M rows, the largest SKINNY_TILES config that still gives half the SMs a tile; up to
+    SMALL_M the same among SMALL_TILES where one does; else the DENSE_TILES config of least modelled time
+    (DENSE_SPEED), 128-row tiles once M fills them."""
     if dtype == torch.float32:
         return TILE_FP32
+    half = max(1, num_sms // 2)
     if m <= SKINNY_M:
-        return first_filling([c for c in SKINNY_TILES if stages_output(c, out_dtype)], m, n, max(1, num_sms // 2))
+        return first_filling([c for c in SKINNY_TILES if stages_output(c, out_dtype)], m, n, half)
+    if m <= SMALL_M:
+        filling = [c for c in SMALL_TILES if stages_output(c, out_dtype) and c.tiles(m, n) >= half]
+        if filling:
+            return filling[0]
+    return dense_pick(m, n, num_sms, out_dtype)
 
+
+def dense_pick(m: int, n: int, num_sms: int, out_dtype: torch.dtype | None = None,
+               candidates: list[TileConfig] | None = None) -> TileConfig:
+    """The config of least modelled time among candidates (default dense_candidates): rounds of tiles on
+    the SMs times a tile's outputs over its DENSE_SPEED (ties to the larger tile)."""
     def modelled(c: TileConfig) -> tuple[float, int]:
         rounds = -(-c.tiles(m, n) // num_sms)
         return rounds * c.block_m * c.block_n / DENSE_SPEED[c.block_m, c.block_n], -c.block_m * c.block_n
 
-    return min(dense_candidates(m, out_dtype), key=modelled)
+    return min(candidates or dense_candidates(m, out_dtype), key=modelled)
 
 
 def first_filling(configs, m: int, n: int, num_sms: int) -> TileConfig:
