@@ -50,6 +50,9 @@ def test_rollout_bench_tiny_cpu(tmp_path, capsys):
             assert m["prompt_tokens"] == row["prompt_tokens"]
             assert all(positive(m[k]) for k in ("tokens_per_s", "total_tokens_per_s", "seconds", "steps")), m
             assert positive(m["memory"]["kv_bytes_per_token"]) and positive(m["memory"]["num_blocks"])
+            profile = m["step_profile"]
+            assert profile["steps"] >= m["steps"] and profile["seconds"] <= m["seconds"], (profile, m)
+            assert profile["eager_steps"] + profile["graph_steps"] == profile["steps"]
             assert positive(row["roofline"]["fraction"][mode]["of_peak"])
         assert positive(row["consistent_over_baseline"])
         assert positive(row["roofline"]["tokens_per_s_peak"]) and positive(row["roofline"]["kv_bytes"])
@@ -125,6 +128,16 @@ def test_rollout_bench_tiny_moe_cpu(tmp_path):
     ratio = {c["model"]: c for c in r["checks"] if c["name"] == "consistent/baseline tokens/s"}
     assert ratio["tiny-moe"]["target"] == TARGETS["consistent_over_baseline_moe"] == 0.90
     assert ratio["tiny"]["target"] == TARGETS["consistent_over_baseline"] == 0.97
+
+
+def test_step_profile_splits_eager_and_graph_steps_and_finds_the_slowest():
+    times = [(0.05, False), *((0.001 * (1 + i // 10), True) for i in range(100)), (0.2, True)]
+    p = rollout.step_profile(times, slowest=2)
+    assert (p["steps"], p["eager_steps"], p["graph_steps"]) == (102, 1, 101)
+    assert math.isclose(p["eager_seconds"], 0.05) and math.isclose(p["seconds"], p["eager_seconds"] + p["graph_seconds"])
+    assert [round(ms, 6) for ms in p["graph_ms_by_tenth"][:3]] == [1.0, 2.0, 3.0]
+    assert [s["step"] for s in p["slowest"]] == [101, 0] and p["slowest"][0]["graph"]
+    assert rollout.step_profile([(0.01, False)])["graph_ms_median"] is None
 
 
 def test_roofline_reads_each_weight_once_and_the_batch_rows_of_the_embedding():

@@ -23,6 +23,7 @@ import gc
 import inspect
 import math
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -196,7 +197,7 @@ def bench_engine(name, config, mode, state, w: Workload, prompts, outputs, max_m
     try:
         batch = min(args.max_num_seqs, w.requests)
         engine, used = build_engine(config, mode, state, max_model_len, batch, args)
-        warm_up(engine, max_model_len, batch, args)
+        warm_up(engine, max_model_len, batch, args, [len(p) for p in prompts])
         stage = "the timed generate"
         rows[mode] = dict(timed_generate(engine, prompts, outputs, args), engine=used, memory=memory(engine))
         print(f"{name} {w.name} {mode}: {rows[mode]['tokens_per_s']:.1f} output tokens/s", flush=True)
@@ -252,14 +253,17 @@ def memory(engine: LLMEngine) -> dict:
                 source="computed by the benchmark: the engine reports no .memory")
 
 
-def warm_up(engine: LLMEngine, max_model_len: int, batch: int, args) -> None:
+def warm_up(engine: LLMEngine, max_model_len: int, batch: int, args, prompt_lens: list[int] = ()) -> None:
     """Prefill steps of budget, budget/2, ... rows, then decode steps at batch sizes `batch`, the
-    multiples of 16 below it, 8, 4, 2, 1: the GEMMs pick their tiles by row count in steps of 64
-    and 128 rows, so every tile config compiles here, not in the timed region."""
+    multiples of 16 below it, 8, 4, 2, 1; then, given the workload's prompt lengths, its own prefill:
+    prompts of those lengths (fresh tokens, no prefix-cache hit) decoding until all are prefilled, so
+    that the timed run's steps have the row counts of steps run here. Kernels compile per tile config and
+    per whether M fills its tiles (a launch at a new row count may need a new build: a 1.3 s eager step
+    inside the timed run without this, rollout-qwen3-0.6b-step-profile.json); here, not in the timed region."""
     g = torch.Generator().manual_seed(args.seed + 7919)
     length = max(1, min(64, max_model_len // 4))
 
-    def prompts(n):
+    def prompts(n, length=length):
         return torch.randint(0, engine.model.config.vocab_size, (n, length), generator=g).tolist()
 
     rows = args.max_num_batched_tokens
@@ -271,18 +275,25 @@ def warm_up(engine: LLMEngine, max_model_len: int, batch: int, args) -> None:
     # request i stops once the batch has shrunk below i + 1: decode runs at each size once
     max_tokens = [min(1 + sum(s > i for s in sizes), max_model_len - length) for i in range(batch)]
     engine.generate(prompts(batch), [SamplingParams(max_tokens=n, ignore_eos=True, seed=args.seed) for n in max_tokens])
+    if prompt_lens:
+        steps = math.ceil(sum(prompt_lens) / args.max_num_batched_tokens) + 2
+        engine.generate([prompts(1, n)[0] for n in prompt_lens],
+                        [SamplingParams(max_tokens=max(1, min(steps, max_model_len - n)), ignore_eos=True, seed=args.seed)
+                         for n in prompt_lens])
     _sync(args.device)
 
 
 def timed_generate(engine: LLMEngine, prompts: list[list[int]], outputs: list[int], args) -> dict:
     params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=args.seed) for n in outputs]
     before = _counters(engine.stats)
+    engine.step_times = []
     _sync(args.device)
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     _sync(args.device)
     seconds = time.perf_counter() - start
     stats = _delta(before, _counters(engine.stats))
+    steps, engine.step_times = step_profile(engine.step_times), None
     short = [(o, n) for o, n in zip(outs, outputs) if o.error or len(o.token_ids) != n]
     if short:
         o, n = short[0]
@@ -290,7 +301,23 @@ def timed_generate(engine: LLMEngine, prompts: list[list[int]], outputs: list[in
                            f"{o.error or f'{len(o.token_ids)} tokens of {n}'}")
     generated, prompt_tokens = sum(len(o.token_ids) for o in outs), sum(map(len, prompts))
     return dict(seconds=seconds, steps=stats.get("steps"), generated_tokens=generated, prompt_tokens=prompt_tokens,
-                tokens_per_s=generated / seconds, total_tokens_per_s=(generated + prompt_tokens) / seconds, stats=stats)
+                tokens_per_s=generated / seconds, total_tokens_per_s=(generated + prompt_tokens) / seconds, stats=stats,
+                step_profile=steps)
+
+
+def step_profile(times: list[tuple[float, bool]], slowest: int = 5) -> dict:
+    """Where a generate's wall time went, from the host's time per step (with async scheduling a step's
+    host time is the GPU's pace): eager and graph steps' counts and seconds, the graph steps' mean ms in
+    each tenth of the run (a fixed workload's context grows with the step), their median and slowest."""
+    graph = [t for t, replayed in times if replayed]
+    tenths = [graph[i * len(graph) // 10:(i + 1) * len(graph) // 10] for i in range(10)] if len(graph) >= 10 else []
+    top = sorted(range(len(times)), key=lambda i: -times[i][0])[:slowest]
+    return dict(steps=len(times), seconds=sum(t for t, _ in times),
+                eager_steps=len(times) - len(graph), eager_seconds=sum(t for t, replayed in times if not replayed),
+                graph_steps=len(graph), graph_seconds=sum(graph),
+                graph_ms_median=1e3 * statistics.median(graph) if graph else None,
+                graph_ms_by_tenth=[1e3 * sum(part) / len(part) for part in tenths],
+                slowest=[dict(step=i, ms=1e3 * times[i][0], graph=times[i][1]) for i in top])
 
 
 def _window_tokens(w: Workload, prompt_len: int, args) -> int:

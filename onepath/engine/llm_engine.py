@@ -117,6 +117,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self.async_scheduling = async_scheduling
         self.pending: tuple[list, Sampled] | None = None  # the launched step whose tokens are not on the host yet
+        # A list here (benchmarks set one) gets (seconds, replayed a graph) for each step generate() runs.
+        self.step_times: list[tuple[float, bool]] | None = None
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: int | None = None) -> int:
         """Queue one request. A bad request raises ValueError naming its problem; nothing else is touched."""
@@ -194,8 +196,11 @@ class LLMEngine:
         preemptions, cached = self.scheduler.num_preemptions, self.block_manager.num_cached_tokens_hit
         with young_collections_only():
             while self.has_unfinished():
+                began = time.perf_counter()
                 for seq in self.step():
                     outputs[seq.request_id] = self.output(seq)
+                if self.step_times is not None:
+                    self.step_times.append((time.perf_counter() - began, self.runner.replayed_graph))
         self.stats.seconds += time.perf_counter() - start
         self.stats.preemptions += self.scheduler.num_preemptions - preemptions
         self.stats.cached_tokens += self.block_manager.num_cached_tokens_hit - cached
