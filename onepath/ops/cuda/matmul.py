@@ -13,7 +13,8 @@ the other rows or on the row's position. What keeps it:
   because each output element's MMA chain over K is the same in every one; tests/gpu/test_matmul.py
   proves the candidates give equal bits, and a split-K sum does not;
 - where M is not a multiple of the row tile, the last row tile is moved back to end at M: its first rows
-  are computed by two programs, to the same bits, and stored twice (no TMA box reaches past M);
+  are computed by two programs, to the same bits, and stored twice (from one whole tile up, no TMA box
+  reaches past M; below one the box runs past M, which costs: see DEEP_RING_M's comment);
 - no autotuning: it picks by timing and could pick a different config on the other side;
 - `input_precision="ieee"`: tl.dot would run fp32 inputs as TF32 otherwise;
 - the bias is added in FP32 to the accumulator, then one rounding to out_dtype.
@@ -90,7 +91,7 @@ DENSE_TILES = (
 # at training M, where 64x128 ran the FP32-output LM head 1.08x slower (kernels-matmul-sweep-large-tiles.json).
 DENSE_SPEED = {(128, 256): 1.0, (128, 128): 0.85, (64, 128): 0.8, (64, 64): 0.5, (64, 32): 0.3}
 # A row tile whose TMA box of x reaches past M pays for the rows past M, more the more rows: on the H200 a 64x32
-# tile at M = 32 took 17.9 us against 8.8 with the box whole, the store masked alike (`python bench/kernels_matmul.py
+# tile at M = 32 took 17.9 us against 8.6 with the box whole, the store masked alike (`python bench/kernels_matmul.py
 # --past-m`, kernels-matmul-past-m.json). From one tile up the last row tile ends at M (LAST_ROWS_BACK); below one,
 # 128-row tiles are candidates once M fills three quarters of one: at M = 96 and 112 they were the fastest on the
 # widest N, at M = 72 and 80 64-row ones (kernels-matmul-ladder-m96-256-stages.json, -m72-112-stages.json).
@@ -159,8 +160,8 @@ def dense_candidates(m: int, out_dtype: torch.dtype | None = None) -> list[TileC
 
 def pick_config(m: int, n: int, dtype: torch.dtype, num_sms: int, out_dtype: torch.dtype | None = None) -> TileConfig:
     """Up to SKINNY_M rows, the largest SKINNY_TILES config that still gives half the SMs a tile; up to
-    SMALL_M the same among SMALL_TILES where one does; else the DENSE_TILES config of least modelled time
-    (DENSE_SPEED), 128-row tiles once M fills them."""
+    SMALL_M the same among SMALL_TILES where one does; else the dense_candidates config of least modelled
+    time (dense_pick)."""
     if dtype == torch.float32:
         return TILE_FP32
     half = max(1, num_sms // 2)
