@@ -348,11 +348,7 @@ def run_past_m(args) -> dict:
 
         def launch(box_rows, m_kernel):
             x_desc = TensorDescriptor.from_tensor(x[:box_rows], [cfg.block_m, cfg.block_k])
-            return lambda: mm._matmul_kernel[(min(sms, cfg.tiles(m_kernel, n)),)](
-                x, w, x_desc, w_desc, None, out, m_kernel, n, k, x.stride(0), w.stride(0), out.stride(0),
-                HAS_BIAS=False, TMA=True, EVEN_M=m_kernel % cfg.block_m == 0, LAST_ROWS_BACK=False,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_SMS=sms,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            return lambda: mm.launch(x, w, None, out, m_kernel, cfg, x_desc, w_desc, last_rows_back=False)
 
         row = dict(K=k, N=n, M=m, tile_rows=full, tile=name)
         for case, box_rows, m_kernel in (("box_past_m_store_masked", m, m), ("box_whole_store_masked", full, m),

@@ -196,10 +196,10 @@ class LLMEngine:
         preemptions, cached = self.scheduler.num_preemptions, self.block_manager.num_cached_tokens_hit
         with young_collections_only():
             while self.has_unfinished():
-                began = time.perf_counter()
+                began = time.perf_counter() if self.step_times is not None else None
                 for seq in self.step():
                     outputs[seq.request_id] = self.output(seq)
-                if self.step_times is not None:
+                if began is not None:
                     self.step_times.append((time.perf_counter() - began, self.runner.replayed_graph))
         self.stats.seconds += time.perf_counter() - start
         self.stats.preemptions += self.scheduler.num_preemptions - preemptions

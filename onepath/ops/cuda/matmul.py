@@ -71,7 +71,7 @@ TILES_16BIT = (
 )
 # The dense matmul's own ladder, from CUDA-graph sweeps on the H200 (bench/results/kernels-matmul-sweep-graph*.json,
 # kernels-matmul-decode-sweep.json, kernels-matmul-ladder-*.json): TMA loads throughout (up to 1.6x over pointer
-# loads at M = 256..1024); 128-row tiles once M fills them, 64-row ones with K steps of 128 or 256 (with 64-deep
+# loads at M = 256..1024); 128-row tiles (see dense_candidates), 64-row ones with K steps of 128 or 256 (with 64-deep
 # steps the same tile took a median 1.38x as long at M = 64..256, up to 1.85x: the decode GEMM waits on its K
 # walk; k_step_summary in kernels-matmul-decode-sweep.json). Every config gave the same bits.
 DENSE_TILES = (
@@ -83,12 +83,12 @@ DENSE_TILES = (
 )
 # pick_config's model of a dense tile's time: the rounds of tiles the SMs run (the last one partly idle) times
 # a tile's outputs over its speed per output, relative to 128x256. Fitted to CUDA-graph sweeps at M = 32..512
-# over 13 shapes (`python bench/kernels_matmul.py --rank-picks kernels-matmul-ladder-m32-512.json
-# kernels-matmul-ladder-rows-back.json`, kernels-matmul-pick-model.json): over 143 cases the picked tile took
-# 1.006x the best ladder tile's time (geometric mean; at worst 1.20x, 64-row tiles at M = 32), against 1.034x
-# for the rule before it (the largest tile still giving half the SMs one; at worst 1.54x, 128-row tiles at
-# M = 160..384 where N is wide). 128x128 at 0.8 to 0.9 fits those sweeps alike; 0.85 keeps it ahead of 64x128
-# at training M, where 64x128 ran the FP32-output LM head 1.08x slower (kernels-matmul-sweep-large-tiles.json).
+# over 13 shapes. Over the swept cases past 32 rows (`python bench/kernels_matmul.py --rank-picks` on the
+# kernels-matmul-ladder-*.json files, kernels-matmul-pick-model.json) the picked tile took 1.010x the best tile's
+# time (geometric mean; at worst 1.23x, 64x32 at M = 40), against 1.021x for the rule before it (the largest
+# tile still giving half the SMs one; at worst 1.28x, its 128-row tiles where N is wide). 128x128 at 0.8 to 0.9
+# fits those sweeps alike; 0.85 keeps it ahead of 64x128 at training M, where 64x128 ran the FP32-output LM head
+# 1.08x slower (kernels-matmul-sweep-large-tiles.json).
 DENSE_SPEED = {(128, 256): 1.0, (128, 128): 0.85, (64, 128): 0.8, (64, 64): 0.5, (64, 32): 0.3}
 # A row tile whose TMA box of x reaches past M pays for the rows past M, more the more rows: on the H200 a 64x32
 # tile at M = 32 took 17.9 us against 8.6 with the box whole, the store masked alike (`python bench/kernels_matmul.py
@@ -316,14 +316,23 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from triton.tools.tensor_descriptor import TensorDescriptor
         x_desc = TensorDescriptor.from_tensor(x2, [config.block_m, config.block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k])
-    grid = (min(num_sms, config.tiles(m, n)),)
-    _matmul_kernel[grid](
+    launch(x2, weight, bias, out, m, config, x_desc, w_desc)
+    return out.reshape(*lead, n)
+
+
+def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, m: int,
+           config: TileConfig, x_desc=None, w_desc=None, last_rows_back: bool | None = None) -> None:
+    """One launch of the kernel: out[:m] = x2[:m] weight^T (+ bias), TMA loads where descriptors are given.
+    matmul() calls it; bench/kernels_matmul.py --past-m also launches over descriptors of other rows than m."""
+    n, k = weight.shape
+    num_sms = _num_sms(x2.device)
+    _matmul_kernel[(min(num_sms, config.tiles(m, n)),)](
         x2, weight, x_desc, w_desc, bias.contiguous() if bias is not None else None, out,
         m, n, k,
         x2.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, TMA=tma, EVEN_M=m % config.block_m == 0, LAST_ROWS_BACK=LAST_ROWS_BACK,
+        HAS_BIAS=bias is not None, TMA=x_desc is not None, EVEN_M=m % config.block_m == 0,
+        LAST_ROWS_BACK=LAST_ROWS_BACK if last_rows_back is None else last_rows_back,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, NUM_SMS=num_sms,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return out.reshape(*lead, n)
