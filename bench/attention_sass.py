@@ -47,13 +47,14 @@ def signature(fp8: bool) -> dict:
             "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32", **{n: "i32" for n in ints}}
 
 
-def build(rows: int, warps: int, stages: int, unmasked: bool, split: bool = False):
-    """The sm_90 CompiledKernel of one program shape over a BF16 cache, as paged_attention launches it."""
+def build(rows: int, warps: int, stages: int, unmasked: bool, split: bool = False, table_asm: bool = False):
+    """The sm_90 CompiledKernel of one program shape over a BF16 cache, as paged_attention launches it
+    (table_asm: the block-table entries by inline asm, as the decode program reads them)."""
     from onepath.ops.cuda import attention as A
     from onepath.ops.cuda import sm90
     consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=32, SPLIT_TILES=8,
                   BLOCK_M=rows, BLOCK_Q=min(rows // 2, 32), SPLIT=split, FP8_KV=False, OPAQUE=False,
-                  UNMASKED=unmasked)
+                  UNMASKED=unmasked, TABLE_ASM=table_asm)
     return sm90.build(A._paged_attention_kernel, signature(False), consts, ALIGNED, warps, stages,
                       enable_fp_fusion=False)
 
@@ -95,14 +96,17 @@ def main():
     p.add_argument("--out", default="bench/results/attention-sass-tile.json")
     args = p.parse_args()
     from onepath.ops.cuda import attention as A
-    programs = {"64 rows, every tile masked": (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, False),
-                "64 rows, interior tiles unmasked": (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, True),
-                "decode program": (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, False)}
+    decode = (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, False)
+    programs = {"64 rows, every tile masked": (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, False, False),
+                "64 rows, interior tiles unmasked": (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, True, False),
+                "decode program": (*decode, A.TABLE_LOAD_ASM),
+                "decode program, table by tl.load": (*decode, False)}
     out = {}
-    for name, (rows, warps, stages, unmasked) in programs.items():
-        text, usage = sass(build(rows, warps, stages, unmasked).asm["cubin"])
+    for name, (rows, warps, stages, unmasked, table_asm) in programs.items():
+        text, usage = sass(build(rows, warps, stages, unmasked, table_asm=table_asm).asm["cubin"])
         res = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-        out[name] = dict(rows=rows, warps=warps, stages=stages, unmasked=unmasked, registers=int(res.group(1)),
+        out[name] = dict(rows=rows, warps=warps, stages=stages, unmasked=unmasked, table_asm=table_asm,
+                         registers=int(res.group(1)),
                          stack_bytes=int(res.group(2)), loops=loops(text))
         print(f"{name}: {res.group(1)} registers, {res.group(2)} stack bytes; instructions per tile by loop: "
               + ", ".join(str(lp["per_tile"]) for lp in out[name]["loops"]))

@@ -370,7 +370,8 @@ def test_kernel_builds_for_sm90(program):
     for split in (False, True):
         consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=32, SPLIT_TILES=8,
                       BLOCK_M=rows, BLOCK_Q=rows // 2 if rows > 64 else min(rows // 2, 32), SPLIT=split, FP8_KV=fp8,
-                      OPAQUE=fp8, UNMASKED=A.UNMASKED_INTERIOR and not split and not program.startswith("decode"))
+                      OPAQUE=fp8, UNMASKED=A.UNMASKED_INTERIOR and not split and not program.startswith("decode"),
+                      TABLE_ASM=A.TABLE_LOAD_ASM and program == "decode")
         config = type("Launch", (), dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False))
         built = build_sm90(A._paged_attention_kernel, sig, consts, ptrs + ("stride_qt", "stride_ot"), config)
         ptx, shared = built.asm["ptx"], built.metadata.shared
@@ -413,7 +414,8 @@ def test_fp8_decode_program_fits_eight_per_sm():
     for kv_tile in (32, 64):
         consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=kv_tile,
                       SPLIT_TILES=256 // kv_tile, BLOCK_M=A.DECODE_BLOCK_M, BLOCK_Q=A.DECODE_BLOCK_M // 2,
-                      SPLIT=False, FP8_KV=True, OPAQUE=True, UNMASKED=False)  # the decode program: one loop
+                      SPLIT=False, FP8_KV=True, OPAQUE=True, UNMASKED=False,  # the decode program: one loop
+                      TABLE_ASM=False)
         shared[kv_tile] = build_sm90(A._paged_attention_kernel, sig, consts, aligned, config).metadata.shared
     assert shared[32] <= per_program < shared[64], \
         f"shared bytes by kv_tile {shared}, per program at 8/SM {per_program}"

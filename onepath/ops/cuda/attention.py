@@ -81,6 +81,15 @@ OPAQUE_FP8_TILES = True
 # (fewer instructions per tile, the same values; off: every tile masked, the GPU test's reference). The decode
 # program and split-KV launches keep one loop: three software pipelines spilled their registers.
 UNMASKED_INTERIOR = True
+# The decode program over a BF16 cache reads its block-table entries with a plain load (an inline-asm
+# ld.global.nc, `_load_entries`) instead of tl.load: Triton's pipeliner then no longer stages them through shared
+# memory ahead of the K/V copies that depend on them, and the program issues 795 instead of 1007 instructions
+# per tile and spills 88 instead of 144 bytes (its sm_90 build: python bench/attention_sass.py,
+# bench/results/attention-sass-tile.json). The same bits (tests/gpu/test_attention_gpu.py); 2-15% faster at
+# batch 16-256 and context 200-4096 in both launches, 6-7% in the in-register launch at batch 256 (251 against
+# 266 us at context 1024; bench/results/kernels-attention-table-asm.json). Over an FP8 cache it stays off until timed there
+# (`--kv fp8 --variants default table_asm=1`). Off under the CPU interpreter, which runs no inline asm.
+TABLE_LOAD_ASM = True
 # "No window": a lower key bound below every position.
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
@@ -117,13 +126,22 @@ def _opaque(x, OPAQUE: tl.constexpr):
 
 
 @triton.jit
+def _load_entries(ptrs):
+    """int32 block-table entries by a plain global load in inline asm: Triton's pipeliner does not see a load
+    here, so it stages the K/V copies that depend on it without staging the entries first."""
+    return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
 def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, table, k_base, v_base, ks_base,
                  vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs, stride_ksb, stride_kss,
                  stride_vsb, stride_vss, BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr, FP8_KV: tl.constexpr,
-                 OPAQUE: tl.constexpr, MASKED: tl.constexpr, FIXED_SLOTS: tl.constexpr):
+                 OPAQUE: tl.constexpr, MASKED: tl.constexpr, FIXED_SLOTS: tl.constexpr, TABLE_ASM: tl.constexpr):
     """Fold KV tile j into the running (max, sum, acc); shared by both launches. MASKED=False for a tile
     whose every key is in every valid row's range (`_interior_tiles`): no load, window or causal mask, so
-    a row's values are those the masked tile gives it (its mask is all true there), in fewer instructions."""
+    a row's values are those the masked tile gives it (its mask is all true there), in fewer instructions.
+    TABLE_ASM: the block-table entries come through `_load_entries` (see TABLE_LOAD_ASM)."""
     r = tl.arange(0, KV_TILE)
     key = j * KV_TILE + r
     if FIXED_SLOTS and KV_TILE % BLOCK_SIZE == 0:
@@ -138,7 +156,13 @@ def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, 
         # Only the program's keys are read: later slots may be unwritten, earlier ones (out of
         # every row's window) may be freed.
         load_ok = (key >= lo_key) & (key <= last_key)
-        block = tl.load(table + entry, mask=load_ok, other=0).to(tl.int64)
+        if TABLE_ASM:
+            # entries clamped to the program's own blocks: every read is in the table; a masked key's
+            # block is another key's and its K/V load stays masked
+            entry = tl.minimum(tl.maximum(entry, lo_key // BLOCK_SIZE), last_key // BLOCK_SIZE)
+            block = _load_entries(table + entry).to(tl.int64)
+        else:
+            block = tl.load(table + entry, mask=load_ok, other=0).to(tl.int64)
         kv_mask = load_ok[:, None] & d_ok[None, :]
     else:
         load_ok = r >= 0
@@ -192,7 +216,7 @@ def _walk(q, j_lo, j_hi, tile_lo, m_run, l_run, acc_run, m_i, l_i, acc, lo_key, 
           table, k_base, v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb, stride_vs,
           stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr,
           SPLIT_TILES: tl.constexpr, FP8_KV: tl.constexpr, OPAQUE: tl.constexpr, MASKED: tl.constexpr,
-          FIXED_SLOTS: tl.constexpr):
+          FIXED_SLOTS: tl.constexpr, TABLE_ASM: tl.constexpr):
     """The in-register launch's loop over tiles [j_lo, j_hi): folds each finished split (max, sum, acc)
     into the running state where the next split begins, and returns both states."""
     for j in range(j_lo, j_hi):
@@ -204,7 +228,7 @@ def _walk(q, j_lo, j_hi, tile_lo, m_run, l_run, acc_run, m_i, l_i, acc, lo_key, 
         m_i, l_i, acc = _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, table, k_base,
                                      v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
                                      stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE,
-                                     KV_TILE, FP8_KV, OPAQUE, MASKED, FIXED_SLOTS)
+                                     KV_TILE, FP8_KV, OPAQUE, MASKED, FIXED_SLOTS, TABLE_ASM)
     return m_run, l_run, acc_run, m_i, l_i, acc
 
 
@@ -265,7 +289,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, SPLIT: tl.constexpr, FP8_KV: tl.constexpr, OPAQUE: tl.constexpr,
-    UNMASKED: tl.constexpr,
+    UNMASKED: tl.constexpr, TABLE_ASM: tl.constexpr,
 ):
     # Last query block first: in a causal prefill a sequence's later blocks read more tiles, and the short ones
     # then fill the last wave. Which SM runs a program moves no bit.
@@ -291,7 +315,7 @@ def _paged_attention_kernel(
             m_i, l_i, acc = _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, table, k_base,
                                          v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
                                          stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE,
-                                         KV_TILE, FP8_KV, OPAQUE, True, False)
+                                         KV_TILE, FP8_KV, OPAQUE, True, False, TABLE_ASM)
         part = (tok_c * num_heads + head) * num_splits + s
         keep = row_ok & (s >= split_lo) & (s < split_end) & (s < num_splits)
         tl.store(part_m_ptr + part, m_i, mask=keep)
@@ -315,7 +339,7 @@ def _paged_attention_kernel(
                 q, j_lo, j_hi, tile_lo, m_run, l_run, acc_run, m_i, l_i, acc, lo_key, last_key, pos, first_key,
                 row_ok, table, k_base, v_base, ks_base, vs_base, d_ok, qk_scale, stride_kb, stride_ks, stride_vb,
                 stride_vs, stride_ksb, stride_kss, stride_vsb, stride_vss, BLOCK_SIZE, KV_TILE, SPLIT_TILES, FP8_KV,
-                OPAQUE, walk != 1, UNMASKED)
+                OPAQUE, walk != 1, UNMASKED, TABLE_ASM)
         m_run, l_run, acc_run = _merge(m_run, l_run, acc_run, m_i, l_i, acc)
         out = acc_run / tl.where(row_ok, l_run, 1.0)[:, None]
         tl.store(out_ptr + tok_c[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -378,7 +402,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
                     split_kv: bool | None = None, max_context: int | None = None,
                     num_stages: int | None = None, derived: dict | None = None,
                     block_m: int | None = None, num_warps: int = NUM_WARPS,
-                    decode_program: bool | None = None, q_block: int | None = None) -> torch.Tensor:
+                    decode_program: bool | None = None, q_block: int | None = None,
+                    table_asm: bool | None = None) -> torch.Tensor:
     """Causal attention of each query over its own sequence's keys in a paged KV cache.
 
     q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (this step's K/V already written), of
@@ -402,6 +427,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     more queries. A row's dot, masks and reduction are the same at any row of the program, so it moves no
     bit (the decode program keeps its own; tests/gpu/test_attention_gpu.py on the H200). It is opt-in: 128
     rows spanning two tiles prefilled slower than 64 (bench/results/kernels-attention-prefill-q-block.json).
+    table_asm: the decode program reads its block-table entries by inline asm (None: TABLE_LOAD_ASM's rule,
+    over a BF16 cache); speed only, no bit moves.
     Returns [T, H, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -499,6 +526,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
         BLOCK_Q=block_q, SPLIT=split, FP8_KV=fp8_kv,
         OPAQUE=fp8_kv and OPAQUE_FP8_TILES and not interpreting(),
         UNMASKED=UNMASKED_INTERIOR and not (decode_program or split),
+        TABLE_ASM=(TABLE_LOAD_ASM and not fp8_kv if table_asm is None else table_asm) and decode_program
+        and not interpreting(),
         num_stages=num_stages, **common,
     )
     if split:
