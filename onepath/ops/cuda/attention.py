@@ -81,14 +81,15 @@ OPAQUE_FP8_TILES = True
 # (fewer instructions per tile, the same values; off: every tile masked, the GPU test's reference). The decode
 # program and split-KV launches keep one loop: three software pipelines spilled their registers.
 UNMASKED_INTERIOR = True
-# The decode program over a BF16 cache reads its block-table entries with a plain load (an inline-asm
-# ld.global.nc, `_load_entries`) instead of tl.load: Triton's pipeliner then no longer stages them through shared
-# memory ahead of the K/V copies that depend on them, and the program issues 795 instead of 1007 instructions
-# per tile and spills 88 instead of 144 bytes (its sm_90 build: python bench/attention_sass.py,
-# bench/results/attention-sass-tile.json). The same bits (tests/gpu/test_attention_gpu.py); 2-15% faster at
-# batch 16-256 and context 200-4096 in both launches, 6-7% in the in-register launch at batch 256 (251 against
-# 266 us at context 1024; bench/results/kernels-attention-table-asm.json). Over an FP8 cache it stays off until timed there
-# (`--kv fp8 --variants default table_asm=1`). Off under the CPU interpreter, which runs no inline asm.
+# The decode program over a BF16 cache reads each tile's block-table entries with one unmasked inline-asm
+# ld.global.nc (`_load_entries`; entries clamped into the program's own blocks) instead of a masked tl.load: its
+# sm_90 build issues 795 instead of 1007 instructions per tile and spills 88 instead of 144 bytes (python
+# bench/attention_sass.py, bench/results/attention-sass-tile.json), and with 3 pipeline stages the entries are
+# no longer staged through shared memory ahead of the K/V copies. The same bits (tests/gpu/test_attention_gpu.py);
+# 2-15% faster at batch 16-256 and context 200-4096 in both launches, 6-7% in the in-register launch at batch
+# 256 (251 against 266 us at context 1024; bench/results/kernels-attention-table-asm.json). Over an FP8 cache it
+# stays off until timed there (`--kv fp8 --variants default table_asm=1`). Off under the CPU interpreter, which
+# runs no inline asm.
 TABLE_LOAD_ASM = True
 # "No window": a lower key bound below every position.
 NO_WINDOW = 1 << 30
@@ -127,8 +128,8 @@ def _opaque(x, OPAQUE: tl.constexpr):
 
 @triton.jit
 def _load_entries(ptrs):
-    """int32 block-table entries by a plain global load in inline asm: Triton's pipeliner does not see a load
-    here, so it stages the K/V copies that depend on it without staging the entries first."""
+    """int32 block-table entries by one unmasked global load in inline asm (see TABLE_LOAD_ASM): fewer
+    instructions than a masked tl.load, and Triton's pipeliner does not stage it through shared memory."""
     return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=True,
                                      pack=1)
 
