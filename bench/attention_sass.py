@@ -103,10 +103,11 @@ def main():
                 "decode program, table by tl.load": (*decode, False)}
     out = {}
     for name, (rows, warps, stages, unmasked, table_asm) in programs.items():
-        text, usage = sass(build(rows, warps, stages, unmasked, table_asm=table_asm).asm["cubin"])
+        built = build(rows, warps, stages, unmasked, table_asm=table_asm)
+        text, usage = sass(built.asm["cubin"])
         res = re.search(r"REG:(\d+) STACK:(\d+)", usage)
         out[name] = dict(rows=rows, warps=warps, stages=stages, unmasked=unmasked, table_asm=table_asm,
-                         registers=int(res.group(1)),
+                         registers=int(res.group(1)), shared_bytes=built.metadata.shared,
                          stack_bytes=int(res.group(2)), loops=loops(text))
         print(f"{name}: {res.group(1)} registers, {res.group(2)} stack bytes; instructions per tile by loop: "
               + ", ".join(str(lp["per_tile"]) for lp in out[name]["loops"]))
