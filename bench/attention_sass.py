@@ -99,6 +99,8 @@ def main():
     decode = (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, False)
     programs = {"64 rows, every tile masked": (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, False, False),
                 "64 rows, interior tiles unmasked": (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, True, False),
+                "64 rows, interior tiles unmasked, table by asm (opt-in)": (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, True,
+                                                                            True),
                 "decode program": (*decode, A.TABLE_LOAD_ASM),
                 "decode program, table by tl.load": (*decode, False)}
     out = {}

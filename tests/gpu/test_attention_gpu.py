@@ -149,7 +149,8 @@ def test_decode_program_equals_64_row_program(shape, window, kv):
     """The 16-row one-warp decode program (mma.sync) gives each query the bits of the 64-row four-warp
     program (wgmma), in every phase and both launches: prefill, chunks and decode run by either program
     all equal the 64-row whole prefill; over a BF16 cache and over an FP8 one; the decode program reading
-    its block table by inline asm (attention.TABLE_LOAD_ASM) and by tl.load."""
+    its block table by inline asm (attention.TABLE_LOAD_ASM) and by tl.load, and the 64-row program by
+    inline asm (table_asm=True, opt-in) against its own tl.load whole prefill."""
     from onepath.numerics.spec import FP8_KV
     run = _program_runner(shape, window, FP8_KV if kv else None)
 
@@ -158,8 +159,8 @@ def test_decode_program_equals_64_row_program(shape, window, kv):
     for name, sizes in (("prefill", [PHASE_LEN]), ("chunks of 7", chunked(PHASE_LEN, 7)),
                         ("decode", [1] * PHASE_LEN), (f"prefix {prefix} + decode", [prefix] + [1] * (PHASE_LEN - prefix))):
         for split in (False, True):
-            for program, table_asm in ([(None, None), (True, True), (True, False), (False, None)] if name == "decode"
-                                       else [(True, True), (True, False)]):
+            for program, table_asm in ([(None, None), (True, True), (True, False), (False, None), (False, True)]
+                                       if name == "decode" else [(True, True), (True, False), (False, True)]):
                 out = run(sizes, split_kv=split, decode_program=program, table_asm=table_asm)
                 differ = (out != whole).any(dim=(1, 2)).nonzero().flatten().tolist()
                 assert not differ, (f"{name}, split {split}, decode program {program}, table by asm {table_asm}: "

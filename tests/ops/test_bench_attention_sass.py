@@ -60,3 +60,26 @@ def test_decode_program_reads_the_table_in_fewer_instructions():
     assert built[True]["stack"] < built[False]["stack"], built
     assert built[True]["staged_at_3_stages"] == ["bf16", "bf16"], built
     assert "i32" in built[False]["staged_at_3_stages"], built
+
+
+def test_64_row_program_with_the_table_by_asm_buffers_deeper():
+    """The opt-in table_asm=True on the 64-row program (prefill): its sm_90 build at NUM_STAGES keeps NUM_STAGES
+    K and V buffers (the tl.load build, the control, one fewer: its pipeliner stages the entries first), issues
+    fewer instructions per interior tile, and fits Hopper's shared memory. Its speed is not measured yet."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: the kernel is an interpreted function, not compilable")
+    import re
+
+    from bench import attention_sass as S
+    from onepath.ops.cuda import attention as A
+    from onepath.ops.cuda.sm90 import SHARED_BYTES
+
+    built = {}
+    for table_asm in (True, False):
+        b = S.build(A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, True, table_asm=table_asm)
+        text, _ = S.sass(b.asm["cubin"])
+        depths = {int(d) for d in re.findall(r"ttg.local_alloc : \(\) -> !ttg.memdesc<(\d+)x32x128xbf16", b.asm["ttgir"])}
+        built[table_asm] = dict(depths=depths, interior=S.loops(text)[1]["per_tile"], shared=b.metadata.shared)
+    assert built[True]["depths"] == {A.NUM_STAGES} and built[False]["depths"] == {A.NUM_STAGES - 1}, built
+    assert built[True]["interior"] < built[False]["interior"], built
+    assert built[True]["shared"] <= SHARED_BYTES, built

@@ -167,7 +167,10 @@ def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, 
         kv_mask = load_ok[:, None] & d_ok[None, :]
     else:
         load_ok = r >= 0
-        block = tl.load(table + entry).to(tl.int64)
+        if TABLE_ASM:
+            block = _load_entries(table + entry).to(tl.int64)
+        else:
+            block = tl.load(table + entry).to(tl.int64)
         kv_mask = d_ok[None, :]
     k = tl.load(k_base + block[:, None] * stride_kb + slot[:, None] * stride_ks, mask=kv_mask, other=0.0)
     v = tl.load(v_base + block[:, None] * stride_vb + slot[:, None] * stride_vs, mask=kv_mask, other=0.0)
@@ -428,8 +431,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     more queries. A row's dot, masks and reduction are the same at any row of the program, so it moves no
     bit (the decode program keeps its own; tests/gpu/test_attention_gpu.py on the H200). It is opt-in: 128
     rows spanning two tiles prefilled slower than 64 (bench/results/kernels-attention-prefill-q-block.json).
-    table_asm: the decode program reads its block-table entries by inline asm (None: TABLE_LOAD_ASM's rule,
-    over a BF16 cache); speed only, no bit moves.
+    table_asm: the program reads its block-table entries by inline asm (None: TABLE_LOAD_ASM's rule, the decode
+    program over a BF16 cache; True: any program, e.g. the 64-row one in prefill, whose sm_90 build then
+    double-buffers K and V a stage deeper in fewer instructions per tile: opt-in, not yet timed); no bit moves.
     Returns [T, H, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -527,7 +531,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
         BLOCK_Q=block_q, SPLIT=split, FP8_KV=fp8_kv,
         OPAQUE=fp8_kv and OPAQUE_FP8_TILES and not interpreting(),
         UNMASKED=UNMASKED_INTERIOR and not (decode_program or split),
-        TABLE_ASM=(TABLE_LOAD_ASM and not fp8_kv if table_asm is None else table_asm) and decode_program
+        TABLE_ASM=(TABLE_LOAD_ASM and not fp8_kv and decode_program if table_asm is None else table_asm)
         and not interpreting(),
         num_stages=num_stages, **common,
     )
