@@ -4,7 +4,8 @@
 
 Builds `_paged_attention_kernel` for the H200 with the Triton wheel's compiler (Qwen3's GQA group of 2,
 head_dim 128, block 16, kv_tile 32; the engine's launch options: no FP contraction, the caches' 16-byte
-aligned strides) as the 64-row in-register program and the one-warp decode program, disassembles it
+aligned strides) as the 64-row in-register program and the one-warp decode program (over a BF16 cache, and the
+decode program over an FP8 one too), disassembles it
 with the wheel's cuobjdump, and counts each loop's instructions by opcode. A loop over tiles holds a
 block that merges a finished split (skipped by a forward branch in all other tiles): it is counted
 apart, so `per_tile` is what a tile without a split boundary issues per thread. Registers and stack
@@ -47,15 +48,19 @@ def signature(fp8: bool) -> dict:
             "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qk_scale": "fp32", **{n: "i32" for n in ints}}
 
 
-def build(rows: int, warps: int, stages: int, unmasked: bool, split: bool = False, table_asm: bool = False):
-    """The sm_90 CompiledKernel of one program shape over a BF16 cache, as paged_attention launches it
-    (table_asm: the block-table entries by inline asm, as the decode program reads them)."""
+def build(rows: int, warps: int, stages: int, unmasked: bool, split: bool = False, table_asm: bool = False,
+          fp8: bool = False):
+    """The sm_90 CompiledKernel of one program shape over a BF16 cache (fp8: an FP8 one, its tiles through the
+    `_opaque` barrier), as paged_attention launches it (table_asm: the block-table entries by inline asm, as
+    the decode program reads them over a BF16 cache)."""
     from onepath.ops.cuda import attention as A
     from onepath.ops.cuda import sm90
     consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=32, SPLIT_TILES=8,
-                  BLOCK_M=rows, BLOCK_Q=min(rows // 2, 32), SPLIT=split, FP8_KV=False, OPAQUE=False,
+                  BLOCK_M=rows, BLOCK_Q=min(rows // 2, 32), SPLIT=split, FP8_KV=fp8, OPAQUE=fp8,
                   UNMASKED=unmasked, TABLE_ASM=table_asm)
-    return sm90.build(A._paged_attention_kernel, signature(False), consts, ALIGNED, warps, stages,
+    # an FP8 cache's scales [blocks, 16, Hkv, 1]: their block stride is a multiple of 16, the token one (Hkv) not
+    aligned = ALIGNED + (("ks_ptr", "vs_ptr", "stride_ksb", "stride_vsb") if fp8 else ())
+    return sm90.build(A._paged_attention_kernel, signature(fp8), consts, aligned, warps, stages,
                       enable_fp_fusion=False)
 
 
@@ -102,13 +107,15 @@ def main():
                 "64 rows, interior tiles unmasked, table by asm (opt-in)": (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, True,
                                                                             True),
                 "decode program": (*decode, A.TABLE_LOAD_ASM),
-                "decode program, table by tl.load": (*decode, False)}
+                "decode program, table by tl.load": (*decode, False),
+                "decode program, FP8 cache": (*decode, False, True)}
     out = {}
-    for name, (rows, warps, stages, unmasked, table_asm) in programs.items():
-        built = build(rows, warps, stages, unmasked, table_asm=table_asm)
+    for name, (rows, warps, stages, unmasked, table_asm, *fp8) in programs.items():
+        fp8 = bool(fp8 and fp8[0])
+        built = build(rows, warps, stages, unmasked, table_asm=table_asm, fp8=fp8)
         text, usage = sass(built.asm["cubin"])
         res = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-        out[name] = dict(rows=rows, warps=warps, stages=stages, unmasked=unmasked, table_asm=table_asm,
+        out[name] = dict(rows=rows, warps=warps, stages=stages, unmasked=unmasked, table_asm=table_asm, fp8=fp8,
                          registers=int(res.group(1)), shared_bytes=built.metadata.shared,
                          stack_bytes=int(res.group(2)), loops=loops(text))
         print(f"{name}: {res.group(1)} registers, {res.group(2)} stack bytes; instructions per tile by loop: "
