@@ -73,6 +73,13 @@ def sass(cubin: bytes) -> tuple[str, str]:
         return run("-sass"), run("-res-usage")
 
 
+def staged_buffers(ttgir: str) -> list[tuple[int, str, str]]:
+    """(depth, shape, dtype) of each buffer the pipeliner allocates in shared memory (those without an initial
+    value, e.g. (2, "32x128", "bf16") for a double-buffered K tile), in a build's TTGIR."""
+    return [(int(d), shape, dtype) for d, shape, dtype in
+            re.findall(r"ttg.local_alloc : \(\) -> !ttg.memdesc<(\d+)x([\dx]+)x([a-z]\w*)", ttgir)]
+
+
 def loops(text: str) -> list[dict]:
     """Each backward branch's loop: its instructions by opcode, with the block a forward branch inside it
     skips (the split merge) counted apart."""
@@ -102,16 +109,16 @@ def main():
     args = p.parse_args()
     from onepath.ops.cuda import attention as A
     decode = (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, False)
-    programs = {"64 rows, every tile masked": (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, False, False),
-                "64 rows, interior tiles unmasked": (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, True, False),
-                "64 rows, interior tiles unmasked, table by asm (opt-in)": (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, True,
-                                                                            True),
-                "decode program": (*decode, A.TABLE_LOAD_ASM),
-                "decode program, table by tl.load": (*decode, False),
+    prefill = (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES)
+    # name: (rows, warps, stages, unmasked, table_asm, fp8)
+    programs = {"64 rows, every tile masked": (*prefill, False, False, False),
+                "64 rows, interior tiles unmasked": (*prefill, True, False, False),
+                "64 rows, interior tiles unmasked, table by asm (opt-in)": (*prefill, True, True, False),
+                "decode program": (*decode, A.TABLE_LOAD_ASM, False),
+                "decode program, table by tl.load": (*decode, False, False),
                 "decode program, FP8 cache": (*decode, False, True)}
     out = {}
-    for name, (rows, warps, stages, unmasked, table_asm, *fp8) in programs.items():
-        fp8 = bool(fp8 and fp8[0])
+    for name, (rows, warps, stages, unmasked, table_asm, fp8) in programs.items():
         built = build(rows, warps, stages, unmasked, table_asm=table_asm, fp8=fp8)
         text, usage = sass(built.asm["cubin"])
         res = re.search(r"REG:(\d+) STACK:(\d+)", usage)

@@ -53,9 +53,8 @@ def test_decode_program_reads_the_table_in_fewer_instructions():
         text, usage = S.sass(b.asm["cubin"])
         (loop,) = S.loops(text)
         three = S.build(A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, 3, False, table_asm=table_asm)
-        staged = re.findall(r"ttg.local_alloc : \(\) -> !ttg.memdesc<[\dx]+x([a-z]\w*)", three.asm["ttgir"])
         built[table_asm] = dict(per_tile=loop["per_tile"], stack=int(re.search(r"STACK:(\d+)", usage).group(1)),
-                                staged_at_3_stages=sorted(staged))
+                                staged_at_3_stages=sorted(dt for _, _, dt in S.staged_buffers(three.asm["ttgir"])))
     assert built[True]["per_tile"] < 0.9 * built[False]["per_tile"], built
     assert built[True]["stack"] < built[False]["stack"], built
     assert built[True]["staged_at_3_stages"] == ["bf16", "bf16"], built
@@ -68,8 +67,6 @@ def test_64_row_program_with_the_table_by_asm_buffers_deeper():
     fewer instructions per interior tile, and fits Hopper's shared memory. Its speed is not measured yet."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set: the kernel is an interpreted function, not compilable")
-    import re
-
     from bench import attention_sass as S
     from onepath.ops.cuda import attention as A
     from onepath.ops.cuda.sm90 import SHARED_BYTES
@@ -78,7 +75,8 @@ def test_64_row_program_with_the_table_by_asm_buffers_deeper():
     for table_asm in (True, False):
         b = S.build(A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, True, table_asm=table_asm)
         text, _ = S.sass(b.asm["cubin"])
-        depths = {int(d) for d in re.findall(r"ttg.local_alloc : \(\) -> !ttg.memdesc<(\d+)x32x128xbf16", b.asm["ttgir"])}
+        depths = {depth for depth, shape, dtype in S.staged_buffers(b.asm["ttgir"])
+                  if (shape, dtype) == ("32x128", "bf16")}
         built[table_asm] = dict(depths=depths, interior=S.loops(text)[1]["per_tile"], shared=b.metadata.shared)
     assert built[True]["depths"] == {A.NUM_STAGES} and built[False]["depths"] == {A.NUM_STAGES - 1}, built
     assert built[True]["interior"] < built[False]["interior"], built

@@ -157,21 +157,20 @@ def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, 
         # Only the program's keys are read: later slots may be unwritten, earlier ones (out of
         # every row's window) may be freed.
         load_ok = (key >= lo_key) & (key <= last_key)
+        kv_mask = load_ok[:, None] & d_ok[None, :]
         if TABLE_ASM:
             # entries clamped to the program's own blocks: every read is in the table; a masked key's
             # block is another key's and its K/V load stays masked
             entry = tl.minimum(tl.maximum(entry, lo_key // BLOCK_SIZE), last_key // BLOCK_SIZE)
-            block = _load_entries(table + entry).to(tl.int64)
-        else:
-            block = tl.load(table + entry, mask=load_ok, other=0).to(tl.int64)
-        kv_mask = load_ok[:, None] & d_ok[None, :]
     else:
         load_ok = r >= 0
-        if TABLE_ASM:
-            block = _load_entries(table + entry).to(tl.int64)
-        else:
-            block = tl.load(table + entry).to(tl.int64)
         kv_mask = d_ok[None, :]
+    if TABLE_ASM:
+        block = _load_entries(table + entry).to(tl.int64)
+    elif MASKED:
+        block = tl.load(table + entry, mask=load_ok, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + entry).to(tl.int64)
     k = tl.load(k_base + block[:, None] * stride_kb + slot[:, None] * stride_ks, mask=kv_mask, other=0.0)
     v = tl.load(v_base + block[:, None] * stride_vb + slot[:, None] * stride_vs, mask=kv_mask, other=0.0)
     if FP8_KV:
