@@ -112,11 +112,14 @@ def main():
     prefill = (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES)
     # name: (rows, warps, stages, unmasked, table_asm, fp8)
     programs = {"64 rows, every tile masked": (*prefill, False, False, False),
-                "64 rows, interior tiles unmasked": (*prefill, True, False, False),
-                "64 rows, interior tiles unmasked, table by asm (opt-in)": (*prefill, True, True, False),
-                "decode program": (*decode, A.TABLE_LOAD_ASM, False),
+                "64 rows, interior tiles unmasked, table by tl.load": (*prefill, True, False, False),
+                "64 rows, interior tiles unmasked": (*prefill, True, A.table_load_asm(False, False, False), False),
+                "decode program": (*decode, A.table_load_asm(False, True, False), False),
                 "decode program, table by tl.load": (*decode, False, False),
-                "decode program, FP8 cache": (*decode, False, True)}
+                "decode program, deep (DEEP_DECODE_NUM_STAGES)": (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS,
+                                                                  A.DEEP_DECODE_NUM_STAGES, False,
+                                                                  A.table_load_asm(False, True, False), False),
+                "decode program, FP8 cache": (*decode, A.table_load_asm(True, True, False), True)}
     out = {}
     for name, (rows, warps, stages, unmasked, table_asm, fp8) in programs.items():
         built = build(rows, warps, stages, unmasked, table_asm=table_asm, fp8=fp8)

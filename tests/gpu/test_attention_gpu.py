@@ -150,7 +150,7 @@ def test_decode_program_equals_64_row_program(shape, window, kv):
     program (wgmma), in every phase and both launches: prefill, chunks and decode run by either program
     all equal the 64-row whole prefill; over a BF16 cache and over an FP8 one; the decode program reading
     its block table by inline asm (attention.TABLE_LOAD_ASM) and by tl.load, and the 64-row program by
-    inline asm (table_asm=True, opt-in) against its own tl.load whole prefill."""
+    tl.load against its own inline-asm whole prefill (the default over a BF16 cache)."""
     from onepath.numerics.spec import FP8_KV
     run = _program_runner(shape, window, FP8_KV if kv else None)
 
@@ -159,8 +159,8 @@ def test_decode_program_equals_64_row_program(shape, window, kv):
     for name, sizes in (("prefill", [PHASE_LEN]), ("chunks of 7", chunked(PHASE_LEN, 7)),
                         ("decode", [1] * PHASE_LEN), (f"prefix {prefix} + decode", [prefix] + [1] * (PHASE_LEN - prefix))):
         for split in (False, True):
-            for program, table_asm in ([(None, None), (True, True), (True, False), (False, None), (False, True)]
-                                       if name == "decode" else [(True, True), (True, False), (False, True)]):
+            for program, table_asm in ([(None, None), (True, True), (True, False), (False, None), (False, False)]
+                                       if name == "decode" else [(True, True), (True, False), (False, False)]):
                 out = run(sizes, split_kv=split, decode_program=program, table_asm=table_asm)
                 differ = (out != whole).any(dim=(1, 2)).nonzero().flatten().tolist()
                 assert not differ, (f"{name}, split {split}, decode program {program}, table by asm {table_asm}: "
@@ -212,6 +212,31 @@ def test_unmasked_interior_tiles_equal_every_tile_masked(shape, window, kv, monk
         out = run(sizes, split_kv=False, decode_program=False)
         differ = (out != masked[name]).any(dim=(1, 2)).nonzero().flatten().tolist()
         assert not differ, f"{name}: tokens {differ[:10]} differ from every tile masked"
+
+
+def test_deep_decode_launch_equals_other_launches():
+    """A decode batch whose grid runs the BF16 decode program deep (attention.launch_plan: 3-5 programs per SM,
+    in-register at DEEP_DECODE_NUM_STAGES) gives every query the bits of the split-KV launch, of the in-register
+    launch at DECODE_NUM_STAGES and of the 64-row program: 4 programs per SM of decodes over 1..3000 cached
+    tokens, other block tables each run. Control: kv_split 128 (another reduction tree) moves bits on the same
+    batch."""
+    from onepath.ops.cuda import attention as A
+    shape = SHAPES[0]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = -(-4 * sms // shape[1])
+    assert A.launch_plan(batch * shape[1], sms, MAX_LEN // 256 + 1, True, False) == (False, A.DEEP_DECODE_NUM_STAGES)
+    gen, cuda_gen = torch.Generator().manual_seed(11), torch.Generator(DEVICE).manual_seed(11)
+    seqs = []
+    for _ in range(batch):
+        n = int(torch.randint(1, MAX_LEN + 1, (1,), generator=gen))
+        seqs.append((*_seq(n, shape, cuda_gen), n - 1))
+    run = lambda **kw: _batch(seqs, gen, None, **kw)  # each run draws fresh block tables
+    deep = run()
+    for kw in (dict(split_kv=True), dict(split_kv=False, num_stages=A.DECODE_NUM_STAGES),
+               dict(decode_program=False)):
+        out = run(**kw)
+        assert all(torch.equal(a, b) for a, b in zip(out, deep)), f"{kw}: other bits than the deep launch"
+    assert not all(torch.equal(a, b) for a, b in zip(run(kv_split=128), deep)), "kv_split 128: control failed"
 
 
 def test_negative_control_16_rows_on_two_warps():

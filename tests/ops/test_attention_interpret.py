@@ -345,7 +345,8 @@ def test_interpreted(check):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
 
 
-@pytest.mark.parametrize("program", ["64 rows", "16 rows", "decode", "64 rows fp8", "decode fp8", "128 rows"])
+@pytest.mark.parametrize("program", ["64 rows", "16 rows", "decode", "decode deep", "64 rows fp8", "decode fp8",
+                                     "128 rows"])
 def test_kernel_builds_for_sm90(program):
     """The programs paged_attention launches build for the H200 (the Triton wheel's ptxas, no GPU): Qwen3's
     GQA group of 2 and head_dim 128, kv_tile 32, within the 227 KiB of shared memory; 64 rows (and 128 on 8
@@ -362,7 +363,8 @@ def test_kernel_builds_for_sm90(program):
     fp8 = program.endswith("fp8")
     rows, warps, stages = {"64 rows": (64, A.NUM_WARPS, A.NUM_STAGES), "16 rows": (16, A.NUM_WARPS, A.NUM_STAGES),
                            "128 rows": (128, 8, A.NUM_STAGES),
-                           "decode": (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES)}[
+                           "decode": (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES),
+                           "decode deep": (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DEEP_DECODE_NUM_STAGES)}[
                                program.removesuffix(" fp8")]
     ptrs = ("q_ptr", "k_ptr", "v_ptr", "out_ptr")
     sig = signature(fp8)
@@ -371,7 +373,7 @@ def test_kernel_builds_for_sm90(program):
         consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=32, SPLIT_TILES=8,
                       BLOCK_M=rows, BLOCK_Q=rows // 2 if rows > 64 else min(rows // 2, 32), SPLIT=split, FP8_KV=fp8,
                       OPAQUE=fp8, UNMASKED=A.UNMASKED_INTERIOR and not split and not program.startswith("decode"),
-                      TABLE_ASM=A.TABLE_LOAD_ASM and program == "decode")
+                      TABLE_ASM=A.table_load_asm(fp8, program.startswith("decode"), split))
         config = type("Launch", (), dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False))
         built = build_sm90(A._paged_attention_kernel, sig, consts, ptrs + ("stride_qt", "stride_ot"), config)
         ptx, shared = built.asm["ptx"], built.metadata.shared
@@ -419,3 +421,25 @@ def test_fp8_decode_program_fits_eight_per_sm():
         shared[kv_tile] = build_sm90(A._paged_attention_kernel, sig, consts, aligned, config).metadata.shared
     assert shared[32] <= per_program < shared[64], \
         f"shared bytes by kv_tile {shared}, per program at 8/SM {per_program}"
+
+
+def test_launch_plan():
+    """Which launch and how many stages paged_attention picks (attention.launch_plan), on the H200's 132 SMs with
+    Qwen3's 8 KV heads: split-KV at batch 16-48 (fewer than 4 programs per SM), the BF16 decode program
+    in-register at 3 stages at batch 64-80 (3-5 per SM), in-register at 2 from batch 96; over an FP8 cache the
+    same batches 64-80 keep the split launch at 2 stages (the deep rule is BF16's); the 64-row program keeps
+    NUM_STAGES; a single split never splits; explicit choices are kept."""
+    from onepath.ops.cuda import attention as A
+
+    def plan(batch, fp8=False, program=True, splits=16, **kw):
+        return A.launch_plan(batch * 8, 132, splits, program, fp8, **kw)
+
+    stages = A.DECODE_NUM_STAGES
+    deep = A.DEEP_DECODE_NUM_STAGES
+    assert [plan(b) for b in (16, 48, 64, 80, 96, 256)] == \
+        [(True, stages), (True, stages), (False, deep), (False, deep), (False, stages), (False, stages)]
+    assert [plan(b, fp8=True) for b in (48, 64, 80, 96)] == \
+        [(True, stages), (True, stages), (False, stages), (False, stages)]
+    assert plan(64, program=False) == (True, A.NUM_STAGES) and plan(96, program=False) == (False, A.NUM_STAGES)
+    assert plan(16, splits=1) == (False, stages)
+    assert plan(64, split_kv=True) == (True, stages) and plan(64, num_stages=2) == (False, 2)

@@ -71,7 +71,8 @@ NUM_STAGES = 3
 DECODE_BLOCK_M, DECODE_NUM_WARPS, DECODE_NUM_STAGES = 16, 1, 2
 # Over an FP8 cache two stages ran fastest too, once V was dequantised after the QK^T dot (250 vs 260 us with
 # three at batch 256, context 1024; bench/results/kernels-attention-decode-fp8-late-v.json), and the in-register
-# launch beat split-KV at contexts 200-4096 there: FP8 keeps the BF16 launch rule. Speed only.
+# launch beat split-KV at contexts 200-4096 there: FP8 keeps the BF16 launch rule (less its deep decode, below,
+# untimed over FP8). Speed only.
 # split-KV launch when the in-register grid would give fewer than this many programs per SM.
 SPLIT_BELOW_PROGRAMS_PER_SM = 4
 # FP8 cache tiles pass `_opaque` after their dequantisation, so the one-warp program keeps the 64-row
@@ -81,16 +82,29 @@ OPAQUE_FP8_TILES = True
 # (fewer instructions per tile, the same values; off: every tile masked, the GPU test's reference). The decode
 # program and split-KV launches keep one loop: three software pipelines spilled their registers.
 UNMASKED_INTERIOR = True
-# The decode program over a BF16 cache reads each tile's block-table entries with one unmasked inline-asm
-# ld.global.nc (`_load_entries`; entries clamped into the program's own blocks) instead of a masked tl.load: its
-# sm_90 build issues 795 instead of 1007 instructions per tile and spills 88 instead of 144 bytes (python
-# bench/attention_sass.py, bench/results/attention-sass-tile.json), and with 3 pipeline stages the entries are
-# no longer staged through shared memory ahead of the K/V copies. The same bits (tests/gpu/test_attention_gpu.py);
-# 2-15% faster at batch 16-256 and context 200-4096 in both launches, 6-7% in the in-register launch at batch
-# 256 (251 against 266 us at context 1024; bench/results/kernels-attention-table-asm.json). Over an FP8 cache it
-# stays off until timed there (`--kv fp8 --variants default table_asm=1`). Off under the CPU interpreter, which
-# runs no inline asm.
+# Programs read each tile's block-table entries with one unmasked inline-asm ld.global.nc (`_load_entries`;
+# entries clamped into the program's own blocks) instead of a masked tl.load; `table_load_asm` says which. The
+# same bits (tests/gpu/test_attention_gpu.py); off under the CPU interpreter, which runs no inline asm.
+# - The decode program over a BF16 cache: its sm_90 build issues 795 instead of 1007 instructions per tile and
+#   spills 88 instead of 144 bytes (python bench/attention_sass.py, bench/results/attention-sass-tile.json); 2-15%
+#   faster at batch 16-256 and context 200-4096 in both launches (251 against 266 us at batch 256, context 1024;
+#   bench/results/kernels-attention-table-asm.json).
+# - The 64-row program over a BF16 cache (prefill): its build keeps three K/V buffers at 3 stages instead of two
+#   and issues 300 instead of 322 instructions per interior tile; 0.86 instead of 0.72 of SDPA flash's speed
+#   at 4 x 4096, 1.04 instead of 0.80 at 1 x 8192 (bench/results/kernels-attention-prefill-table-asm.json).
+# - Over an FP8 cache, the decode program's split-KV launch only: 3-12% faster there at batch 16-256, context
+#   200-4096, but 0-9% slower in-register (bench/results/kernels-attention-fp8-table-asm.json). The 64-row
+#   program over FP8 is untimed and keeps tl.load.
 TABLE_LOAD_ASM = True
+# The BF16 decode program's grid at DEEP_DECODE_PROGRAMS_PER_SM programs per SM (both ends included) launches
+# in-register at DEEP_DECODE_NUM_STAGES stages (a second K/V buffer: 36,864 instead of 20,480 bytes of shared
+# memory in its sm_90 build, attention-sass-tile.json, so 6 programs fit an SM instead of 8 and one wave still
+# holds the grid) instead of split-KV or in-register at 2. At batch 64 (512 programs on 132 SMs) 8-16% less time
+# than the split-KV launch picked there before; at batch 80, 5-7% less at context 1024-4096, 3% more at 200. At
+# batch 48 (2.9 per SM) it was mixed (2% slower at context 4096) and split-KV stays; at batch 112 (6.8 per SM:
+# two waves at 3 stages) it took 1.4x as long (bench/results/kernels-attention-decode-stages.json). Speed only:
+# stages and launch move no bit (tests/gpu/test_attention_gpu.py::test_deep_decode_launch_equals_other_launches).
+DEEP_DECODE_PROGRAMS_PER_SM, DEEP_DECODE_NUM_STAGES = (3, 5), 3
 # "No window": a lower key bound below every position.
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
@@ -398,6 +412,28 @@ def _query_blocks(positions: torch.Tensor, query_seq: torch.Tensor, tokens_per_b
     return starts.scatter_reduce_(0, block, t, "amin")
 
 
+def launch_plan(programs: int, sms: int, num_splits: int, decode_program: bool, fp8_kv: bool,
+                split_kv: bool | None = None, num_stages: int | None = None) -> tuple[bool, int]:
+    """(split-KV launch, pipeline stages) of a launch whose in-register grid holds `programs` programs on `sms`
+    SMs; split_kv and num_stages, when given, are kept. Split-KV when the in-register grid gives fewer than
+    SPLIT_BELOW_PROGRAMS_PER_SM per SM and the keys span several splits, unless the BF16 decode program runs
+    deep (DEEP_DECODE_PROGRAMS_PER_SM: in-register at DEEP_DECODE_NUM_STAGES). Speed only: no bit moves."""
+    low, high = DEEP_DECODE_PROGRAMS_PER_SM
+    deep = decode_program and not fp8_kv and low * sms <= programs <= high * sms
+    split = split_kv if split_kv is not None else (
+        num_splits > 1 and not deep and programs < SPLIT_BELOW_PROGRAMS_PER_SM * sms)
+    if num_stages is None:
+        num_stages = NUM_STAGES if not decode_program else (
+            DEEP_DECODE_NUM_STAGES if deep and not split else DECODE_NUM_STAGES)
+    return split, num_stages
+
+
+def table_load_asm(fp8_kv: bool, decode_program: bool, split: bool) -> bool:
+    """Whether a launch reads its block table by inline asm by default (TABLE_LOAD_ASM's rule): every program over
+    a BF16 cache, the decode program's split-KV launch over an FP8 one."""
+    return TABLE_LOAD_ASM and (not fp8_kv or (decode_program and split))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache: torch.Tensor | FP8Tensor,
                     positions: torch.Tensor,
                     query_seq: torch.Tensor, block_tables: torch.Tensor, scale: float,
@@ -417,9 +453,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     left unwritten. Key at position j lives at slot block_tables[seq, j // block_size] * block_size + j % block_size.
     kv_tile and kv_split (keys per tile, keys per split) fix the reduction tree, block_m (rows per program,
     default BLOCK_M; the spec's attention.q_rows) every dot's shape: both sides must agree on all three.
-    split_kv picks the launch (None: split-KV when the in-register grid leaves the SMs short of programs);
+    split_kv picks the launch (None: split-KV when the in-register grid leaves the SMs short of programs, unless
+    the decode program runs deep, see DEEP_DECODE_PROGRAMS_PER_SM);
     max_context (keys, default the block tables' capacity) bounds the split-KV partial buffer;
-    num_stages is the loads' software pipelining depth. Launch and pipelining move no bit; num_warps
+    num_stages is the loads' software pipelining depth (None: NUM_STAGES, DECODE_NUM_STAGES or
+    DEEP_DECODE_NUM_STAGES). Launch and pipelining move no bit; num_warps
     (default NUM_WARPS) fixes the MMA layout, so both sides must agree on it too. decode_program picks the
     16-row one-warp program, which gives the 64-row program's bits (None: when the launch holds one query
     per sequence, T <= block_tables' rows, and block_m and num_warps are the defaults). derived: a dict
@@ -430,9 +468,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     more queries. A row's dot, masks and reduction are the same at any row of the program, so it moves no
     bit (the decode program keeps its own; tests/gpu/test_attention_gpu.py on the H200). It is opt-in: 128
     rows spanning two tiles prefilled slower than 64 (bench/results/kernels-attention-prefill-q-block.json).
-    table_asm: the program reads its block-table entries by inline asm (None: TABLE_LOAD_ASM's rule, the decode
-    program over a BF16 cache; True: any program, e.g. the 64-row one in prefill, whose sm_90 build then
-    double-buffers K and V a stage deeper in fewer instructions per tile: opt-in, not yet timed); no bit moves.
+    table_asm: the program reads its block-table entries by inline asm (None: `table_load_asm`'s rule); no bit
+    moves.
     Returns [T, H, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -484,8 +521,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
                          f"{group} query heads per KV head (at most {2 * DECODE_BLOCK_M})")
     if decode_program:
         block_m, num_warps = max(DECODE_BLOCK_M, group_pad), DECODE_NUM_WARPS
-    if num_stages is None:
-        num_stages = DECODE_NUM_STAGES if decode_program else NUM_STAGES
     block_m = max(block_m or BLOCK_M, group_pad)
     block_q = min(block_m // group_pad, kv_tile)
     if q_block is not None and not decode_program:
@@ -505,10 +540,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
             derived[key] = starts
     max_context = max_context or block_tables.shape[1] * block_size
     num_splits = triton.cdiv(max_context, kv_split)
-    if split_kv is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-        split_kv = num_splits > 1 and starts.shape[0] * num_kv_heads < SPLIT_BELOW_PROGRAMS_PER_SM * sms
-    split = split_kv
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    split, num_stages = launch_plan(starts.shape[0] * num_kv_heads, sms, num_splits, decode_program, fp8_kv,
+                                    split_kv, num_stages)
     if split:
         part_m = torch.empty((num_tokens, num_heads, num_splits), device=q.device, dtype=torch.float32)
         part_l = torch.empty_like(part_m)
@@ -530,7 +564,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
         BLOCK_Q=block_q, SPLIT=split, FP8_KV=fp8_kv,
         OPAQUE=fp8_kv and OPAQUE_FP8_TILES and not interpreting(),
         UNMASKED=UNMASKED_INTERIOR and not (decode_program or split),
-        TABLE_ASM=(TABLE_LOAD_ASM and not fp8_kv and decode_program if table_asm is None else table_asm)
+        TABLE_ASM=(table_load_asm(fp8_kv, decode_program, split) if table_asm is None else table_asm)
         and not interpreting(),
         num_stages=num_stages, **common,
     )
