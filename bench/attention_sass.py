@@ -49,10 +49,10 @@ def signature(fp8: bool) -> dict:
 
 
 def build(rows: int, warps: int, stages: int, unmasked: bool, split: bool = False, table_asm: bool = False,
-          fp8: bool = False):
+          fp8: bool = False, max_registers: int | None = None):
     """The sm_90 CompiledKernel of one program shape over a BF16 cache (fp8: an FP8 one, its tiles through the
     `_opaque` barrier), as paged_attention launches it (table_asm: the block-table entries by inline asm, as
-    the decode program reads them over a BF16 cache)."""
+    the decode program reads them over a BF16 cache; max_registers: paged_attention's register cap)."""
     from onepath.ops.cuda import attention as A
     from onepath.ops.cuda import sm90
     consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=32, SPLIT_TILES=8,
@@ -61,7 +61,7 @@ def build(rows: int, warps: int, stages: int, unmasked: bool, split: bool = Fals
     # an FP8 cache's scales [blocks, 16, Hkv, 1]: their block stride is a multiple of 16, the token one (Hkv) not
     aligned = ALIGNED + (("ks_ptr", "vs_ptr", "stride_ksb", "stride_vsb") if fp8 else ())
     return sm90.build(A._paged_attention_kernel, signature(fp8), consts, aligned, warps, stages,
-                      enable_fp_fusion=False)
+                      enable_fp_fusion=False, maxnreg=max_registers)
 
 
 def sass(cubin: bytes) -> tuple[str, str]:
@@ -110,23 +110,28 @@ def main():
     from onepath.ops.cuda import attention as A
     decode = (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, False)
     prefill = (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES)
-    # name: (rows, warps, stages, unmasked, table_asm, fp8)
-    programs = {"64 rows, every tile masked": (*prefill, False, False, False),
-                "64 rows, interior tiles unmasked, table by tl.load": (*prefill, True, False, False),
-                "64 rows, interior tiles unmasked": (*prefill, True, A.table_load_asm(False, False, False), False),
-                "decode program": (*decode, A.table_load_asm(False, True, False), False),
-                "decode program, table by tl.load": (*decode, False, False),
+    bf16_asm, fp8_asm = A.table_load_asm(False, True, False), A.table_load_asm(True, True, False)
+    # name: (rows, warps, stages, unmasked, table_asm, fp8, max_registers)
+    programs = {"64 rows, every tile masked": (*prefill, False, False, False, None),
+                "64 rows, interior tiles unmasked, table by tl.load": (*prefill, True, False, False, None),
+                "64 rows, interior tiles unmasked": (*prefill, True, A.table_load_asm(False, False, False), False,
+                                                     None),
+                "decode program": (*decode, bf16_asm, False, None),
+                "decode program, table by tl.load": (*decode, False, False, None),
                 "decode program, deep (DEEP_DECODE_NUM_STAGES)": (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS,
-                                                                  A.DEEP_DECODE_NUM_STAGES, False,
-                                                                  A.table_load_asm(False, True, False), False),
-                "decode program, FP8 cache": (*decode, A.table_load_asm(True, True, False), True)}
+                                                                  A.DEEP_DECODE_NUM_STAGES, False, bf16_asm, False,
+                                                                  None),
+                "decode program, FP8 cache": (*decode, fp8_asm, True, None),
+                # opt-in register caps (paged_attention(max_registers=...)): 10 programs per SM instead of 8
+                "decode program, 200 registers": (*decode, bf16_asm, False, 200),
+                "decode program, FP8 cache, 200 registers": (*decode, fp8_asm, True, 200)}
     out = {}
-    for name, (rows, warps, stages, unmasked, table_asm, fp8) in programs.items():
-        built = build(rows, warps, stages, unmasked, table_asm=table_asm, fp8=fp8)
+    for name, (rows, warps, stages, unmasked, table_asm, fp8, max_registers) in programs.items():
+        built = build(rows, warps, stages, unmasked, table_asm=table_asm, fp8=fp8, max_registers=max_registers)
         text, usage = sass(built.asm["cubin"])
         res = re.search(r"REG:(\d+) STACK:(\d+)", usage)
         out[name] = dict(rows=rows, warps=warps, stages=stages, unmasked=unmasked, table_asm=table_asm, fp8=fp8,
-                         registers=int(res.group(1)), shared_bytes=built.metadata.shared,
+                         max_registers=max_registers, registers=int(res.group(1)), shared_bytes=built.metadata.shared,
                          stack_bytes=int(res.group(2)), loops=loops(text))
         print(f"{name}: {res.group(1)} registers, {res.group(2)} stack bytes; instructions per tile by loop: "
               + ", ".join(str(lp["per_tile"]) for lp in out[name]["loops"]))

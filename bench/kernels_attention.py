@@ -8,7 +8,7 @@ random non-contiguous block tables (--kv fp8: an FP8 cache, the spec's FP8_KV, c
 in-register launch, vs SDPA flash (Lq = 1) on dense, GQA-expanded K/V (no paging cost, no invariance):
 median microseconds, GB/s of the K/V a step must read. Prefill: B x L causal tokens, ours vs SDPA flash
 (is_causal), TFLOP/s. --variants times other settings (q_rows, kv_tile, kv_split, num_warps give other bits:
-for choosing the contract; num_stages, decode_program and table_asm move none; "default" decodes on the 16-row decode
+for choosing the contract; num_stages, decode_program, table_asm and max_registers move none; "default" decodes on the 16-row decode
 program); --graph times CUDA graph replays. Without CUDA it prints why and exits 0.
 """
 from __future__ import annotations
@@ -82,14 +82,14 @@ def _flash(q, k, v, causal):
 
 VARIANT_KEYS = {"q_rows": "block_m", "kv_tile": "kv_tile", "kv_split": "kv_split", "num_warps": "num_warps",
                 "num_stages": "num_stages", "decode_program": "decode_program", "q_block": "q_block",
-                "table_asm": "table_asm"}
+                "table_asm": "table_asm", "max_registers": "max_registers"}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
     """"q_rows=16,kv_tile=64" -> ("q_rows=16,kv_tile=64", paged_attention keywords); "default" -> the defaults.
     Other kv_tile, kv_split, q_rows or num_warps give other bits: for choosing the contract, not interchangeable
-    with the default; num_stages, decode_program (0: the 64-row program for decode rows too) and table_asm
-    (0: the decode program reads its block table with tl.load) move no bit,
+    with the default; num_stages, decode_program (0: the 64-row program for decode rows too), table_asm
+    (0: the program reads its block table with tl.load) and max_registers (a register cap) move no bit,
     nor is q_block (positions per program, e.g. q_rows=128,num_warps=8,q_block=64) meant to."""
     if text == "default":
         return text, {}

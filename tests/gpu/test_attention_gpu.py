@@ -149,8 +149,9 @@ def test_decode_program_equals_64_row_program(shape, window, kv):
     """The 16-row one-warp decode program (mma.sync) gives each query the bits of the 64-row four-warp
     program (wgmma), in every phase and both launches: prefill, chunks and decode run by either program
     all equal the 64-row whole prefill; over a BF16 cache and over an FP8 one; the decode program reading
-    its block table by inline asm (attention.TABLE_LOAD_ASM) and by tl.load, and the 64-row program by
-    tl.load against its own inline-asm whole prefill (the default over a BF16 cache)."""
+    its block table by inline asm (attention.TABLE_LOAD_ASM) and by tl.load, capped at 200 registers
+    (max_registers) in decode, and the 64-row program by tl.load against its own inline-asm whole prefill (the
+    default over a BF16 cache)."""
     from onepath.numerics.spec import FP8_KV
     run = _program_runner(shape, window, FP8_KV if kv else None)
 
@@ -159,12 +160,14 @@ def test_decode_program_equals_64_row_program(shape, window, kv):
     for name, sizes in (("prefill", [PHASE_LEN]), ("chunks of 7", chunked(PHASE_LEN, 7)),
                         ("decode", [1] * PHASE_LEN), (f"prefix {prefix} + decode", [prefix] + [1] * (PHASE_LEN - prefix))):
         for split in (False, True):
-            for program, table_asm in ([(None, None), (True, True), (True, False), (False, None), (False, False)]
-                                       if name == "decode" else [(True, True), (True, False), (False, False)]):
-                out = run(sizes, split_kv=split, decode_program=program, table_asm=table_asm)
+            for program, table_asm, regs in (
+                    [(None, None, None), (True, True, None), (True, False, None), (True, None, 200),
+                     (False, None, None), (False, False, None)]
+                    if name == "decode" else [(True, True, None), (True, False, None), (False, False, None)]):
+                out = run(sizes, split_kv=split, decode_program=program, table_asm=table_asm, max_registers=regs)
                 differ = (out != whole).any(dim=(1, 2)).nonzero().flatten().tolist()
-                assert not differ, (f"{name}, split {split}, decode program {program}, table by asm {table_asm}: "
-                                    f"tokens {differ[:10]} differ")
+                assert not differ, (f"{name}, split {split}, decode program {program}, table by asm {table_asm}, "
+                                    f"max registers {regs}: tokens {differ[:10]} differ")
 
 
 @pytest.mark.parametrize("kv", [None, "fp8"], ids=["bf16-cache", "fp8-cache"])

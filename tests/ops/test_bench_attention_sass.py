@@ -84,3 +84,30 @@ def test_64_row_program_with_the_table_by_asm_buffers_deeper():
     assert built[True]["depths"] == {A.NUM_STAGES} and built[False]["depths"] == {A.NUM_STAGES - 1}, built
     assert built[True]["interior"] < built[False]["interior"], built
     assert built[True]["shared"] <= SHARED_BYTES, built
+
+
+def test_decode_program_capped_at_200_registers_fits_ten_per_sm():
+    """paged_attention(max_registers=200), opt-in: the BF16 decode program's sm_90 build holds at most 200
+    registers a thread, so 10 one-warp programs fit an SM's 64K registers instead of 8, and its shared memory
+    (plus the 1 KiB the driver reserves per block) lets 10 share an SM's 228 KiB; its loop issues about as many
+    instructions per tile (the cap's spills fall outside the loop). Control: uncapped, 255 registers allow only
+    8. Its speed is not measured yet."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: the kernel is an interpreted function, not compilable")
+    import re
+
+    from bench import attention_sass as S
+    from onepath.ops.cuda import attention as A
+
+    def fit(max_registers):
+        b = S.build(A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, False,
+                    table_asm=A.table_load_asm(False, True, False), max_registers=max_registers)
+        text, usage = S.sass(b.asm["cubin"])
+        regs = int(re.search(r"REG:(\d+)", usage).group(1))
+        by_registers = 65536 // (-(-regs * 32 // 256) * 256)    # registers are allocated per warp in 256s
+        by_shared = 228 * 1024 // (b.metadata.shared + 1024)
+        return min(by_registers, by_shared), S.loops(text)[0]["per_tile"]
+
+    (capped, capped_tile), (plain, plain_tile) = fit(200), fit(None)
+    assert capped == 10 and plain == 8, (capped, plain)
+    assert capped_tile <= 1.05 * plain_tile, (capped_tile, plain_tile)

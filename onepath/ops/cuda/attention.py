@@ -442,7 +442,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
                     num_stages: int | None = None, derived: dict | None = None,
                     block_m: int | None = None, num_warps: int = NUM_WARPS,
                     decode_program: bool | None = None, q_block: int | None = None,
-                    table_asm: bool | None = None) -> torch.Tensor:
+                    table_asm: bool | None = None, max_registers: int | None = None) -> torch.Tensor:
     """Causal attention of each query over its own sequence's keys in a paged KV cache.
 
     q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (this step's K/V already written), of
@@ -469,7 +469,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     bit (the decode program keeps its own; tests/gpu/test_attention_gpu.py on the H200). It is opt-in: 128
     rows spanning two tiles prefilled slower than 64 (bench/results/kernels-attention-prefill-q-block.json).
     table_asm: the program reads its block-table entries by inline asm (None: `table_load_asm`'s rule); no bit
-    moves.
+    moves. max_registers caps each thread's registers (ptxas .maxnreg; None: Triton's choice, 255 for the decode
+    program, whose 8 programs per SM are then bound by registers): 200 lets 10 decode programs share an SM
+    (`bench/attention_sass.py` records the build); opt-in, untimed; no bit moves.
     Returns [T, H, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -566,7 +568,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
         UNMASKED=UNMASKED_INTERIOR and not (decode_program or split),
         TABLE_ASM=(table_load_asm(fp8_kv, decode_program, split) if table_asm is None else table_asm)
         and not interpreting(),
-        num_stages=num_stages, **common,
+        num_stages=num_stages, **common, **({"maxnreg": max_registers} if max_registers else {}),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_kv_heads)](
