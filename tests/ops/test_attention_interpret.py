@@ -426,9 +426,9 @@ def test_fp8_decode_program_fits_eight_per_sm():
 def test_launch_plan():
     """Which launch and how many stages paged_attention picks (attention.launch_plan), on the H200's 132 SMs with
     Qwen3's 8 KV heads: split-KV at batch 16-48 (fewer than 4 programs per SM), the BF16 decode program
-    in-register at 3 stages at batch 64-80 (3-5 per SM), in-register at 2 from batch 96; over an FP8 cache the
-    same batches 64-80 keep the split launch at 2 stages (the deep rule is BF16's); the 64-row program keeps
-    NUM_STAGES; a single split never splits; explicit choices are kept."""
+    in-register at 3 stages at batch 64-80 (3-5 per SM), in-register at 2 from batch 96; over an FP8 cache, at 2
+    stages throughout (the deep rule is BF16's), batch 64 keeps the split launch and 80 runs in-register; the
+    64-row program keeps NUM_STAGES; a single split never splits; explicit choices are kept."""
     from onepath.ops.cuda import attention as A
 
     def plan(batch, fp8=False, program=True, splits=16, **kw):
