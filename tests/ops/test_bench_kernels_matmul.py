@@ -88,3 +88,15 @@ def test_rank_picks_reads_later_sweeps_over_earlier_ones(tmp_path):
                                               if e["M"] == 256 and e["config"] != dataclasses.asdict(wide)])))
     with pytest.raises(ValueError):  # no case left to rank: every tile a rule may take is needed
         rank_picks([partial])
+
+
+def test_paired_timing_runs_ours_cublas_cublas_ours(monkeypatch):
+    """The table times each side twice, ours, cuBLAS, cuBLAS, ours (a drift between cases reaches both alike),
+    and keeps the lower of each side's two."""
+    import bench.kernels_matmul as K
+
+    calls, clock = [], iter([5.4, 4.1, 4.0, 4.3])
+    monkeypatch.setattr(K, "_time_us", lambda fn, rep_ms: (calls.append(fn()), next(clock))[1])
+    ours, cublas = K._paired_us(lambda: "ours", lambda: "cublas", 10)
+    assert calls == ["ours", "cublas", "cublas", "ours"]
+    assert (ours, cublas) == ([5.4, 4.3], [4.1, 4.0]) and (min(ours), min(cublas)) == (4.3, 4.0)
