@@ -443,3 +443,15 @@ def test_launch_plan():
     assert plan(64, program=False) == (True, A.NUM_STAGES) and plan(96, program=False) == (False, A.NUM_STAGES)
     assert plan(16, splits=1) == (False, stages)
     assert plan(64, split_kv=True) == (True, stages) and plan(64, num_stages=2) == (False, 2)
+
+
+@pytest.mark.parametrize("regs", [0, 32, 256])
+def test_a_bad_register_cap_names_the_value(regs):
+    """paged_attention(max_registers=...) outside 64..255 fails before any launch, naming the value."""
+    from onepath.ops.cuda.attention import paged_attention
+
+    q = torch.zeros(1, 2, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 16, 1, 128, dtype=torch.bfloat16)
+    zero = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(ValueError, match=f"max_registers {regs} must be in 64..255"):
+        paged_attention(q, cache, cache, zero, zero, torch.zeros(1, 1, dtype=torch.int32), 1.0, max_registers=regs)

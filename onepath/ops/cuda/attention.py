@@ -497,6 +497,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
         raise ValueError(f"paged_attention: {num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
     if kv_tile < 16 or kv_tile & (kv_tile - 1):
         raise ValueError(f"paged_attention: kv_tile {kv_tile} must be a power of two >= 16 (a tl.dot dimension)")
+    if max_registers is not None and not 64 <= max_registers <= 255:
+        raise ValueError(f"paged_attention: max_registers {max_registers} must be in 64..255 (a thread's registers; "
+                         "None keeps the compiler's choice)")
     if kv_split % kv_tile:
         raise ValueError(f"paged_attention: kv_split {kv_split} must be a multiple of kv_tile {kv_tile}")
     if block_size & (block_size - 1):
@@ -568,7 +571,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
         UNMASKED=UNMASKED_INTERIOR and not (decode_program or split),
         TABLE_ASM=(table_load_asm(fp8_kv, decode_program, split) if table_asm is None else table_asm)
         and not interpreting(),
-        num_stages=num_stages, **common, **({"maxnreg": max_registers} if max_registers else {}),
+        num_stages=num_stages, **common, **({"maxnreg": max_registers} if max_registers is not None else {}),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_kv_heads)](
