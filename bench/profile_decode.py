@@ -2,11 +2,17 @@
 
     python bench/profile_decode.py --model qwen3-0.6b --batch 256 --out bench/results/profile-decode.json
     python bench/profile_decode.py --modes consistent --quants none,fp8,fp8_kv,fp8+fp8_kv   # low precision
+    python bench/profile_decode.py --bound bench/results/profile-decode.json   # no GPU: add the bound below
 
 Per mode: an engine (CUDA graphs on) is filled with `batch` requests of `prompt` tokens, stepped
 until every sequence decodes, then `steps` steps are timed by phase (schedule, forward + sampling,
 postprocess; CUDA-synchronised), and `steps` more run under torch.profiler, whose kernel table
 (GPU time per kernel name, summed) is printed and saved.
+
+Each BF16 mode also gets the decode roofline at its batch and mean context (onepath.bench.roofline, as the
+rollout bench computes it) and `attention_at_peak`: the step this profile allows if the attention kernels read
+the K/V at the HBM peak and every other kernel took what it took here, and that step's fraction of the
+roofline, which no change to attention alone can pass. --bound adds both to a saved profile (CPU only).
 """
 from __future__ import annotations
 
@@ -75,6 +81,38 @@ def kernel_table(engine: LLMEngine, steps: int, top: int) -> tuple[list[dict], f
     return rows[:top], sum(r["gpu_ms_per_step"] for r in rows)
 
 
+ATTENTION_KERNELS = ("_paged_attention_kernel", "_merge_splits_kernel")
+
+
+def add_bound(result: dict) -> None:
+    """Add `roofline` and `attention_at_peak` to each BF16 mode of a profile (quantised modes read other bytes
+    per weight and per token: left out). The roofline's weights are the model's, in the GPU's dtype."""
+    from onepath.bench.roofline import HBM_PEAK_B_S, decode_roofline
+    from onepath.models.kv_cache import KVCache
+
+    config = model_config(result["options"]["model"])
+    dtype = ExecutionSpec.default("consistent", "cuda").dtype
+    model = build_decoder(config, Ops(ExecutionSpec.default("baseline", "cpu")), max_positions=2)
+    state = {name: t.to("meta").to(dtype) for name, t in model.state_dict().items()}
+    per_token = KVCache.bytes_per_token(config, dtype, None)
+    for name, mode in result["modes"].items():
+        if "+" in name:
+            continue
+        roofline = decode_roofline(state, config, mode["batch"], mode["mean_context"], per_token)
+        attention = sum(k["gpu_ms_per_step"] for k in mode["kernels"] if k["name"] in ATTENTION_KERNELS)
+        other = mode["gpu_kernel_ms_per_step"] - attention
+        at_peak = roofline["kv_bytes"] / HBM_PEAK_B_S * 1e3
+        step = roofline["step_seconds_peak"] * 1e3
+        mode["roofline"] = roofline
+        mode["attention_at_peak"] = dict(
+            attention_ms=attention, other_kernels_ms=other, attention_at_peak_ms=at_peak,
+            step_ms=other + at_peak, of_roofline=step / (other + at_peak),
+            measured_of_roofline=step / mode["gpu_kernel_ms_per_step"])
+        print(f"{name}: kernels {mode['gpu_kernel_ms_per_step']:.2f} ms ({step / mode['gpu_kernel_ms_per_step']:.2f} "
+              f"of the roofline's {step:.2f}); attention {attention:.2f} ms, at the HBM peak {at_peak:.2f}: "
+              f"{other + at_peak:.2f} ms, {step / (other + at_peak):.2f} of the roofline")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-0.6b")
@@ -89,7 +127,14 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--max-model-len", type=int, default=1200)
     p.add_argument("--out", default=None)
+    p.add_argument("--bound", type=Path, metavar="FILE", help="add the roofline and attention_at_peak to a saved "
+                   "profile, in place; no GPU")
     args = p.parse_args(argv)
+    if args.bound:
+        result = json.loads(args.bound.read_text())
+        add_bound(result)
+        args.bound.write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     config = model_config(args.model)
     result = dict(environment("cuda"), command="python bench/profile_decode.py " + " ".join(argv or sys.argv[1:]),
                   options=vars(args), modes={})
@@ -116,6 +161,7 @@ def main(argv=None) -> int:
             print(f"  {r['gpu_ms_per_step']:8.3f} ms  {r['calls']:5d}x  {r['name']}")
         del engine, model
         torch.cuda.empty_cache()
+    add_bound(result)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
