@@ -109,18 +109,17 @@ def main():
     args = p.parse_args()
     from onepath.ops.cuda import attention as A
     decode = (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, False)
+    deep = (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DEEP_DECODE_NUM_STAGES, False)
     prefill = (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES)
     bf16_asm, fp8_asm = A.table_load_asm(False, True, False), A.table_load_asm(True, True, False)
+    prefill_asm = A.table_load_asm(False, False, False)
     # name: (rows, warps, stages, unmasked, table_asm, fp8, max_registers)
     programs = {"64 rows, every tile masked": (*prefill, False, False, False, None),
                 "64 rows, interior tiles unmasked, table by tl.load": (*prefill, True, False, False, None),
-                "64 rows, interior tiles unmasked": (*prefill, True, A.table_load_asm(False, False, False), False,
-                                                     None),
+                "64 rows, interior tiles unmasked": (*prefill, True, prefill_asm, False, None),
                 "decode program": (*decode, bf16_asm, False, None),
                 "decode program, table by tl.load": (*decode, False, False, None),
-                "decode program, deep (DEEP_DECODE_NUM_STAGES)": (A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS,
-                                                                  A.DEEP_DECODE_NUM_STAGES, False, bf16_asm, False,
-                                                                  None),
+                "decode program, deep (DEEP_DECODE_NUM_STAGES)": (*deep, bf16_asm, False, None),
                 "decode program, FP8 cache": (*decode, fp8_asm, True, None),
                 # opt-in register caps (paged_attention(max_registers=...)): 10 programs per SM instead of 8
                 "decode program, 200 registers": (*decode, bf16_asm, False, 200),
