@@ -4,9 +4,9 @@
 
 Builds `_paged_attention_kernel` for the H200 with the Triton wheel's compiler (Qwen3's GQA group of 2,
 head_dim 128, block 16, kv_tile 32; the engine's launch options: no FP contraction, the caches' 16-byte
-aligned strides) as the 64-row in-register program and the one-warp decode program (over a BF16 cache, and the
-decode program over an FP8 one too), disassembles it
-with the wheel's cuobjdump, and counts each loop's instructions by opcode. A loop over tiles holds a
+aligned strides) as the 64-row in-register program and the one-warp decode program over a BF16 cache, and
+over FP8 caches with FP32 scales and with FP8_KV's power-of-two ones; disassembles each with the wheel's
+cuobjdump, and counts each loop's instructions by opcode. A loop over tiles holds a
 block that merges a finished split (skipped by a forward branch in all other tiles): it is counted
 apart, so `per_tile` is what a tile without a split boundary issues per thread. Registers and stack
 bytes (spills) from the build's resource usage.
@@ -49,19 +49,20 @@ def signature(fp8: bool) -> dict:
 
 
 def build(rows: int, warps: int, stages: int, unmasked: bool, split: bool = False, table_asm: bool = False,
-          fp8: bool = False, max_registers: int | None = None):
+          fp8: bool = False, pow2: bool = False):
     """The sm_90 CompiledKernel of one program shape over a BF16 cache (fp8: an FP8 one, its tiles through the
-    `_opaque` barrier), as paged_attention launches it (table_asm: the block-table entries by inline asm, as
-    the decode program reads them over a BF16 cache; max_registers: paged_attention's register cap)."""
+    `_opaque` barrier; pow2: scales by FP8_KV's rule, dequantised by `_e4m3_pow2_to_bf16`), as paged_attention
+    launches it (table_asm: the block-table entries by inline asm, see attention.table_load_asm)."""
     from onepath.ops.cuda import attention as A
     from onepath.ops.cuda import sm90
+    kv_mode = (A.KV_FP8_POW2 if pow2 else A.KV_FP8) if fp8 else A.KV_PLAIN
     consts = dict(GROUP=2, GROUP_PAD=2, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, KV_TILE=32, SPLIT_TILES=8,
-                  BLOCK_M=rows, BLOCK_Q=min(rows // 2, 32), SPLIT=split, FP8_KV=fp8, OPAQUE=fp8,
+                  BLOCK_M=rows, BLOCK_Q=min(rows // 2, 32), SPLIT=split, FP8_KV=kv_mode.value, OPAQUE=fp8,
                   UNMASKED=unmasked, TABLE_ASM=table_asm)
     # an FP8 cache's scales [blocks, 16, Hkv, 1]: their block stride is a multiple of 16, the token one (Hkv) not
     aligned = ALIGNED + (("ks_ptr", "vs_ptr", "stride_ksb", "stride_vsb") if fp8 else ())
     return sm90.build(A._paged_attention_kernel, signature(fp8), consts, aligned, warps, stages,
-                      enable_fp_fusion=False, maxnreg=max_registers)
+                      enable_fp_fusion=False)
 
 
 def sass(cubin: bytes) -> tuple[str, str]:
@@ -113,25 +114,28 @@ def main():
     prefill = (A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES)
     bf16_asm, fp8_asm = A.table_load_asm(False, True, False), A.table_load_asm(True, True, False)
     prefill_asm = A.table_load_asm(False, False, False)
-    # name: (rows, warps, stages, unmasked, table_asm, fp8, max_registers)
-    programs = {"64 rows, every tile masked": (*prefill, False, False, False, None),
-                "64 rows, interior tiles unmasked, table by tl.load": (*prefill, True, False, False, None),
-                "64 rows, interior tiles unmasked": (*prefill, True, prefill_asm, False, None),
-                "decode program": (*decode, bf16_asm, False, None),
-                "decode program, table by tl.load": (*decode, False, False, None),
-                "decode program, deep (DEEP_DECODE_NUM_STAGES)": (*deep, bf16_asm, False, None),
-                "decode program, FP8 cache": (*decode, fp8_asm, True, None),
-                # opt-in register caps (paged_attention(max_registers=...)): 10 programs per SM instead of 8
-                "decode program, 200 registers": (*decode, bf16_asm, False, 200),
-                "decode program, FP8 cache, 200 registers": (*decode, fp8_asm, True, 200)}
+    fp8_split_asm = A.table_load_asm(True, True, True)
+    # name: (rows, warps, stages, unmasked, table_asm, fp8, pow2, split)
+    programs = {"64 rows, every tile masked": (*prefill, False, False, False, False, False),
+                "64 rows, interior tiles unmasked, table by tl.load": (*prefill, True, False, False, False, False),
+                "64 rows, interior tiles unmasked": (*prefill, True, prefill_asm, False, False, False),
+                "decode program": (*decode, bf16_asm, False, False, False),
+                "decode program, table by tl.load": (*decode, False, False, False, False),
+                "decode program, deep (DEEP_DECODE_NUM_STAGES)": (*deep, bf16_asm, False, False, False),
+                "decode program, FP8 cache, FP32 scales": (*decode, fp8_asm, True, False, False),
+                "decode program, FP8 cache, FP32 scales, split-KV": (*decode, fp8_split_asm, True, False, True),
+                "decode program, FP8 cache (FP8_KV)": (*decode, fp8_asm, True, True, False),
+                "decode program, FP8 cache (FP8_KV), split-KV": (*decode, fp8_split_asm, True, True, True),
+                "64 rows, interior tiles unmasked, FP8 cache, FP32 scales": (*prefill, True, False, True, False, False),
+                "64 rows, interior tiles unmasked, FP8 cache (FP8_KV)": (*prefill, True, False, True, True, False)}
     out = {}
-    for name, (rows, warps, stages, unmasked, table_asm, fp8, max_registers) in programs.items():
-        built = build(rows, warps, stages, unmasked, table_asm=table_asm, fp8=fp8, max_registers=max_registers)
+    for name, (rows, warps, stages, unmasked, table_asm, fp8, pow2, split) in programs.items():
+        built = build(rows, warps, stages, unmasked, split=split, table_asm=table_asm, fp8=fp8, pow2=pow2)
         text, usage = sass(built.asm["cubin"])
         res = re.search(r"REG:(\d+) STACK:(\d+)", usage)
         out[name] = dict(rows=rows, warps=warps, stages=stages, unmasked=unmasked, table_asm=table_asm, fp8=fp8,
-                         max_registers=max_registers, registers=int(res.group(1)), shared_bytes=built.metadata.shared,
-                         stack_bytes=int(res.group(2)), loops=loops(text))
+                         pow2_scales=pow2, split=split, registers=int(res.group(1)),
+                         shared_bytes=built.metadata.shared, stack_bytes=int(res.group(2)), loops=loops(text))
         print(f"{name}: {res.group(1)} registers, {res.group(2)} stack bytes; instructions per tile by loop: "
               + ", ".join(str(lp["per_tile"]) for lp in out[name]["loops"]))
     save_json(dict(environment("cpu"), command="python " + " ".join(sys.argv), target="sm_90",

@@ -3,13 +3,14 @@
     python bench/kernels_attention.py [--out bench/results/kernels-attention.json] [--variants V ...] [--graph]
 
 Decode: B sequences x context L, one query each, Qwen3-0.6B heads (H 16, Hkv 8, D 128), bf16, block 16,
-random non-contiguous block tables (--kv fp8: an FP8 cache, the spec's FP8_KV, codes and per-token scales;
+random non-contiguous block tables (--kv fp8: an FP8 cache, the spec's FP8_KV, codes and per-token power-of-two
+scales; fp8_fp32: the same with FP32 scales, dequantised by an FP32 product;
 --max-context: the split-KV grid sized as an engine's graphs size it); ours with the split-KV launch and the
 in-register launch, vs SDPA flash (Lq = 1) on dense, GQA-expanded K/V (no paging cost, no invariance):
 median microseconds, GB/s of the K/V a step must read. Prefill: B x L causal tokens, ours vs SDPA flash
 (is_causal), TFLOP/s. --variants times other settings (q_rows, kv_tile, kv_split, num_warps give other bits:
-for choosing the contract; num_stages, decode_program, table_asm and max_registers move none; "default" decodes on the 16-row decode
-program); --graph times CUDA graph replays. Without CUDA it prints why and exits 0.
+for choosing the contract; num_stages, decode_program and table_asm move none; "default" decodes on the 16-row
+decode program); --graph times CUDA graph replays. Without CUDA it prints why and exits 0.
 """
 from __future__ import annotations
 
@@ -58,12 +59,16 @@ def _dense(cache, tables, length):
 def _inputs(batch, length, queries, gen, kv="bf16"):
     """B sequences of `length` cached tokens, the last `queries` of each attending: q, the paged cache with
     the queries' positions, sequences and block tables (the paged_attention arguments, in order), and the
-    dense K/V for SDPA (with kv="fp8" the cache is quantised, FP8_KV, and the dense K/V its dequantised values)."""
+    dense K/V for SDPA (with kv="fp8" the cache is quantised, FP8_KV, and the dense K/V its dequantised values;
+    kv="fp8_fp32": FP8_KV with FP32 scales and no amax ceiling)."""
     k_cache, v_cache, tables = _paged([length] * batch, gen)
-    if kv == "fp8":
+    if kv != "bf16":
+        from dataclasses import replace
+
         from onepath.numerics.quant import quantize_fp8
         from onepath.numerics.spec import FP8_KV
-        k_cache, v_cache = quantize_fp8(k_cache, FP8_KV), quantize_fp8(v_cache, FP8_KV)
+        rule = FP8_KV if kv == "fp8" else replace(FP8_KV, scale_dtype="fp32", amax_ceil=None)
+        k_cache, v_cache = quantize_fp8(k_cache, rule), quantize_fp8(v_cache, rule)
         kd, vd = (_dense(c.dequantize(torch.bfloat16), tables, length) for c in (k_cache, v_cache))
     else:
         kd, vd = _dense(k_cache, tables, length), _dense(v_cache, tables, length)
@@ -82,15 +87,14 @@ def _flash(q, k, v, causal):
 
 VARIANT_KEYS = {"q_rows": "block_m", "kv_tile": "kv_tile", "kv_split": "kv_split", "num_warps": "num_warps",
                 "num_stages": "num_stages", "decode_program": "decode_program", "q_block": "q_block",
-                "table_asm": "table_asm", "max_registers": "max_registers"}
+                "table_asm": "table_asm"}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
     """"q_rows=16,kv_tile=64" -> ("q_rows=16,kv_tile=64", paged_attention keywords); "default" -> the defaults.
     Other kv_tile, kv_split, q_rows or num_warps give other bits: for choosing the contract, not interchangeable
-    with the default; num_stages, decode_program (0: the 64-row program for decode rows too), table_asm
-    (0: the program reads its block table with tl.load) and max_registers (a register cap) move no bit,
-    nor is q_block (positions per program, e.g. q_rows=128,num_warps=8,q_block=64) meant to."""
+    with the default; num_stages, decode_program (0: the 64-row program for decode rows too) and table_asm
+    (0: the program reads its block table with tl.load) move no bit, nor is q_block (positions per program, e.g. q_rows=128,num_warps=8,q_block=64) meant to."""
     if text == "default":
         return text, {}
     kw = {}
@@ -126,7 +130,7 @@ def decode(args, A, gen):
             flash = kernel_us(lambda: _flash(qd, kd, vd, False), args.rep_ms)
             ref = _flash(qd, kd, vd, False)[:, :, 0].float()
             # bytes a step must read: K and V per token and head, codes and an FP32 scale for an FP8 cache
-            moved = 2 * batch * length * KV_HEADS * (HEAD_DIM + 4 if args.kv == "fp8" else HEAD_DIM * 2)
+            moved = 2 * batch * length * KV_HEADS * (HEAD_DIM + 4 if args.kv != "bf16" else HEAD_DIM * 2)
             for name, kw in map(parse_variant, args.variants):
                 for launch, split in (("split-KV", True), ("in-register", False)):
                     derived = {}
@@ -197,11 +201,12 @@ def main():
     p.add_argument("--out", default="bench/results/kernels-attention.json")
     p.add_argument("--variants", nargs="+", default=["default"],
                    help="settings to time, each 'default' or NAME=INT[,NAME=INT...] with NAME in "
-                        "q_rows, kv_tile, kv_split, num_warps, num_stages, decode_program, q_block "
+                        "q_rows, kv_tile, kv_split, num_warps, num_stages, decode_program, q_block, table_asm "
                         "(e.g. q_rows=16,kv_tile=64; decode_program=0: decode rows on the 64-row program; "
                         "q_rows=128,num_warps=8,q_block=64)")
     p.add_argument("--graph", action="store_true", help="time CUDA graph replays (no launch cost)")
-    p.add_argument("--kv", choices=("bf16", "fp8"), default="bf16", help="the decode cache (prefill stays BF16)")
+    p.add_argument("--kv", choices=("bf16", "fp8", "fp8_fp32"), default="bf16",
+                   help="the decode cache (prefill stays BF16): fp8 FP8_KV's, fp8_fp32 the same with FP32 scales")
     p.add_argument("--no-prefill", action="store_true", help="decode only")
     p.add_argument("--no-decode", action="store_true", help="prefill only")
     p.add_argument("--max-context", type=int, default=0,

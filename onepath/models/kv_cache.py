@@ -26,7 +26,8 @@ class KVCache:
             if kv is None:
                 return torch.zeros(shape, dtype=dtype, device=device)
             return FP8Tensor(torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device),
-                             torch.zeros(*shape[:-1], 1, dtype=torch.float32, device=device), (1, config.head_dim))
+                             torch.zeros(*shape[:-1], 1, dtype=torch.float32, device=device), (1, config.head_dim),
+                             kv)
 
         self.k = [layer() for _ in range(config.num_hidden_layers)]
         self.v = [layer() for _ in range(config.num_hidden_layers)]

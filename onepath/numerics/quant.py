@@ -7,6 +7,8 @@ kernels compute `t / 448.0` as t * (1/448):
 Block FP8 (E4M3, max 448), per block of QuantSpec.block (activations 1x128 along K, weights 128x128):
     amax  = max(max|x_blk|, amax_floor)           floor 1e-4, as DeepGEMM: a zero block gets scale 1e-4/448,
                                                   finite and normal, so 1/scale never overflows to inf
+            then min(amax, amax_ceil)             when QuantSpec.amax_ceil is set (FP8_KV: 448 * 2^7):
+                                                  larger values saturate through the clamp below
     scale = amax / 448                            ue8m0: then 2^ceil(log2 scale), exact, from its bits
     y     = x * (1 / scale)  or  x / scale        QuantSpec.scale_apply
     q     = e4m3_rne(clamp(y, -448, 448))         clamp first: torch's cast has made NaN above 464 (2.11,
@@ -70,6 +72,7 @@ class FP8Tensor:
     codes: torch.Tensor
     scales: torch.Tensor
     block: tuple[int, int]  # (rows, cols) as applied: per_token is (1, K), per_tensor (R, K)
+    rule: QuantSpec | None = None  # the rule the codes were written by, where known (a KV cache: the spec's kv)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """codes * scale in FP32, then one rounding to dtype."""
@@ -120,7 +123,10 @@ def quantize_fp8(x: torch.Tensor, q: QuantSpec = FP8_ACT) -> FP8Tensor:
     if block[0] > 1 and x.dim() != 2 and q.scale_domain == "per_block":
         raise ValueError(f"quantize_fp8: {block} blocks need a 2-D weight [N, K], got shape {tuple(x.shape)}")
     amax, finite = _block_amax(x2, block)
-    scale = torch.maximum(amax, torch.full_like(amax, q.amax_floor)) / torch.full_like(amax, E4M3_MAX)
+    amax = torch.maximum(amax, torch.full_like(amax, q.amax_floor))
+    if q.amax_ceil is not None:
+        amax = torch.minimum(amax, torch.full_like(amax, q.amax_ceil))
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     if q.scale_dtype == "ue8m0":
         scale = _pow2_ceil(scale)
     scale = torch.where(finite, scale, torch.full_like(scale, float("nan")))
@@ -130,7 +136,7 @@ def quantize_fp8(x: torch.Tensor, q: QuantSpec = FP8_ACT) -> FP8Tensor:
         y = x2 * _expand(torch.reciprocal(scale), block, x2.shape)
     y = torch.where(_expand(finite, block, x2.shape), y, torch.zeros_like(y))
     scales = scale.reshape(*x.shape[:-1], scale.shape[1]) if block[0] == 1 else scale
-    return FP8Tensor(e4m3(y).reshape(x.shape), scales, block)
+    return FP8Tensor(e4m3(y).reshape(x.shape), scales, block, q)
 
 
 def quantize_nvfp4(x: torch.Tensor, q: QuantSpec = NVFP4_WEIGHT) -> NVFP4Tensor:

@@ -25,7 +25,8 @@ QUANT_CHOICES = {
                      outer_scale=("none",), scales_applied=("accumulator", "load")),
     "nvfp4": dict(scale_domain=("per_block",), block=((1, 16),), scale_dtype=("e4m3",),
                   scale_rule=("amax*s_enc/6",), scale_apply=("multiply_by_reciprocal",),
-                  outer_scale=("per_tensor", "per_token"), scales_applied=("operand",), amax_floor=(0.0,)),
+                  outer_scale=("per_tensor", "per_token"), scales_applied=("operand",), amax_floor=(0.0,),
+                  amax_ceil=(None,)),
 }
 
 
@@ -41,6 +42,8 @@ class QuantSpec:
     scale_dtype:    "fp32", "ue8m0" (a power of two, rounded up) or "e4m3" (NVFP4's block scales)
     scale_rule:     "amax/448" (FP8) or "amax*s_enc/6" (NVFP4, s_enc = 2688/outer amax)
     amax_floor:     a block's amax is raised to this before the scale is formed (FP8: zero blocks)
+    amax_ceil:      None, or a block's amax is lowered to this before the scale is formed, so the scale never
+                    exceeds amax_ceil / 448 and larger values saturate (FP8_KV: 448 * 2^7, see KV_AMAX_CEIL)
     scale_apply:    the element is multiplied by the scale's FP32 reciprocal, or divided by the scale
     rounding:       "rne", round to nearest, ties to even
     saturation:     "clamp": clamp to +-max before the cast (torch's cast may make NaN above 464, Triton saturates)
@@ -56,6 +59,7 @@ class QuantSpec:
     scale_dtype: str = "fp32"
     scale_rule: str = "amax/448"
     amax_floor: float = 1e-4
+    amax_ceil: float | None = None
     scale_apply: str = "multiply_by_reciprocal"
     rounding: str = "rne"
     saturation: str = "clamp"
@@ -81,11 +85,21 @@ class QuantSpec:
             raise ValueError(f"block {self.block} must be (rows, cols) of positive ints, e.g. (1, 128) or (128, 128)")
         if not self.amax_floor >= 0.0:
             raise ValueError(f"amax_floor {self.amax_floor} must be >= 0 (DeepGEMM's 1e-4 for FP8)")
+        if self.amax_ceil is not None and not self.amax_ceil > self.amax_floor:
+            raise ValueError(f"amax_ceil {self.amax_ceil} must be above amax_floor {self.amax_floor} (or None: no "
+                             "ceiling)")
 
 
 FP8_ACT = QuantSpec()                                            # 1x128 groups along K, per token
 FP8_WEIGHT = QuantSpec(block=(128, 128))                         # 128x128 blocks of [N, K]
-FP8_KV = QuantSpec(scale_domain="per_token", block=None, scales_applied="load")  # per token and head
+# The KV cache's amax ceiling: with power-of-two (ue8m0) scales it keeps every scale at most 2^7, so the
+# attention kernel dequantises a code by placing its bits in a BF16 (the value times 2^-120) and one BF16
+# multiply by 2^120 * scale, finite up to 2^7: the product code * scale exactly, as the FP32 rule gives it
+# (onepath/ops/cuda/attention.py, _e4m3_pow2_to_bf16). K/V elements beyond 448 * 2^7 = 57344 saturate.
+KV_AMAX_CEIL = 448.0 * 2 ** 7
+# per token and head, ue8m0 scales
+FP8_KV = QuantSpec(scale_domain="per_token", block=None, scale_dtype="ue8m0", amax_ceil=KV_AMAX_CEIL,
+                   scales_applied="load")
 NVFP4_WEIGHT = QuantSpec(format="nvfp4", block=(1, 16), scale_dtype="e4m3", scale_rule="amax*s_enc/6",
                          amax_floor=0.0, outer_scale="per_tensor", scales_applied="operand")
 NVFP4_ACT = replace(NVFP4_WEIGHT, outer_scale="per_token")
@@ -224,10 +238,13 @@ class ExecutionSpec:
         return DTYPES[self.ops["linear"].dtype]
 
     def to_dict(self) -> dict:
-        # Fields left None (an unquantised tensor, no router) are left out: a spec that quantises
-        # nothing keeps the JSON and hash it had before quantisation existed, so checkpoints resume.
-        return {"mode": self.mode, "device": self.device,
-                "ops": {name: {k: v for k, v in asdict(self.ops[name]).items() if v is not None} for name in OPS}}
+        # Fields left None (an unquantised tensor, no router, no amax ceiling) are left out: a spec keeps the
+        # JSON and hash it had before such a field existed, so checkpoints resume.
+        def fields(value):
+            if not isinstance(value, dict):
+                return value
+            return {k: fields(v) for k, v in value.items() if v is not None or k == "block"}
+        return {"mode": self.mode, "device": self.device, "ops": {name: fields(asdict(self.ops[name])) for name in OPS}}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)

@@ -11,11 +11,16 @@ prefill last row differs from its decode, and a split-KV whose split count follo
 from itself."""
 import math
 import sys
+from dataclasses import replace
 from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from onepath.ops.cuda import attention as A
 
 from tests.ops.test_attention_interpret import PagedCache, chunked, phases, step
 
@@ -149,9 +154,8 @@ def test_decode_program_equals_64_row_program(shape, window, kv):
     """The 16-row one-warp decode program (mma.sync) gives each query the bits of the 64-row four-warp
     program (wgmma), in every phase and both launches: prefill, chunks and decode run by either program
     all equal the 64-row whole prefill; over a BF16 cache and over an FP8 one; the decode program reading
-    its block table by inline asm (attention.TABLE_LOAD_ASM) and by tl.load, capped at 200 registers
-    (max_registers) in decode, and the 64-row program by tl.load against its own inline-asm whole prefill (the
-    default over a BF16 cache)."""
+    its block table by inline asm (attention.TABLE_LOAD_ASM) and by tl.load, and the 64-row program by tl.load
+    against its own inline-asm whole prefill (the default over a BF16 cache)."""
     from onepath.numerics.spec import FP8_KV
     run = _program_runner(shape, window, FP8_KV if kv else None)
 
@@ -160,14 +164,12 @@ def test_decode_program_equals_64_row_program(shape, window, kv):
     for name, sizes in (("prefill", [PHASE_LEN]), ("chunks of 7", chunked(PHASE_LEN, 7)),
                         ("decode", [1] * PHASE_LEN), (f"prefix {prefix} + decode", [prefix] + [1] * (PHASE_LEN - prefix))):
         for split in (False, True):
-            for program, table_asm, regs in (
-                    [(None, None, None), (True, True, None), (True, False, None), (True, None, 200),
-                     (False, None, None), (False, False, None)]
-                    if name == "decode" else [(True, True, None), (True, False, None), (False, False, None)]):
-                out = run(sizes, split_kv=split, decode_program=program, table_asm=table_asm, max_registers=regs)
+            for program, table_asm in ([(None, None), (True, True), (True, False), (False, None), (False, False)]
+                                       if name == "decode" else [(True, True), (True, False), (False, False)]):
+                out = run(sizes, split_kv=split, decode_program=program, table_asm=table_asm)
                 differ = (out != whole).any(dim=(1, 2)).nonzero().flatten().tolist()
-                assert not differ, (f"{name}, split {split}, decode program {program}, table by asm {table_asm}, "
-                                    f"max registers {regs}: tokens {differ[:10]} differ")
+                assert not differ, (f"{name}, split {split}, decode program {program}, table by asm {table_asm}: "
+                                    f"tokens {differ[:10]} differ")
 
 
 @pytest.mark.parametrize("kv", [None, "fp8"], ids=["bf16-cache", "fp8-cache"])
@@ -202,7 +204,6 @@ def test_unmasked_interior_tiles_equal_every_tile_masked(shape, window, kv, monk
     one masked loop). Control: 64-key tiles (another reduction tree) differ from the masked reference, so the
     comparison sees a change of bits."""
     from onepath.numerics.spec import FP8_KV
-    from onepath.ops.cuda import attention as A
     run = _program_runner(shape, window, FP8_KV if kv else None)
     prefix = 3 * PHASE_LEN // 7
     cases = {"prefill": [PHASE_LEN], "chunks of 7": chunked(PHASE_LEN, 7), "chunks of 64": chunked(PHASE_LEN, 64),
@@ -223,7 +224,6 @@ def test_deep_decode_launch_equals_other_launches():
     launch at DECODE_NUM_STAGES and of the 64-row program: 4 programs per SM of decodes over 1..3000 cached
     tokens, other block tables each run. Control: kv_split 128 (another reduction tree) moves bits on the same
     batch."""
-    from onepath.ops.cuda import attention as A
     shape = SHAPES[0]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     batch = -(-4 * sms // shape[1])
@@ -251,16 +251,83 @@ def test_negative_control_16_rows_on_two_warps():
 
 
 def test_negative_control_fp8_tiles_without_the_barrier(monkeypatch):
-    """Over an FP8 cache the equality rests on `_opaque`: without it Triton gives the one-warp program's
-    mma.sync operands kWidth 4 (behind the 8-bit loads), and its decode differs from the 64-row prefill."""
+    """Over an FP8 cache with FP32 scales the equality rests on `_opaque`: without it Triton gives the one-warp
+    program's mma.sync operands kWidth 4 (behind the 8-bit loads), and its decode differs from the 64-row
+    prefill. (FP8_KV's power-of-two scales dequantise through `_e4m3_pow2_to_bf16`, whose asm is the barrier.)"""
     from onepath.numerics.spec import FP8_KV
-    from onepath.ops.cuda import attention as A
-    run = _program_runner(SHAPES[0], kv=FP8_KV)
+    run = _program_runner(SHAPES[0], kv=replace(FP8_KV, scale_dtype="fp32", amax_ceil=None))
     whole = run([PHASE_LEN], decode_program=False)
     assert torch.equal(run([1] * PHASE_LEN, decode_program=True), whole)
     monkeypatch.setattr(A, "OPAQUE_FP8_TILES", False)
     assert torch.equal(run([PHASE_LEN], decode_program=False), whole)  # wgmma reads B from shared memory
     assert not torch.equal(run([1] * PHASE_LEN, decode_program=True), whole)
+
+
+@triton.jit
+def _dequantize_rows(codes_ptr, scales_ptr, out_ptr, ROWS: tl.constexpr):
+    """Rows of 256 FP8 codes times each row's scale, by the attention kernel's power-of-two dequantisation."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, 256)
+    codes = tl.load(codes_ptr + rows[:, None] * 256 + cols[None, :])
+    out = A._dequantize(codes, tl.load(scales_ptr + rows), True, A.KV_FP8_POW2, tl.bfloat16)
+    tl.store(out_ptr + rows[:, None] * 256 + cols[None, :], out)
+
+
+def test_pow2_dequantisation_equals_the_fp32_product_for_every_code():
+    """`_e4m3_pow2_to_bf16` (bit placement, one BF16 multiply by 2^120 * scale) gives (code * scale) in FP32
+    rounded once to BF16, bit for bit, for every E4M3 code the quantiser writes (all but the two NaN codes) and
+    every power-of-two scale FP8_KV can produce, 2^-126..2^7, plus scale 0 (a masked key). Controls: a scale that
+    is not a power of two, 1 + 2^-8 (its BF16 factor rounds to 1, where the FP32 product rounds a code with mantissa
+    bits up), and 2^8 (the factor overflows) give other values."""
+    def run(scales):
+        rows = -(-len(scales) // 16) * 16
+        scales = torch.tensor(scales + [0.0] * (rows - len(scales)), device=DEVICE)
+        codes = torch.arange(256, device=DEVICE, dtype=torch.uint8).repeat(rows, 1).view(torch.float8_e4m3fn)
+        out = torch.empty(rows, 256, device=DEVICE, dtype=torch.bfloat16)
+        _dequantize_rows[(rows // 16,)](codes, scales, out, ROWS=16, num_warps=1)
+        want = (codes.float() * scales[:, None]).to(torch.bfloat16)
+        real = torch.ones(256, dtype=torch.bool, device=DEVICE)
+        real[[0x7F, 0xFF]] = False                                  # E4M3's NaN codes: never written
+        return out[:, real].view(torch.int16), want[:, real].view(torch.int16)
+
+    got, want = run([2.0 ** e for e in range(-126, 8)] + [0.0])
+    assert torch.equal(got, want), f"{int((got != want).sum())} values differ"
+    for scale in (1.0 + 2.0 ** -8, 2.0 ** 8):
+        got, want = run([scale])
+        assert not torch.equal(got[0], want[0]), scale
+
+
+@pytest.mark.parametrize("window", [None, 200])
+@pytest.mark.parametrize("shape", PROGRAM_SHAPES[:3], ids=lambda s: f"H{s[0]}-Hkv{s[1]}-D{s[2]}")
+def test_fp8_kv_pow2_path_equals_fp32_product_path(shape, window):
+    """A cache written by FP8_KV's rule (power-of-two scales, at most 2^7) is read through
+    `_e4m3_pow2_to_bf16`; every query gets the bits the FP32-product path gives on the same cache (its rule
+    taken away), in prefill, chunks of 7 and decode, both launches, both programs. Control: a cache written
+    with FP32 scales but labelled FP8_KV (so read by the power-of-two path) differs from its FP32-product read."""
+    from onepath.numerics.spec import FP8_KV
+
+    def fp32_path(q, k, v, *args, **kw):
+        return attn(q, replace(k, rule=None), replace(v, rule=None), *args, **kw)
+
+    gen, cuda_gen = torch.Generator().manual_seed(4), torch.Generator(DEVICE).manual_seed(4)
+    q, k, v = _seq(PHASE_LEN, shape, cuda_gen)
+
+    def run(sizes, attend, kv=FP8_KV, label=None, **kw):
+        cache = PagedCache(-(-PHASE_LEN // 16) + 9, shape[1], shape[2], DTYPE, DEVICE, gen, kv=kv)
+        if label is not None:
+            cache.k, cache.v = replace(cache.k, rule=label), replace(cache.v, rule=label)
+        return phases(attend, q, k, v, sizes, cache, shape[2] ** -0.5, sliding_window=window, **kw)
+
+    for name, sizes in (("prefill", [PHASE_LEN]), ("chunks of 7", chunked(PHASE_LEN, 7)), ("decode", [1] * PHASE_LEN)):
+        for split in (False, True):
+            for program in ((True, False) if name == "decode" else (False,)):
+                fast = run(sizes, attn, split_kv=split, decode_program=program)
+                exact = run(sizes, fp32_path, split_kv=split, decode_program=program)
+                differ = (fast != exact).any(dim=(1, 2)).nonzero().flatten().tolist()
+                assert not differ, f"{name}, split {split}, decode program {program}: tokens {differ[:10]} differ"
+    fp32_scales = replace(FP8_KV, scale_dtype="fp32", amax_ceil=None)
+    assert not torch.equal(run([PHASE_LEN], attn, fp32_scales, label=FP8_KV),
+                           run([PHASE_LEN], fp32_path, fp32_scales, label=FP8_KV))
 
 
 def _sdpa_flash(q, k, v, causal):

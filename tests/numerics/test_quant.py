@@ -65,7 +65,7 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     return (index + 8 * torch.signbit(y).long()).to(torch.uint8)
 
 
-def reference_fp8(x: torch.Tensor, block: tuple[int, int], ue8m0=False, divide=False, floor=1e-4):
+def reference_fp8(x: torch.Tensor, block: tuple[int, int], ue8m0=False, divide=False, floor=1e-4, ceil=None):
     """x [R, K] -> (codes uint8 [R, K], scales float64 [ceil(R/rows), ceil(K/cols)])."""
     x = x.double()
     (r, k), (br, bc) = x.shape, block
@@ -78,6 +78,8 @@ def reference_fp8(x: torch.Tensor, block: tuple[int, int], ue8m0=False, divide=F
                 scales[i // br, j // bc] = NAN  # codes stay 0
                 continue
             amax = max(xb.abs().max(), f32(torch.tensor(floor, dtype=torch.float64)))
+            if ceil is not None:
+                amax = min(amax, f32(torch.tensor(ceil, dtype=torch.float64)))
             scale = f32(amax / 448)
             if ue8m0:
                 mant, e = torch.frexp(scale)
@@ -122,7 +124,7 @@ def assert_fp8_matches(x: torch.Tensor, q, block=None):
     block = block or q.block
     x2 = x.reshape(-1, x.shape[-1])
     codes, scales = reference_fp8(x2, block, ue8m0=q.scale_dtype == "ue8m0", divide=q.scale_apply == "divide",
-                                  floor=q.amax_floor)
+                                  floor=q.amax_floor, ceil=q.amax_ceil)
     assert got.codes.shape == x.shape and got.codes.dtype == torch.float8_e4m3fn
     mismatch = got.codes.reshape(x2.shape).view(torch.uint8) != codes
     assert not mismatch.any(), (f"{int(mismatch.sum())} codes differ, first at {mismatch.nonzero()[0].tolist()}: "
@@ -195,9 +197,34 @@ def test_fp8_kv_per_token_and_per_tensor_match_reference():
     gen = torch.Generator().manual_seed(5)
     kv = spread(9, 3, 40, gen=gen, block=40)  # [tokens, heads, head_dim]: one scale per (token, head)
     got = assert_fp8_matches(kv, FP8_KV, block=(1, 40))
-    assert got.scales.shape == (9, 3, 1)
+    assert got.scales.shape == (9, 3, 1) and got.rule == FP8_KV
     per_tensor = replace(FP8_KV, scale_domain="per_tensor")
     assert assert_fp8_matches(kv, per_tensor, block=(27, 40)).scales.shape == (1, 1)
+    # FP32 scales and no ceiling, the rule FP8_KV had before: the same reference, other codes
+    fp32 = assert_fp8_matches(kv, replace(FP8_KV, scale_dtype="fp32", amax_ceil=None), block=(1, 40))
+    assert not torch.equal(fp32.codes.view(torch.uint8), got.codes.view(torch.uint8))
+
+
+def test_fp8_kv_scales_are_powers_of_two_up_to_the_ceiling():
+    """FP8_KV: every scale is a power of two in 2^-22..2^7 (the floor's 1e-4 / 448 rounded up, the ceiling's
+    448 * 2^7 / 448), the amax ceiling binds above 57344 and those values saturate to +-448 * 2^7, while a
+    rule without the ceiling (the control) takes them with a larger scale."""
+    from onepath.numerics.spec import KV_AMAX_CEIL
+    assert KV_AMAX_CEIL == 448 * 2 ** 7
+    rows = torch.zeros(6, 128)
+    rows[1, :3] = torch.tensor([1e-30, -3e-6, 5e-5])           # below the floor
+    rows[2] = torch.randn(128) * 3
+    rows[3, :4] = torch.tensor([57344.0, -1e5, 3e9, 1.0])      # above the ceiling: saturate
+    rows[4, :2] = torch.tensor([57343.0, 0.5])                  # just under it
+    rows[5] = torch.randn(128) * 1e-3
+    got = assert_fp8_matches(rows, FP8_KV, block=(1, 128))
+    scales = got.scales.flatten()
+    mant, exp = torch.frexp(scales)
+    assert bool((mant == 0.5).all()), scales                    # powers of two
+    assert scales.min() == 2.0 ** -22 and scales.max() == 2.0 ** 7, scales
+    assert got.dequantize()[3, :3].tolist() == [57344.0, -57344.0, 57344.0]
+    free = assert_fp8_matches(rows, replace(FP8_KV, amax_ceil=None), block=(1, 128))
+    assert free.scales[3, 0] == 2.0 ** 23 and free.dequantize()[3, 2] != 57344.0
 
 
 def _fp8_ties_row() -> torch.Tensor:

@@ -57,7 +57,10 @@ def test_quant_presets_round_trip_and_pin_their_hash():
     again = ExecutionSpec.from_json(spec.to_json())
     assert again == spec and again.hash() == spec.hash() and isinstance(again.op("linear").act.block, tuple)
     # a preset's contract is pinned too: the engine and the trainer of two builds must agree on it
-    assert spec.hash() == "f4adb044b07702de"
+    assert spec.hash() == "028dd83afc1fa748"
+    # a rule without an amax ceiling keeps the JSON it had before the field existed
+    assert ExecutionSpec.default("consistent", "cuda", quant="fp8").hash() == "93c07d923db5e153"
+    assert "amax_ceil" not in ExecutionSpec.default("consistent", "cuda", quant="fp8").to_json()
     w4a4 = ExecutionSpec.default("consistent", "cuda", quant="nvfp4_w4a4")
     assert (w4a4.op("linear").weight, w4a4.op("linear").act) == (NVFP4_WEIGHT, NVFP4_ACT)
     assert ExecutionSpec.default(quant="fp8") == ExecutionSpec().with_quant("fp8")
@@ -67,7 +70,7 @@ def test_every_preset_and_quant_field_changes_the_hash():
     presets = [ExecutionSpec.default("consistent", "cuda", quant=p) for p in QUANT_PRESETS]
     variants = [ExecutionSpec(ops={"linear": OpSpec(act=q)}) for q in (
         FP8_ACT, replace(FP8_ACT, scale_apply="divide"), replace(FP8_ACT, scale_dtype="ue8m0"),
-        replace(FP8_ACT, block=(1, 64)), replace(FP8_ACT, amax_floor=0.0))]
+        replace(FP8_ACT, block=(1, 64)), replace(FP8_ACT, amax_floor=0.0), replace(FP8_ACT, amax_ceil=448.0))]
     variants.append(ExecutionSpec(ops={"linear": OpSpec(router_placement="down_proj_input")}))
     hashes = {s.hash() for s in [ExecutionSpec.default("consistent", "cuda"), ExecutionSpec(), *presets, *variants]}
     assert len(hashes) == 2 + len(presets) + len(variants)
@@ -90,6 +93,7 @@ def test_bad_quant_preset_names_the_value(quant, message):
     (dict(scale_domain="per_token"), "per_token and per_tensor take block None"),
     (dict(block=(1, 0)), r"block \(1, 0\) must be \(rows, cols\) of positive ints"),
     (dict(amax_floor=-1.0), "amax_floor -1.0"),
+    (dict(amax_ceil=1e-5), "amax_ceil 1e-05 must be above amax_floor"),
     (dict(format="nvfp4", block=(1, 32), scale_dtype="e4m3"), r"block \(1, 32\) does not go with format 'nvfp4'"),
 ])
 def test_bad_quant_spec_names_the_value(fields, message):

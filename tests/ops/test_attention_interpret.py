@@ -37,7 +37,7 @@ class PagedCache:
             if kv is None:
                 return torch.full(shape, math.nan, dtype=dtype, device=device)
             return FP8Tensor(torch.full(shape, math.nan, device=device).to(torch.float8_e4m3fn),
-                             torch.full((*shape[:3], 1), math.nan, device=device), (1, head_dim))
+                             torch.full((*shape[:3], 1), math.nan, device=device), (1, head_dim), kv)
 
         self.k, self.v = nan_cache(), nan_cache()
         self.block_size, self.device, self.kv = block_size, torch.device(device), kv
@@ -445,13 +445,16 @@ def test_launch_plan():
     assert plan(64, split_kv=True) == (True, stages) and plan(64, num_stages=2) == (False, 2)
 
 
-@pytest.mark.parametrize("regs", [0, 32, 256])
-def test_a_bad_register_cap_names_the_value(regs):
-    """paged_attention(max_registers=...) outside 64..255 fails before any launch, naming the value."""
-    from onepath.ops.cuda.attention import paged_attention
+def test_pow2_kv_names_the_rules_the_bf16_dequantisation_takes():
+    """FP8 caches dequantise by bit placement and a BF16 multiply only when their rule makes every scale a power
+    of two of at most 2^7: FP8_KV's ue8m0 scales under its 448 * 2^7 amax ceiling. FP32 scales, no ceiling, a
+    higher one, or an unknown rule take the FP32 product."""
+    from dataclasses import replace
 
-    q = torch.zeros(1, 2, 128, dtype=torch.bfloat16)
-    cache = torch.zeros(1, 16, 1, 128, dtype=torch.bfloat16)
-    zero = torch.zeros(1, dtype=torch.long)
-    with pytest.raises(ValueError, match=f"max_registers {regs} must be in 64..255"):
-        paged_attention(q, cache, cache, zero, zero, torch.zeros(1, 1, dtype=torch.int32), 1.0, max_registers=regs)
+    from onepath.numerics.spec import FP8_ACT, FP8_KV
+    from onepath.ops.cuda.attention import pow2_kv
+
+    assert pow2_kv(FP8_KV) and pow2_kv(replace(FP8_KV, amax_ceil=448.0))
+    assert not pow2_kv(None) and not pow2_kv(FP8_ACT)
+    assert not pow2_kv(replace(FP8_KV, scale_dtype="fp32"))
+    assert not pow2_kv(replace(FP8_KV, amax_ceil=None)) and not pow2_kv(replace(FP8_KV, amax_ceil=448.0 * 2 ** 8))

@@ -86,28 +86,27 @@ def test_64_row_program_with_the_table_by_asm_buffers_deeper():
     assert built[True]["shared"] <= SHARED_BYTES, built
 
 
-def test_decode_program_capped_at_200_registers_fits_ten_per_sm():
-    """paged_attention(max_registers=200), opt-in: the BF16 decode program's sm_90 build holds at most 200
-    registers a thread, so 10 one-warp programs fit an SM's 64K registers instead of 8, and its shared memory
-    (plus the 1 KiB the driver reserves per block) lets 10 share an SM's 228 KiB; its loop issues about as many
-    instructions per tile (the cap's spills fall outside the loop). Control: uncapped, 255 registers allow only
-    8. Its speed is not measured yet."""
+def test_power_of_two_kv_scales_dequantise_in_fewer_instructions():
+    """An FP8 cache written by FP8_KV's rule (ue8m0 scales, at most 2^7) dequantises by `_e4m3_pow2_to_bf16`: bit
+    placement and one BF16 multiply per pair of codes. The decode program's sm_90 build issues at least 10% fewer
+    instructions per tile than over FP32 scales (the control: FP32 product, then BF16 rounding), in both launches,
+    and its conversion is the PRMT/HMUL2 sequence instead of the FP32 path's HADD2.F32 unpacking; the 64-row
+    program's interior loop issues fewer too. The bits (the FP32 path's, exactly) are tests/gpu's."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set: the kernel is an interpreted function, not compilable")
-    import re
-
     from bench import attention_sass as S
     from onepath.ops.cuda import attention as A
 
-    def fit(max_registers):
-        b = S.build(A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, False,
-                    table_asm=A.table_load_asm(False, True, False), max_registers=max_registers)
-        text, usage = S.sass(b.asm["cubin"])
-        regs = int(re.search(r"REG:(\d+)", usage).group(1))
-        by_registers = 65536 // (-(-regs * 32 // 256) * 256)    # registers are allocated per warp in 256s
-        by_shared = 228 * 1024 // (b.metadata.shared + 1024)
-        return min(by_registers, by_shared), S.loops(text)[0]["per_tile"]
+    def loop(rows, warps, stages, unmasked, split, pow2, index=0):
+        b = S.build(rows, warps, stages, unmasked, split=split, table_asm=A.table_load_asm(True, rows != A.BLOCK_M,
+                                                                                           split), fp8=True, pow2=pow2)
+        return S.loops(S.sass(b.asm["cubin"])[0])[index]
 
-    (capped, capped_tile), (plain, plain_tile) = fit(200), fit(None)
-    assert capped == 10 and plain == 8, (capped, plain)
-    assert capped_tile <= 1.05 * plain_tile, (capped_tile, plain_tile)
+    for split in (False, True):
+        pow2, fp32 = (loop(A.DECODE_BLOCK_M, A.DECODE_NUM_WARPS, A.DECODE_NUM_STAGES, False, split, p)
+                      for p in (True, False))
+        assert pow2["per_tile"] < 0.9 * fp32["per_tile"], (split, pow2["per_tile"], fp32["per_tile"])
+        assert pow2["ops"].get("HMUL2", 0) >= 128 and "HADD2" not in pow2["ops"], pow2["ops"]
+        assert fp32["ops"].get("HADD2", 0) >= 256, fp32["ops"]
+    interior = [loop(A.BLOCK_M, A.NUM_WARPS, A.NUM_STAGES, True, False, p, index=1)["per_tile"] for p in (True, False)]
+    assert interior[0] < interior[1], interior

@@ -9,7 +9,7 @@ def test_variants_map_to_paged_attention_keywords():
     assert parse_variant("q_rows=16,num_warps=1,kv_tile=64") == (
         "q_rows=16,num_warps=1,kv_tile=64", {"block_m": 16, "num_warps": 1, "kv_tile": 64})
     assert parse_variant("decode_program=0")[1] == {"decode_program": False}
-    assert parse_variant("table_asm=0,max_registers=200")[1] == {"table_asm": False, "max_registers": 200}
+    assert parse_variant("table_asm=0,num_stages=3")[1] == {"table_asm": False, "num_stages": 3}
 
 
 @pytest.mark.parametrize("text", ["rows=16", "q_rows=sixteen", "q_rows", "kv_tile=64,warps=2"])

@@ -128,7 +128,8 @@ def _run_checks() -> dict:
     # write_kv_fp8: per token and head (FP8_KV), k and v strided views of a stacked projection, scattered
     # slots, one head poisoned by inf / NaN, one all zero; the caches equal torch's quantise-then-index-put
     for heads, dim in ((3, 24), (2, 128)):
-        for rule in (FP8_KV, replace(FP8_KV, scale_dtype="ue8m0", scale_apply="divide")):
+        # FP8_KV (ue8m0 scales, amax ceiling 448 * 2^7) and FP32 scales without a ceiling, by division
+        for rule in (FP8_KV, replace(FP8_KV, scale_dtype="fp32", amax_ceil=None, scale_apply="divide")):
             tokens, blocks, block_size = 6, 4, 4
             stacked = spread(tokens, 3 * heads * dim, dtype=torch.bfloat16)
             k = stacked[:, heads * dim:2 * heads * dim].view(tokens, heads, dim)
@@ -152,7 +153,7 @@ def _run_checks() -> dict:
             if rule is FP8_KV:  # control: the kernel under the other rule does not match this one's cache
                 other_k, other_v = cache(), cache()
                 triton_quant.write_kv_fp8(other_k, other_v, k, v, slots,
-                                          replace(FP8_KV, scale_dtype="ue8m0", scale_apply="divide"))
+                                          replace(FP8_KV, scale_dtype="fp32", amax_ceil=None))
                 record("write_kv_fp8_other_rule_differs", not same(other_k, want_k), f"Hkv {heads} D {dim}")
 
     # negative control: the interpreter's own FP32 -> fp8 conversion is not RNE; the check sees it

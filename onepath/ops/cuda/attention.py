@@ -50,6 +50,10 @@ FP8 KV cache (FP8_KV constexpr): the caches are FP8Tensors (float8_e4m3fn codes,
 and head). Each K/V tile is loaded as codes and scales and dequantised in registers as ops/attention.py's
 `_load` does, (code.to(fp32) * scale).to(q's dtype), before the dots: the same bits as this kernel
 reading a cache of q's dtype that holds the dequantised values. The kernel only reads; write_kv quantises.
+Caches written by FP8_KV's rule (power-of-two scales, at most 2^7: `pow2_kv`) and read by BF16 queries take
+FP8_KV = KV_FP8_POW2: `_e4m3_pow2_to_bf16` forms the same BF16 values in fewer instructions (4 per pair of
+codes instead of 6; 1,326 instead of 1,560 per tile in the decode program's sm_90 build,
+bench/results/attention-sass-tile.json).
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ import triton
 import triton.language as tl
 
 from onepath.numerics.quant import FP8Tensor
+from onepath.numerics.spec import KV_AMAX_CEIL
 from onepath.ops.cuda import interpreting
 from onepath.ops.cuda.matmul import _num_sms
 
@@ -106,6 +111,11 @@ TABLE_LOAD_ASM = True
 # two waves at 3 stages) it took 1.4x as long (bench/results/kernels-attention-decode-stages.json). Speed only:
 # stages and launch move no bit (tests/gpu/test_attention_gpu.py::test_deep_decode_launch_equals_other_launches).
 DEEP_DECODE_PROGRAMS_PER_SM, DEEP_DECODE_NUM_STAGES = (3, 5), 3
+# FP8_KV constexpr values: a cache of q's dtype; FP8 codes with FP32 scales; FP8 codes whose scales are powers
+# of two no larger than 2^7 (pow2_kv), read by BF16 queries, dequantised by _e4m3_pow2_to_bf16 with the factor
+# 2^120 * scale (POW2_FACTOR = 2^120).
+KV_PLAIN, KV_FP8, KV_FP8_POW2 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+POW2_FACTOR = tl.constexpr(2.0 ** 120)
 # "No window": a lower key bound below every position.
 NO_WINDOW = 1 << 30
 LOG2E = 1.4426950408889634
@@ -139,6 +149,36 @@ def _opaque(x, OPAQUE: tl.constexpr):
     if OPAQUE:
         return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
     return x
+
+
+@triton.jit
+def _e4m3_pow2_to_bf16(codes, factor):
+    """codes (float8e4nv) -> code * scale in BF16, where factor = 2^120 * scale (BF16; scale a power of two in
+    2^-126..2^7, so the factor is exact and finite): each code's bits placed in a BF16, sign to bit 15, exponent
+    and mantissa to bits 7..10 and 4..6, which reads as code * 2^-120 exactly (E4M3's exponent bias is 7, BF16's
+    127; an E4M3 subnormal becomes the BF16 subnormal of the same ratio), then one BF16 multiply by the factor:
+    the exact product rounded once to BF16, which is what the FP32 rule computes ((code * scale) is exact in
+    FP32, then .to(bf16)), bit for bit (tests/gpu/test_attention_gpu.py, every code and every such scale). The
+    E4M3 NaN codes, which the quantiser never writes, read as +-480 * scale. Per pair of codes: a byte permute
+    that copies each code's sign over the byte above it, a shift, a mask, a multiply. Impure: as a pure op
+    Triton's layout passes moved it and the decode program issued 1,897 instructions per tile, spilling more,
+    instead of 1,326. Its BF16 result also keeps Triton from sizing the mma.sync operands by the 8-bit loads
+    (see `_opaque`)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 lo, hi; prmt.b32 lo, $2, 0, 0x9180; prmt.b32 hi, $2, 0, 0xB3A2; shl.b32 lo, lo, 4; "
+        "shl.b32 hi, hi, 4; and.b32 lo, lo, 0x87F087F0; and.b32 hi, hi, 0x87F087F0; mul.rn.bf16x2 $0, lo, $3; "
+        "mul.rn.bf16x2 $1, hi, $4; }",
+        "=r,=r,r,r,r", [codes, factor], dtype=tl.bfloat16, is_pure=False, pack=4)
+
+
+@triton.jit
+def _dequantize(codes, scale, OPAQUE: tl.constexpr, FP8_KV: tl.constexpr, dtype: tl.constexpr):
+    """A K or V tile of codes [KV_TILE, D] times its keys' scales [KV_TILE], in dtype (see FP8 KV cache)."""
+    if FP8_KV == KV_FP8_POW2:
+        factor = (scale * POW2_FACTOR).to(tl.bfloat16)[:, None]
+        return _e4m3_pow2_to_bf16(codes, tl.broadcast_to(factor, codes.shape))
+    # one FP32 product, then one rounding to dtype: write_kv's quantisation undone as the CPU path undoes it
+    return _opaque(codes.to(tl.float32) * scale[:, None], OPAQUE).to(dtype)
 
 
 @triton.jit
@@ -189,11 +229,10 @@ def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, 
     k = tl.load(k_base + block[:, None] * stride_kb + slot[:, None] * stride_ks, mask=kv_mask, other=0.0)
     v = tl.load(v_base + block[:, None] * stride_vb + slot[:, None] * stride_vs, mask=kv_mask, other=0.0)
     if FP8_KV:
-        # one FP32 product, then one rounding to q's dtype: write_kv's quantisation undone as the
-        # CPU path undoes it; masked keys load code 0 and scale 0, the zeros a plain cache gives
+        # masked keys load code 0 and scale 0, the zeros a plain cache gives
         k_scale = tl.load(ks_base + block * stride_ksb + slot * stride_kss, mask=load_ok, other=0.0)
         v_scale = tl.load(vs_base + block * stride_vsb + slot * stride_vss, mask=load_ok, other=0.0)
-        k = _opaque(k.to(tl.float32) * k_scale[:, None], OPAQUE).to(q.dtype)
+        k = _dequantize(k, k_scale, OPAQUE, FP8_KV, q.dtype)
     # ieee: fp32 inputs stay fp32 (the default would be TF32); 16-bit inputs ignore it.
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     if MASKED:
@@ -213,7 +252,7 @@ def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, 
         # batch 256 (Nsight Compute, bench/results/ncu-attention-decode-fp8-before-late-v.txt). Three stages,
         # context 1024: 260 us (bench/results/kernels-attention-decode-fp8-late-v.json), 322 before
         # (kernels-attention-decode-fp8.json); the same bits (tests/gpu/test_attention_gpu.py).
-        v = _opaque(v.to(tl.float32) * v_scale[:, None], OPAQUE).to(q.dtype)
+        v = _dequantize(v, v_scale, OPAQUE, FP8_KV, q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc
 
@@ -435,6 +474,14 @@ def table_load_asm(fp8_kv: bool, decode_program: bool, split: bool) -> bool:
     return TABLE_LOAD_ASM and (not fp8_kv or (decode_program and split))
 
 
+def pow2_kv(rule) -> bool:
+    """Whether codes written by `rule` (a QuantSpec, or None when unknown) have power-of-two scales of at most
+    2^7, which `_e4m3_pow2_to_bf16` dequantises exactly: ue8m0 scales under an amax ceiling of KV_AMAX_CEIL
+    (448 * 2^7) or less, as FP8_KV's. (They are 2^-126 and up: the quantiser clamps the exponent field.)"""
+    return (rule is not None and rule.format == "fp8_e4m3" and rule.scale_dtype == "ue8m0"
+            and rule.amax_ceil is not None and rule.amax_ceil <= KV_AMAX_CEIL)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache: torch.Tensor | FP8Tensor,
                     positions: torch.Tensor,
                     query_seq: torch.Tensor, block_tables: torch.Tensor, scale: float,
@@ -443,7 +490,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
                     num_stages: int | None = None, derived: dict | None = None,
                     block_m: int | None = None, num_warps: int = NUM_WARPS,
                     decode_program: bool | None = None, q_block: int | None = None,
-                    table_asm: bool | None = None, max_registers: int | None = None) -> torch.Tensor:
+                    table_asm: bool | None = None) -> torch.Tensor:
     """Causal attention of each query over its own sequence's keys in a paged KV cache.
 
     q [T, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (this step's K/V already written), of
@@ -470,16 +517,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     bit (the decode program keeps its own; tests/gpu/test_attention_gpu.py on the H200). It is opt-in: 128
     rows spanning two tiles prefilled slower than 64 (bench/results/kernels-attention-prefill-q-block.json).
     table_asm: the program reads its block-table entries by inline asm (None: `table_load_asm`'s rule); no bit
-    moves. max_registers caps each thread's registers (ptxas .maxnreg; None: Triton's choice, 255 for the decode
-    program, whose 8 programs per SM are then bound by registers): 200 lets 10 decode programs share an SM
-    (`bench/attention_sass.py` records the build); opt-in, untimed; no bit moves.
+    moves. FP8 caches dequantise by `_e4m3_pow2_to_bf16` where their rule allows it (`pow2_kv`); no bit moves.
     Returns [T, H, D] in q's dtype.
     """
     num_tokens, num_heads, head_dim = q.shape
     fp8_kv = isinstance(k_cache, FP8Tensor)
     if fp8_kv != isinstance(v_cache, FP8Tensor):
         raise TypeError("paged_attention: k_cache and v_cache must both be FP8Tensors or both plain tensors")
+    kv_mode = KV_PLAIN.value
     if fp8_kv:
+        pow2 = q.dtype == torch.bfloat16 and pow2_kv(k_cache.rule) and pow2_kv(v_cache.rule) and not interpreting()
+        kv_mode = (KV_FP8_POW2 if pow2 else KV_FP8).value
         (k_cache, k_scales), (v_cache, v_scales) = (k_cache.codes, k_cache.scales), (v_cache.codes, v_cache.scales)
         if k_cache.dtype != torch.float8_e4m3fn or v_cache.dtype != torch.float8_e4m3fn \
                 or k_scales.dtype != torch.float32 or v_scales.dtype != torch.float32:
@@ -498,9 +546,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
         raise ValueError(f"paged_attention: {num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
     if kv_tile < 16 or kv_tile & (kv_tile - 1):
         raise ValueError(f"paged_attention: kv_tile {kv_tile} must be a power of two >= 16 (a tl.dot dimension)")
-    if max_registers is not None and not 64 <= max_registers <= 255:
-        raise ValueError(f"paged_attention: max_registers {max_registers} must be in 64..255 (a thread's registers; "
-                         "None keeps the compiler's choice)")
     if kv_split % kv_tile:
         raise ValueError(f"paged_attention: kv_split {kv_split} must be a multiple of kv_tile {kv_tile}")
     if block_size & (block_size - 1):
@@ -567,12 +612,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
         k_scales.stride(0), k_scales.stride(1), k_scales.stride(2),
         v_scales.stride(0), v_scales.stride(1), v_scales.stride(2),
         BLOCK_SIZE=block_size, KV_TILE=kv_tile, SPLIT_TILES=kv_split // kv_tile, BLOCK_M=block_m,
-        BLOCK_Q=block_q, SPLIT=split, FP8_KV=fp8_kv,
+        BLOCK_Q=block_q, SPLIT=split, FP8_KV=kv_mode,
         OPAQUE=fp8_kv and OPAQUE_FP8_TILES and not interpreting(),
         UNMASKED=UNMASKED_INTERIOR and not (decode_program or split),
         TABLE_ASM=(table_load_asm(fp8_kv, decode_program, split) if table_asm is None else table_asm)
         and not interpreting(),
-        num_stages=num_stages, **common, **({"maxnreg": max_registers} if max_registers is not None else {}),
+        num_stages=num_stages, **common,
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_kv_heads)](

@@ -1,7 +1,7 @@
 """Block-FP8 activation quantiser on Hopper: the rule of onepath/numerics/quant.py, the same codes and scales.
 
 Per row, per group of G consecutive elements along K (G = 128: QuantSpec.block (1, G)), in FP32:
-    amax = max(max|x|, amax_floor); scale = div_rn(amax, 448) (ue8m0: rounded up to a power of two
+    amax = min(max(max|x|, amax_floor), amax_ceil); scale = div_rn(amax, 448) (ue8m0: rounded up to a power of two
     from its bits); y = x * div_rn(1, scale) or div_rn(x, scale); q = e4m3(clamp(y, -448, 448)).
 - IEEE division (`div_rn`), not Triton's default approximate `/`: one more ulp would move codes;
 - the clamp before `.to(float8e4nv)`: Triton's cast saturates where torch's has made NaN; the spec
@@ -28,12 +28,12 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _quantize_rows(x, amax_floor, UE8M0: tl.constexpr, DIVIDE: tl.constexpr):
+def _quantize_rows(x, amax_floor, amax_ceil, UE8M0: tl.constexpr, DIVIDE: tl.constexpr):
     """x [R, G] FP32 (masked elements 0) -> (y [R, G] FP32 in range, ready for the e4m3 cast; scale [R]):
     the rule above for each row of x, one group each. Shared by the activation quantiser and write_kv_fp8."""
     finite = (x == x) & (tl.abs(x) < float("inf"))
     bad = tl.max(tl.where(finite, 0, 1), axis=1)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), amax_floor)
+    amax = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1), amax_floor), amax_ceil)
     scale = tl.math.div_rn(amax, 448.0)
     if UE8M0:
         bits = scale.to(tl.int32, bitcast=True)
@@ -49,24 +49,24 @@ def _quantize_rows(x, amax_floor, UE8M0: tl.constexpr, DIVIDE: tl.constexpr):
 
 
 @triton.jit
-def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, x_stride, q_stride, s_stride, K, n_groups, amax_floor,
+def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, x_stride, q_stride, s_stride, K, n_groups, amax_floor, amax_ceil,
                       UE8M0: tl.constexpr, DIVIDE: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (groups[:, None] < n_groups) & (cols < K)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    y, scale = _quantize_rows(x, amax_floor, UE8M0, DIVIDE)
+    y, scale = _quantize_rows(x, amax_floor, amax_ceil, UE8M0, DIVIDE)
     tl.store(q_ptr + row * q_stride + cols, y.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + row * s_stride + groups, scale, mask=groups < n_groups)
 
 
 @triton.jit
-def _quantize_into(x_ptr, codes_ptr, scales_ptr, codes_at, scales_at, h, mask, heads, amax_floor,
+def _quantize_into(x_ptr, codes_ptr, scales_ptr, codes_at, scales_at, h, mask, heads, amax_floor, amax_ceil,
                    UE8M0: tl.constexpr, DIVIDE: tl.constexpr):
     """One token's K or V [heads, D] (x_ptr at its rows) quantised per head into its cache slot."""
     x = tl.load(x_ptr, mask=mask, other=0.0)
-    y, scale = _quantize_rows(x.to(tl.float32), amax_floor, UE8M0, DIVIDE)
+    y, scale = _quantize_rows(x.to(tl.float32), amax_floor, amax_ceil, UE8M0, DIVIDE)
     tl.store(codes_ptr + codes_at, y.to(tl.float8e4nv), mask=mask)
     tl.store(scales_ptr + scales_at, scale, mask=h < heads)
 
@@ -74,15 +74,20 @@ def _quantize_into(x_ptr, codes_ptr, scales_ptr, codes_at, scales_at, h, mask, h
 @triton.jit
 def _write_kv_fp8_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, k_tok_stride, k_head_stride,
                          v_tok_stride, v_head_stride, code_slot_stride, code_head_stride, scale_slot_stride,
-                         scale_head_stride, heads, D, amax_floor, UE8M0: tl.constexpr, DIVIDE: tl.constexpr,
+                         scale_head_stride, heads, D, amax_floor, amax_ceil, UE8M0: tl.constexpr, DIVIDE: tl.constexpr,
                          BLOCK_HEADS: tl.constexpr, BLOCK_D: tl.constexpr):
     tok, h, d, mask, slot = kv_write_rows(slot_ptr, heads, D, BLOCK_HEADS, BLOCK_D)
     codes_at = slot * code_slot_stride + h[:, None] * code_head_stride + d[None, :]
     scales_at = slot * scale_slot_stride + h * scale_head_stride
     _quantize_into(k_ptr + tok * k_tok_stride + h[:, None] * k_head_stride + d[None, :], kc_ptr, ks_ptr, codes_at,
-                   scales_at, h, mask, heads, amax_floor, UE8M0, DIVIDE)
+                   scales_at, h, mask, heads, amax_floor, amax_ceil, UE8M0, DIVIDE)
     _quantize_into(v_ptr + tok * v_tok_stride + h[:, None] * v_head_stride + d[None, :], vc_ptr, vs_ptr, codes_at,
-                   scales_at, h, mask, heads, amax_floor, UE8M0, DIVIDE)
+                   scales_at, h, mask, heads, amax_floor, amax_ceil, UE8M0, DIVIDE)
+
+
+def _ceil(q: QuantSpec) -> float:
+    """The amax ceiling as a kernel argument: inf when the rule has none (min(amax, inf) is amax)."""
+    return float("inf") if q.amax_ceil is None else q.amax_ceil
 
 
 def quantize_fp8(x: torch.Tensor, q: QuantSpec = FP8_ACT) -> FP8Tensor:
@@ -102,9 +107,9 @@ def quantize_fp8(x: torch.Tensor, q: QuantSpec = FP8_ACT) -> FP8Tensor:
     if m and k:
         grid = (m, triton.cdiv(n_groups, GROUPS_PER_PROGRAM))
         _quant_fp8_kernel[grid](x2, codes, scales, x2.stride(0), codes.stride(0), scales.stride(0), k, n_groups,
-                                q.amax_floor, UE8M0=q.scale_dtype == "ue8m0", DIVIDE=q.scale_apply == "divide",
+                                q.amax_floor, _ceil(q), UE8M0=q.scale_dtype == "ue8m0", DIVIDE=q.scale_apply == "divide",
                                 GROUP=group, GROUPS=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS)
-    return FP8Tensor(codes.reshape(x.shape), scales.reshape(*x.shape[:-1], n_groups), q.block)
+    return FP8Tensor(codes.reshape(x.shape), scales.reshape(*x.shape[:-1], n_groups), q.block, q)
 
 
 def write_kv_fp8(k_cache: FP8Tensor, v_cache: FP8Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -132,6 +137,6 @@ def write_kv_fp8(k_cache: FP8Tensor, v_cache: FP8Tensor, k: torch.Tensor, v: tor
     _write_kv_fp8_kernel[(tokens,)](
         k, v, slot_mapping.contiguous(), codes, v_cache.codes, scales, v_cache.scales,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), codes.stride(1), codes.stride(2),
-        scales.stride(1), scales.stride(2), heads, dim, q.amax_floor,
+        scales.stride(1), scales.stride(2), heads, dim, q.amax_floor, _ceil(q),
         UE8M0=q.scale_dtype == "ue8m0", DIVIDE=q.scale_apply == "divide",
         BLOCK_HEADS=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim), num_warps=NUM_WARPS)
