@@ -129,20 +129,23 @@ def _sweep_entry(name, x, w, out_dtype, config, ref, cublas_us, rep_ms) -> dict:
 
 
 def _decode_configs(m: int):
-    """16-row mma.sync tiles (one warp) up to M = 16, 64-row wgmma tiles at every M, 128-row ones from
-    M = 128; each with BLOCK_K 64, 128 or 256 and pointer or TMA loads, where the stages fit."""
+    """16-row mma.sync tiles (one warp) up to M = 16, and there 16-token tiles with the operands swapped (64 or
+    128 weight rows as wgmma's M, TileConfig.swap); 64-row wgmma tiles at every M, 128-row ones from M = 128;
+    each with BLOCK_K 64, 128 or 256 and pointer or TMA loads, where the stages fit."""
     from onepath.ops.cuda.matmul import TileConfig
 
     grid = []
     if m <= 16:
-        grid += [(16, bn, 1, s, bk) for bn in (32, 64) for s in (4, 8) for bk in (64, 128, 256)]
+        grid += [(16, bn, 1, s, bk, False) for bn in (32, 64) for s in (4, 8) for bk in (64, 128, 256)]
         # more programs (16 columns), deeper K steps, two or four warps a tile
-        grid += [(16, 16, 1, 4, 256), (16, 32, 1, 3, 512), (16, 32, 2, 4, 256), (16, 64, 2, 4, 256),
-                 (16, 128, 4, 3, 128)]
-    grid += [(64, bn, 4, s, bk) for bn in (32, 64, 128) for s in (3, 4, 6) for bk in (64, 128, 256)]
+        grid += [(16, 16, 1, 4, 256, False), (16, 32, 1, 3, 512, False), (16, 32, 2, 4, 256, False),
+                 (16, 64, 2, 4, 256, False), (16, 128, 4, 3, 128, False)]
+        grid += [(16, bn, 4, s, bk, True) for bn in (64, 128) for s in (4, 6) for bk in (128, 256)]
+    grid += [(64, bn, 4, s, bk, False) for bn in (32, 64, 128) for s in (3, 4, 6) for bk in (64, 128, 256)]
     if m >= 128:
-        grid += [(128, bn, 8, s, bk) for bn in (128, 256) for s in (3, 4) for bk in (64, 128)]
-    tiles = [TileConfig(bm, bn, w, s, tma=tma, block_k=bk) for bm, bn, w, s, bk in grid for tma in (False, True)]
+        grid += [(128, bn, 8, s, bk, False) for bn in (128, 256) for s in (3, 4) for bk in (64, 128)]
+    tiles = [TileConfig(bm, bn, w, s, tma=tma, block_k=bk, swap=swap)
+             for bm, bn, w, s, bk, swap in grid for tma in (False, True)]
     return [c for c in tiles if c.pipeline_bytes() <= SHARED_BYTES]
 
 
@@ -154,16 +157,18 @@ def _decode_shapes(args):
 
 
 def parse_tile(name: str):
-    """'128x256x64w8s4T' (rows x columns x K step, warps, stages, T for TMA or P for pointer loads)."""
+    """'128x256x64w8s4T' (rows x columns x K step, warps, stages, T for TMA or P for pointer loads; a trailing
+    S: the operands swapped, TileConfig.swap, e.g. 16x64x256w4s4TS)."""
     import re
 
     from onepath.ops.cuda.matmul import TileConfig
 
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)([TP])", name)
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)([TP])(S?)", name)
     if not match:
-        raise argparse.ArgumentTypeError(f"tile {name!r}: expected e.g. 128x256x64w8s4T (T: TMA, P: pointer loads)")
+        raise argparse.ArgumentTypeError(f"tile {name!r}: expected e.g. 128x256x64w8s4T (T: TMA, P: pointer loads; "
+                                         "a trailing S swaps the operands, e.g. 16x64x256w4s4TS)")
     bm, bn, bk, warps, stages = map(int, match.groups()[:5])
-    return TileConfig(bm, bn, warps, stages, tma=match.group(6) == "T", block_k=bk)
+    return TileConfig(bm, bn, warps, stages, tma=match.group(6) == "T", block_k=bk, swap=match.group(7) == "S")
 
 
 def _decode_cases(shapes, configs=None):
@@ -394,7 +399,7 @@ def _result(sms: int, **fields) -> dict:
 
 def _tile_name(c: dict) -> str:
     return (f"{c['block_m']}x{c['block_n']}x{c.get('block_k', 64)}w{c['num_warps']}s{c['num_stages']}"
-            f"{' tma' if c['tma'] else ''}")
+            f"{' tma' if c['tma'] else ''}{' swap' if c.get('swap') else ''}")
 
 
 def run(args) -> dict:

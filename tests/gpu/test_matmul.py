@@ -5,6 +5,8 @@ same batch test. Whole file: well under a minute on an H200, most of it Triton c
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,8 +14,8 @@ import torch.nn.functional as F
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
-from onepath.ops.cuda.matmul import (DENSE_TILES, SKINNY_TILES, SMALL_TILES, TILES_16BIT, TileConfig,  # noqa: E402
-                                     dense_candidates, matmul, pick_config)
+from onepath.ops.cuda.matmul import (DENSE_TILES, SKINNY_TILES, SMALL_TILES, SWAP_TILES, TILES_16BIT,  # noqa: E402
+                                     TileConfig, dense_candidates, matmul, pick_config)
 
 # (K, N): Qwen-0.5B-like MLP (896 -> 4864), 1024 -> 3072, square 4096, an LM head (kept at 32000
 # columns to stay light), and an awkward size whose K and N tiles are all ragged.
@@ -101,7 +103,8 @@ def test_cublas_is_not_batch_invariant():
 @pytest.mark.parametrize("k,n", [(4096, 4096), (1000, 1000)])
 def test_every_tile_config_gives_the_same_bits(k, n):
     """pick_config may change the tile with M only because the tile never changes the bits: rows,
-    columns, K step (64, 128, 256), warps, TMA or pointer loads, wgmma or (16- and 32-row tiles) mma.sync.
+    columns, K step (64, 128, 256), warps, TMA or pointer loads, wgmma or (16- and 32-row tiles) mma.sync,
+    and the opt-in SWAP_TILES (the weight rows as the MMA's M, the tokens as its N; by TMA and by pointer loads).
     Control: the same kernel summing K's two halves apart (a split-K) gives other bits."""
     w = _weight(k, n)
     x = _randn(300, k, gen=_gen(3))
@@ -110,7 +113,8 @@ def test_every_tile_config_gives_the_same_bits(k, n):
               ((16, 32, 1, 4), (64, 64, 4, 3), (128, 128, 8, 2)) for bk in (128, 256) for tma in (False, True)]
     deeper = [c for c in deeper if c.pipeline_bytes() <= 200 * 1024] + [TileConfig(128, 256, 8, 4, tma=True)]
     configs = [*TILES_16BIT, *(TileConfig(c.block_m, c.block_n, c.num_warps, c.num_stages, tma=True) for c in TILES_16BIT),
-               *DENSE_TILES, *SKINNY_TILES, *SMALL_TILES, *dense_candidates(512), *deeper]
+               *DENSE_TILES, *SKINNY_TILES, *SMALL_TILES, *dense_candidates(512), *deeper,
+               *SWAP_TILES, *(replace(c, tma=False) for c in SWAP_TILES)]
     outs = {c: matmul(x, w, config=c) for c in configs}
     bad = [(c, (out.float() - ref.float()).abs().max().item()) for c, out in outs.items() if not torch.equal(out, ref)]
     assert not bad, f"K={k} N={n}: configs whose bits differ from {TILES_16BIT[0]}: {bad}"

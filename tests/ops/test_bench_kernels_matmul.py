@@ -11,6 +11,7 @@ from onepath.ops.cuda.matmul import TileConfig
 def test_tile_names_map_to_configs():
     assert parse_tile("128x256x64w8s4T") == TileConfig(128, 256, 8, 4, tma=True, block_k=64)
     assert parse_tile("16x32x256w2s4P") == TileConfig(16, 32, 2, 4, tma=False, block_k=256)
+    assert parse_tile("16x64x256w4s4TS") == TileConfig(16, 64, 4, 4, tma=True, block_k=256, swap=True)
 
 
 @pytest.mark.parametrize("name", ["128x256w8s4T", "128x256x64w8s4", "128x256x64w8s4X", "axbxcw1s1T"])

@@ -21,8 +21,8 @@ def _run_checks() -> dict:
     import torch
 
     patch_gemm_interpreter()
-    from onepath.ops.cuda.matmul import (DENSE_TILES, SKINNY_TILES, SMALL_TILES, TILES_16BIT, TileConfig,
-                                        dense_candidates, matmul)
+    from onepath.ops.cuda.matmul import (DENSE_TILES, SKINNY_TILES, SMALL_TILES, SWAP_TILES, TILES_16BIT,
+                                        TileConfig, dense_candidates, matmul)
 
     gen = torch.Generator().manual_seed(0)
     n, k = 48, 96  # K = 64 + 32: one full K tile and one masked tail
@@ -31,7 +31,9 @@ def _run_checks() -> dict:
     # 128-deep K step takes all of K = 96 in one masked step.
     configs = {"default": None, "16x16": TileConfig(16, 16, 4, 2, group_m=2),
                "tma_16x32": TileConfig(16, 32, 4, 2, tma=True),
-               "16x32x128": TileConfig(16, 32, 1, 2, block_k=128)}
+               "16x32x128": TileConfig(16, 32, 1, 2, block_k=128),
+               "swap_16x16": TileConfig(16, 16, 4, 2, group_m=2, swap=True),
+               "swap_tma_16x32": TileConfig(16, 32, 4, 2, tma=True, swap=True)}
     results, record = check_recorder()
 
     def rand(*shape, dtype):
@@ -71,7 +73,7 @@ def _run_checks() -> dict:
         for kk in (k, 100):
             x, w = rand(40, kk, dtype=dtype), rand(n, kk, dtype=dtype)
             ref = matmul(x, w, config=configs["16x16"])
-            for cfg in (*configs.values(), *TILES_16BIT, *DENSE_TILES, *SKINNY_TILES, *SMALL_TILES,
+            for cfg in (*configs.values(), *TILES_16BIT, *DENSE_TILES, *SKINNY_TILES, *SMALL_TILES, *SWAP_TILES,
                         *dense_candidates(512), TileConfig(64, 64, 4, 3, tma=True)):
                 record("configs_agree", torch.equal(matmul(x, w, config=cfg), ref), f"{dtype} K={kk} {cfg}")
 
@@ -79,7 +81,7 @@ def _run_checks() -> dict:
     # output, at every M a tile does not divide, and with or without TMA.
     from onepath.ops.cuda import matmul as mm
     w = rand(n, k, dtype="bfloat16")
-    for cname in ("16x16", "tma_16x32"):
+    for cname in ("16x16", "tma_16x32", "swap_16x16", "swap_tma_16x32"):
         for m in (17, 23, 31, 33, 40):
             x = rand(m, k, dtype="bfloat16")
             back = matmul(x, w, config=configs[cname])
@@ -167,7 +169,7 @@ def _compile_sm90(cfg, dtype: str, out: str):
 
     consts = dict(HAS_BIAS=True, TMA=cfg.tma, EVEN_M=False, LAST_ROWS_BACK=True, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  GROUP_M=cfg.group_m, NUM_SMS=132)
+                  GROUP_M=cfg.group_m, NUM_SMS=132, SWAP=cfg.swap)
     sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}", "out_ptr": f"*{out}",
            **{n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")}}
     if cfg.tma:
@@ -182,19 +184,22 @@ def _compile_sm90(cfg, dtype: str, out: str):
 def test_every_config_compiles_for_sm90_on_wgmma_within_shared_memory():
     """What the launcher can pick builds for the H200: within its shared memory; 16-bit inputs on
     wgmma, except the 16- and 32-row tiles on mma.sync (whose bits tests/gpu/test_matmul.py proves
-    equal); fp32 inputs on FMA (ieee, no TF32 tensor-core path)."""
+    equal); fp32 inputs on FMA (ieee, no TF32 tensor-core path). The opt-in SWAP_TILES, 16 tokens with the
+    weight rows as the MMA's M, build on wgmma too."""
     import dataclasses
 
     from onepath.ops.cuda import matmul as mm
 
     cases = [(dataclasses.replace(c, tma=tma), "bf16", out) for c in (*mm.TILES_16BIT, *mm.DENSE_TILES, *mm.SKINNY_TILES,
-                                                                        *mm.SMALL_TILES, *mm.dense_candidates(512))
+                                                                        *mm.SMALL_TILES, *mm.dense_candidates(512),
+                                                                        *mm.SWAP_TILES)
              for tma in (False, True) for out in ("bf16", "fp32") if out == "bf16" or c.block_m * c.block_n <= mm.MAX_TILE_FP32_OUT]
     cases += [(mm.TILES_16BIT[-1], "fp16", "fp16"), (mm.TILE_FP32, "fp32", "fp32")]
     bad = []
     for cfg, dtype, out in cases:
         ptx, shared = _compile_sm90(cfg, dtype, out)
-        tensor_core = ("mma.sync" in ptx and "wgmma" not in ptx) if cfg.block_m < 64 else \
+        mma_rows = cfg.block_n if cfg.swap else cfg.block_m
+        tensor_core = ("mma.sync" in ptx and "wgmma" not in ptx) if mma_rows < 64 else \
             ("wgmma.mma_async" in ptx and "mma.sync" not in ptx)
         no_mma = "wgmma" not in ptx and "mma.sync" not in ptx
         if shared > SM90_SHARED_BYTES or not (no_mma if dtype == "fp32" else tensor_core):

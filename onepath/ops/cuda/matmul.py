@@ -8,7 +8,8 @@ the other rows or on the row's position. What keeps it:
   output element's sums are the same chain whatever the step: a 128- or 256-deep BLOCK_K issues the
   64-deep step's instructions, fewer times round the loop (the walk's dependent steps are what a
   skinny decode GEMM waits on), and the K tail's zeros add nothing;
-- the tile config (rows, columns, K step, warps; wgmma or, for 16- and 32-row tiles, mma.sync) may follow M
+- the tile config (rows, columns, K step, warps; wgmma or, for 16- and 32-row tiles, mma.sync; the operands
+  swapped, SWAP_TILES, opt-in until timed) may follow M
   (small tiles fill the 132 SMs at decode, large ones reach the tensor-core peak at prefill) only
   because each output element's MMA chain over K is the same in every one; tests/gpu/test_matmul.py
   proves the candidates give equal bits, and a split-K sum does not;
@@ -43,6 +44,10 @@ LAST_ROWS_BACK = True
 
 @dataclass(frozen=True)
 class TileConfig:
+    """An output tile of block_m rows (tokens) x block_n columns (output features), walked over K in block_k
+    steps. swap: the MMA takes the weight tile as its A operand and the tokens as its N (acc is [block_n,
+    block_m], transposed once before the store), so a tile of few tokens still runs wgmma's m64 over 64 or more
+    features, as cuBLAS's decode kernels do (64x8 tiles at M = 1, bench/results/kernels-matmul-graph-paired.json)."""
     block_m: int
     block_n: int
     num_warps: int
@@ -50,6 +55,7 @@ class TileConfig:
     group_m: int = 8
     tma: bool = False
     block_k: int = BLOCK_K
+    swap: bool = False
 
     def tiles(self, m: int, n: int) -> int:
         return triton.cdiv(m, self.block_m) * triton.cdiv(n, self.block_n)
@@ -110,6 +116,13 @@ SKINNY_TILES = (
     TileConfig(64, 128, num_warps=4, num_stages=4, block_k=128),
     TileConfig(16, 32, num_warps=2, num_stages=4, tma=True, block_k=256),
     TileConfig(16, 16, num_warps=1, num_stages=4, tma=True, block_k=256),
+)
+# Tiles with the operands swapped (TileConfig.swap): 16 tokens by 64 or 128 features on one warpgroup's wgmma,
+# the weight's rows as the MMA's M. Opt-in (matmul(config=...), the decode sweep): their bits are
+# tests/gpu/test_matmul.py's to prove and their speed is not measured yet, so pick_config does not take them.
+SWAP_TILES = (
+    TileConfig(16, 64, num_warps=4, num_stages=4, tma=True, block_k=256, swap=True),
+    TileConfig(16, 128, num_warps=4, num_stages=4, tma=True, block_k=128, swap=True),
 )
 # From SKINNY_M to SMALL_M rows, tiles of 32 or 16 rows (mma.sync, the same bits), the largest that still gives
 # half the SMs a tile: a 64-row tile's TMA box of x reaches past M there, and such tiles ran up to twice their time
@@ -235,7 +248,7 @@ def _matmul_kernel(
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, TMA: tl.constexpr, EVEN_M: tl.constexpr, LAST_ROWS_BACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, SWAP: tl.constexpr,
 ):
     start_pid = tl.program_id(axis=0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -248,7 +261,8 @@ def _matmul_kernel(
         row0, col0, offs_m, offs_n, rows, row_ok, cols = _tile_offsets(
             tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, EVEN_M, LAST_ROWS_BACK)
 
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # SWAP: the transposed tile, the weight rows as the MMA's M (see TileConfig.swap)
+        acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         # One ascending walk over K per tile, one accumulator: the reduction order of a row.
         for ki in range(k_tiles):
             if TMA:
@@ -261,7 +275,12 @@ def _matmul_kernel(
                 b = tl.load(w_ptr + cols[None, :] * stride_wn + (ki * BLOCK_K + offs_k)[:, None],
                             mask=offs_k[:, None] < k_left, other=0.0)
             # ieee: fp32 inputs stay fp32 (the default would be TF32); 16-bit inputs ignore it.
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            if SWAP:
+                acc = tl.dot(b.T, a.T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+        if SWAP:
+            acc = acc.T
 
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
@@ -333,6 +352,6 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         HAS_BIAS=bias is not None, TMA=x_desc is not None, EVEN_M=m % config.block_m == 0,
         LAST_ROWS_BACK=LAST_ROWS_BACK if last_rows_back is None else last_rows_back,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, NUM_SMS=num_sms,
+        GROUP_M=config.group_m, NUM_SMS=num_sms, SWAP=config.swap,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
