@@ -37,6 +37,14 @@ from onepath.ops.autograd import capturing
 from onepath.ops.pinned import row_chunks
 
 FP8_BLOCK_K = 128
+# Fused producers, opt-in (untimed): on the CUDA consistent path without autograd, with FP8 W8A8 linears, RMSNorm
+# and SiLU-mul also quantise their output by the linears' activation rule in their own launch
+# (ops/cuda/fp8_rows.quantize_stored); the FP8Tensor rides on the output (`attach_quantized`) and quant_linear
+# takes it instead of launching the quantiser (84 of a Qwen3 layer stack's 112 quantiser launches a decode step,
+# 0.25 ms with the other 28 at batch 256: bench/results/profile-decode-1.7b-fp8-ctx187.json). The codes are the
+# quantiser's, bit for bit: the same rule on the same stored values (tests/ops/test_fused_act_quant_interpret.py;
+# on the H200 tests/gpu/test_fused_act_quant_gpu.py).
+FUSED_ACT_QUANT = False
 
 
 def check_formats(op: OpSpec, name: str) -> str:
@@ -109,6 +117,32 @@ def refresh_quantized(module: torch.nn.Module) -> None:
                 prepared_weight(t, *hit[0][:2])
 
 
+def fused_act_rule(spec: ExecutionSpec, block: int) -> QuantSpec | None:
+    """The rule a producer whose launch covers `block` columns of a row quantises its output by for the next
+    linear (see FUSED_ACT_QUANT), or None: off, not the CUDA consistent path, autograd on, or no FP8 W8A8 linear."""
+    op = spec.op("linear")
+    act = op.act
+    if not FUSED_ACT_QUANT or spec.mode != "consistent" or spec.device != "cuda" or torch.is_grad_enabled() \
+            or act is None or op.weight is None or check_formats(op, "linear") != "fp8" or block % act.block[1]:
+        return None
+    return act
+
+
+def attach_quantized(out: torch.Tensor, quantized: FP8Tensor) -> torch.Tensor:
+    """out, carrying its quantisation for the next linear (with out's version: an in-place change drops it)."""
+    out._fp8_act = (quantized, out._version)
+    return out
+
+
+def attached_quantized(x: torch.Tensor, act: QuantSpec) -> FP8Tensor | None:
+    """The FP8Tensor a producer attached to x by `act`, [M, K] with its scales [M, groups], or None."""
+    hit = getattr(x, "_fp8_act", None)
+    if hit is None or hit[1] != x._version or hit[0].rule != act or hit[0].codes.shape != x.shape:
+        return None
+    q, k = hit[0], x.shape[-1]
+    return FP8Tensor(q.codes.reshape(-1, k), q.scales.reshape(-1, q.scales.shape[-1]), q.block, q.rule)
+
+
 def quant_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype, name: str = "linear") -> torch.Tensor:
     """The forward values of a quantised linear (no autograd: linear() wraps it straight-through)."""
@@ -123,7 +157,8 @@ def quant_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bia
         if cuda:
             from onepath.ops.cuda.matmul_fp8 import matmul_fp8
             from onepath.ops.cuda.quant import quantize_fp8
-            y = matmul_fp8(quantize_fp8(x2, op.act), qw, bias, out_dtype)
+            qa = attached_quantized(x, op.act)
+            y = matmul_fp8(qa if qa is not None else quantize_fp8(x2, op.act), qw, bias, out_dtype)
         else:
             qa = quantize(x2, op.act)
             gemm = fp8_gemm if spec.mode == "consistent" else _dequantized_gemm

@@ -12,6 +12,7 @@ import torch
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops.autograd import apply_kernel
 from onepath.ops.pinned import pinned_unary, tree_sum
+from onepath.ops.quant_linear import attach_quantized, fused_act_rule
 
 
 def reference(x, weight, eps):
@@ -30,8 +31,15 @@ def consistent(x, weight, eps):
 def rmsnorm(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     kernel = consistent if spec.mode == "consistent" else reference
     if spec.device == "cuda":
+        from onepath.ops.cuda.rmsnorm import BLOCK_H
         from onepath.ops.cuda.rmsnorm import rmsnorm as triton_rmsnorm
-        kernel = lambda x, w, eps: triton_rmsnorm(x.reshape(-1, x.shape[-1]), w, eps).reshape(x.shape)
+        act = fused_act_rule(spec, BLOCK_H)
+
+        def kernel(x, w, eps):
+            if act is None:
+                return triton_rmsnorm(x.reshape(-1, x.shape[-1]), w, eps).reshape(x.shape)
+            out, quantized = triton_rmsnorm(x, w, eps, act)
+            return attach_quantized(out, quantized)
     return apply_kernel(lambda x, w: kernel(x, w, eps), lambda x, w: reference(x, w, eps), x, weight)
 
 
@@ -49,9 +57,13 @@ def add_rmsnorm(spec: ExecutionSpec, x: torch.Tensor, residual: torch.Tensor, we
         return reference(s, w, eps), s
 
     if spec.device == "cuda":
-        from onepath.ops.cuda.rmsnorm import rmsnorm_residual
+        from onepath.ops.cuda.rmsnorm import BLOCK_H, rmsnorm_residual
+        act = fused_act_rule(spec, BLOCK_H)
 
         def kernel(x, r, w):
+            if act is not None:
+                normed, s, quantized = rmsnorm_residual(x, r, w, eps, act)
+                return attach_quantized(normed, quantized), s
             h = x.shape[-1]
             normed, s = rmsnorm_residual(x.reshape(-1, h), r.reshape(-1, h), w, eps)
             return normed.reshape(x.shape), s.reshape(x.shape)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops.autograd import apply_kernel
 from onepath.ops.pinned import pinned_unary
+from onepath.ops.quant_linear import attach_quantized, fused_act_rule
 
 
 def reference(gate, up):
@@ -25,5 +26,8 @@ def consistent(gate, up):
 def silu_mul(spec: ExecutionSpec, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     kernel = consistent if spec.mode == "consistent" else reference
     if spec.device == "cuda":
-        from onepath.ops.cuda.elementwise import silu_mul as kernel
+        from onepath.ops.cuda.elementwise import BLOCK_I
+        from onepath.ops.cuda.elementwise import silu_mul as triton_silu_mul
+        act = fused_act_rule(spec, BLOCK_I)
+        kernel = triton_silu_mul if act is None else lambda g, u: attach_quantized(*triton_silu_mul(g, u, act))
     return apply_kernel(kernel, reference, gate, up)

@@ -3,8 +3,9 @@ a probe's bits alone == inside batches of 2..32 sequences of 1..3000 tokens; pre
 (7, 64, 512) == decode token by token; in-register == split-KV launch; the 16-row one-warp decode
 program == the 64-row program in every phase, over BF16 and FP8 caches (negative controls: 16 rows on two
 warps; an FP8 cache without the operand barrier); 128-row programs spanning several tiles (q_block) == the
-64-row program; tiles run without masks inside every row's key range == every tile masked; sliding
-window; run-to-run
+64-row program; tiles run without masks inside every row's key range == every tile masked; FP8_KV's
+power-of-two dequantisation == the FP32 product (every code and scale; whole attention in every phase, launch
+and program; control: FP32 scales read that way differ); sliding window; run-to-run
 determinism, with the kernel's 64 rows per program and the spec's alternative 16 (attention.q_rows);
 values within 1e-2 + 1e-2|ref| of an FP32 reference. Negative controls: SDPA flash's
 prefill last row differs from its decode, and a split-KV whose split count follows the batch differs

@@ -10,6 +10,7 @@ arithmetic itself, the same on every launch and both sides:
   cannot contract a product and an add into one FMA. That is torch eager's arithmetic, so the
   kernel gives the reference's bits exactly.
 `write_kv` copies a step's K and V into their cache slots in one launch (a copy: no arithmetic).
+silu_mul(act=...) also quantises its output for the next FP8 GEMM (fp8_rows.quantize_stored).
 """
 from __future__ import annotations
 
@@ -17,38 +18,57 @@ import torch
 import triton
 import triton.language as tl
 
+from onepath.numerics.quant import FP8Tensor
+from onepath.numerics.spec import QuantSpec
+from onepath.ops.cuda.fp8_rows import fused_quant_outputs, quantize_stored
+
 BLOCK_I = 1024
 NUM_WARPS = 4
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, gate_stride, up_stride, out_stride, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, gate_stride, up_stride, out_stride, I, codes_ptr, scales_ptr,
+                     codes_stride, scales_stride, amax_floor, amax_ceil, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                     UE8M0: tl.constexpr, DIVIDE: tl.constexpr, GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    start = tl.program_id(1) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
     mask = offs < I
     g = tl.load(gate_ptr + row * gate_stride + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * up_stride + offs, mask=mask, other=0.0).to(tl.float32)
     silu = tl.math.div_rn(g, 1.0 + tl.exp(-g))
     tl.store(out_ptr + row * out_stride + offs, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT:
+        # the down projection's FP8 input, by its quantiser's rule, from the chunk just stored
+        tl.debug_barrier()
+        quantize_stored(out_ptr + row * out_stride, start, I, codes_ptr + row * codes_stride,
+                        scales_ptr + row * scales_stride, amax_floor, amax_ceil, UE8M0, DIVIDE, BLOCK, GROUP)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gate, up [..., I] (views of one fused projection are fine) -> silu(gate) * up [..., I] in gate.dtype."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, act: QuantSpec | None = None):
+    """gate, up [..., I] (views of one fused projection are fine) -> silu(gate) * up [..., I] in gate.dtype.
+    act (an FP8 rule of 1 x G groups, G dividing BLOCK_I): (out, its FP8Tensor by that rule), the codes and scales
+    ops/cuda/quant.quantize_fp8(out, act) gives, computed in the same launch."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
                          "must have the same shape and dtype")
     lead, width = gate.shape[:-1], gate.shape[-1]
     g2, u2 = _rows(gate.reshape(-1, width)), _rows(up.reshape(-1, width))
     out = torch.empty(g2.shape, device=gate.device, dtype=gate.dtype)
+    codes, scales, q = fused_quant_outputs(out.shape[0], width, act, out, BLOCK_I)
     if out.numel():
         grid = (g2.shape[0], triton.cdiv(width, BLOCK_I))
-        _silu_mul_kernel[grid](g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), width, BLOCK=BLOCK_I,
+        _silu_mul_kernel[grid](g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), width, codes, scales,
+                               codes.stride(0), scales.stride(0), *q["args"], BLOCK=BLOCK_I, **q["constexprs"],
                                num_warps=NUM_WARPS, enable_fp_fusion=False)
-    return out.reshape(*lead, width)
+    if act is None:
+        return out.reshape(*lead, width)
+    return out.reshape(*lead, width), FP8Tensor(codes.reshape(*lead, width), scales.reshape(*lead, -1), act.block,
+                                                act)
 
 
 @triton.jit

@@ -22,30 +22,10 @@ import triton.language as tl
 from onepath.numerics.quant import FP8Tensor
 from onepath.numerics.spec import FP8_ACT, QuantSpec
 from onepath.ops.cuda.elementwise import kv_write_rows
+from onepath.ops.cuda.fp8_rows import ceil_arg, quantize_rows
 
 GROUPS_PER_PROGRAM = 4
 NUM_WARPS = 4
-
-
-@triton.jit
-def _quantize_rows(x, amax_floor, amax_ceil, UE8M0: tl.constexpr, DIVIDE: tl.constexpr):
-    """x [R, G] FP32 (masked elements 0) -> (y [R, G] FP32 in range, ready for the e4m3 cast; scale [R]):
-    the rule above for each row of x, one group each. Shared by the activation quantiser and write_kv_fp8."""
-    finite = (x == x) & (tl.abs(x) < float("inf"))
-    bad = tl.max(tl.where(finite, 0, 1), axis=1)
-    amax = tl.minimum(tl.maximum(tl.max(tl.abs(x), axis=1), amax_floor), amax_ceil)
-    scale = tl.math.div_rn(amax, 448.0)
-    if UE8M0:
-        bits = scale.to(tl.int32, bitcast=True)
-        exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        scale = (tl.minimum(tl.maximum(exp, 1), 254) << 23).to(tl.float32, bitcast=True)
-    scale = tl.where(bad == 0, scale, float("nan"))
-    if DIVIDE:
-        y = tl.math.div_rn(x, scale[:, None])
-    else:
-        y = x * tl.math.div_rn(1.0, scale)[:, None]
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    return tl.where(bad[:, None] == 0, y, 0.0), scale
 
 
 @triton.jit
@@ -56,7 +36,7 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, x_stride, q_stride, s_stride, K, n_gr
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (groups[:, None] < n_groups) & (cols < K)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    y, scale = _quantize_rows(x, amax_floor, amax_ceil, UE8M0, DIVIDE)
+    y, scale = quantize_rows(x, amax_floor, amax_ceil, UE8M0, DIVIDE)
     tl.store(q_ptr + row * q_stride + cols, y.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + row * s_stride + groups, scale, mask=groups < n_groups)
 
@@ -66,7 +46,7 @@ def _quantize_into(x_ptr, codes_ptr, scales_ptr, codes_at, scales_at, h, mask, h
                    UE8M0: tl.constexpr, DIVIDE: tl.constexpr):
     """One token's K or V [heads, D] (x_ptr at its rows) quantised per head into its cache slot."""
     x = tl.load(x_ptr, mask=mask, other=0.0)
-    y, scale = _quantize_rows(x.to(tl.float32), amax_floor, amax_ceil, UE8M0, DIVIDE)
+    y, scale = quantize_rows(x.to(tl.float32), amax_floor, amax_ceil, UE8M0, DIVIDE)
     tl.store(codes_ptr + codes_at, y.to(tl.float8e4nv), mask=mask)
     tl.store(scales_ptr + scales_at, scale, mask=h < heads)
 
@@ -83,11 +63,6 @@ def _write_kv_fp8_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
                    scales_at, h, mask, heads, amax_floor, amax_ceil, UE8M0, DIVIDE)
     _quantize_into(v_ptr + tok * v_tok_stride + h[:, None] * v_head_stride + d[None, :], vc_ptr, vs_ptr, codes_at,
                    scales_at, h, mask, heads, amax_floor, amax_ceil, UE8M0, DIVIDE)
-
-
-def _ceil(q: QuantSpec) -> float:
-    """The amax ceiling as a kernel argument: inf when the rule has none (min(amax, inf) is amax)."""
-    return float("inf") if q.amax_ceil is None else q.amax_ceil
 
 
 def quantize_fp8(x: torch.Tensor, q: QuantSpec = FP8_ACT) -> FP8Tensor:
@@ -107,7 +82,7 @@ def quantize_fp8(x: torch.Tensor, q: QuantSpec = FP8_ACT) -> FP8Tensor:
     if m and k:
         grid = (m, triton.cdiv(n_groups, GROUPS_PER_PROGRAM))
         _quant_fp8_kernel[grid](x2, codes, scales, x2.stride(0), codes.stride(0), scales.stride(0), k, n_groups,
-                                q.amax_floor, _ceil(q), UE8M0=q.scale_dtype == "ue8m0", DIVIDE=q.scale_apply == "divide",
+                                q.amax_floor, ceil_arg(q), UE8M0=q.scale_dtype == "ue8m0", DIVIDE=q.scale_apply == "divide",
                                 GROUP=group, GROUPS=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS)
     return FP8Tensor(codes.reshape(x.shape), scales.reshape(*x.shape[:-1], n_groups), q.block, q)
 
@@ -137,6 +112,6 @@ def write_kv_fp8(k_cache: FP8Tensor, v_cache: FP8Tensor, k: torch.Tensor, v: tor
     _write_kv_fp8_kernel[(tokens,)](
         k, v, slot_mapping.contiguous(), codes, v_cache.codes, scales, v_cache.scales,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), codes.stride(1), codes.stride(2),
-        scales.stride(1), scales.stride(2), heads, dim, q.amax_floor, _ceil(q),
+        scales.stride(1), scales.stride(2), heads, dim, q.amax_floor, ceil_arg(q),
         UE8M0=q.scale_dtype == "ue8m0", DIVIDE=q.scale_apply == "divide",
         BLOCK_HEADS=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim), num_warps=NUM_WARPS)

@@ -23,6 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from onepath.numerics.quant import FP8Tensor
+from onepath.numerics.spec import QuantSpec
+from onepath.ops.cuda.fp8_rows import fused_quant_outputs, quantize_stored
+
 # The chunk of H summed per step: it fixes the reduction order of a row.
 BLOCK_H = 1024
 NUM_WARPS = 4
@@ -85,13 +89,16 @@ def normed(v, inv, w, dtype: tl.constexpr):
     return (w * (v * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["x_stride", "r_stride", "out_stride", "res_stride"])
+@triton.jit(do_not_specialize=["x_stride", "r_stride", "out_stride", "res_stride", "codes_stride", "scales_stride"])
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, x_stride, r_stride, out_stride, res_stride, H, eps,
-                    HAS_RESIDUAL: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr):
+                    codes_ptr, scales_ptr, codes_stride, scales_stride, amax_floor, amax_ceil,
+                    HAS_RESIDUAL: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                    UE8M0: tl.constexpr, DIVIDE: tl.constexpr, GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + tl.multiple_of(row * x_stride, VEC)
     r_row = r_ptr + tl.multiple_of(row * r_stride, VEC)
     res_row = res_ptr + tl.multiple_of(row * res_stride, VEC)
+    out_row = out_ptr + tl.multiple_of(row * out_stride, VEC)
     cols = tl.arange(0, BLOCK)
     inv = inv_rms(x_row, r_row, res_row, H, eps, HAS_RESIDUAL, BLOCK)
 
@@ -101,8 +108,13 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, x_stride, r_stride, o
         v = _summed_row(x_row, r_row, offs, mask, HAS_RESIDUAL)
         y = (v * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + tl.multiple_of(row * out_stride, VEC) + offs, (w * y).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(out_row + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT:
+        # the next FP8 GEMM's input, by its quantiser's rule, from the row just stored (fp8_rows.quantize_stored)
+        tl.debug_barrier()
+        for start in range(0, H, BLOCK):
+            quantize_stored(out_row, start, H, codes_ptr + row * codes_stride, scales_ptr + row * scales_stride,
+                            amax_floor, amax_ceil, UE8M0, DIVIDE, BLOCK, GROUP)
 
 
 @triton.jit(do_not_specialize=["x_tok_stride", "x_head_stride"])
@@ -134,7 +146,7 @@ def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, pos_ptr, cos_ptr, sin_ptr, out_p
     tl.store(out_row + HALF + d, (x2c + x1s).to(dtype), mask=mask)
 
 
-def _launch(x, residual, weight, eps):
+def _launch(x, residual, weight, eps, act=None):
     if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rmsnorm: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
                          "(expected x [..., H], weight [H])")
@@ -149,23 +161,31 @@ def _launch(x, residual, weight, eps):
     vec = 16 // x.element_size()
     out = aligned_rows(torch.empty((m, h), device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype)))
     res = aligned_rows(torch.empty_like(x2)) if residual is not None else out
+    codes, scales, q = fused_quant_outputs(m, h, act, out, BLOCK_H)
     if m and h:
         _rmsnorm_kernel[(m,)](x2, r2, aligned_rows(weight[None])[0], out, res, row_stride(x2), row_stride(r2),
-                              row_stride(out), row_stride(res), h, eps, HAS_RESIDUAL=residual is not None,
-                              VEC=min(vec, 16 // out.element_size()), BLOCK=BLOCK_H, num_warps=NUM_WARPS,
-                              enable_fp_fusion=False)
-    return out.reshape(*lead, h), res.reshape(*lead, h)
+                              row_stride(out), row_stride(res), h, eps, codes, scales, codes.stride(0),
+                              scales.stride(0), *q["args"], HAS_RESIDUAL=residual is not None,
+                              VEC=min(vec, 16 // out.element_size()), BLOCK=BLOCK_H, **q["constexprs"],
+                              num_warps=NUM_WARPS, enable_fp_fusion=False)
+    quantized = FP8Tensor(codes.reshape(*lead, h), scales.reshape(*lead, -1), act.block, act) if act else None
+    return out.reshape(*lead, h), res.reshape(*lead, h), quantized
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., H], weight [H] -> [..., H] in promote(x.dtype, weight.dtype) (x.dtype for a model's BF16 weights)."""
-    return _launch(x, None, weight, eps)[0]
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, act: QuantSpec | None = None):
+    """x [..., H], weight [H] -> [..., H] in promote(x.dtype, weight.dtype) (x.dtype for a model's BF16 weights).
+    act (an FP8 rule of 1 x G groups, G dividing BLOCK_H): also its quantisation by that rule, computed in the
+    same launch, (out, FP8Tensor): the codes and scales ops/cuda/quant.quantize_fp8(out, act) gives."""
+    out, _, quantized = _launch(x, None, weight, eps, act)
+    return (out, quantized) if act else out
 
 
-def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(s), s) with s = x + residual rounded to x.dtype, in one pass over memory."""
-    return _launch(x, residual, weight, eps)
+def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                     act: QuantSpec | None = None):
+    """(rmsnorm(s), s) with s = x + residual rounded to x.dtype, in one pass over memory; with act (see rmsnorm)
+    (rmsnorm(s), s, its FP8Tensor)."""
+    out, res, quantized = _launch(x, residual, weight, eps, act)
+    return (out, res, quantized) if act else (out, res)
 
 
 def qk_norm_rope(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, eps: float,
