@@ -36,10 +36,7 @@ def rmsnorm(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, eps: flo
         act = fused_act_rule(spec, BLOCK_H)
 
         def kernel(x, w, eps):
-            if act is None:
-                return triton_rmsnorm(x.reshape(-1, x.shape[-1]), w, eps).reshape(x.shape)
-            out, quantized = triton_rmsnorm(x, w, eps, act)
-            return attach_quantized(out, quantized)
+            return triton_rmsnorm(x, w, eps) if act is None else attach_quantized(*triton_rmsnorm(x, w, eps, act))
     return apply_kernel(lambda x, w: kernel(x, w, eps), lambda x, w: reference(x, w, eps), x, weight)
 
 
@@ -61,12 +58,10 @@ def add_rmsnorm(spec: ExecutionSpec, x: torch.Tensor, residual: torch.Tensor, we
         act = fused_act_rule(spec, BLOCK_H)
 
         def kernel(x, r, w):
-            if act is not None:
-                normed, s, quantized = rmsnorm_residual(x, r, w, eps, act)
-                return attach_quantized(normed, quantized), s
-            h = x.shape[-1]
-            normed, s = rmsnorm_residual(x.reshape(-1, h), r.reshape(-1, h), w, eps)
-            return normed.reshape(x.shape), s.reshape(x.shape)
+            if act is None:
+                return rmsnorm_residual(x, r, w, eps)
+            normed, s, quantized = rmsnorm_residual(x, r, w, eps, act)
+            return attach_quantized(normed, quantized), s
     else:
         def kernel(x, r, w):
             s = x + r

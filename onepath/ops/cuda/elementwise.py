@@ -18,9 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from onepath.numerics.quant import FP8Tensor
 from onepath.numerics.spec import QuantSpec
-from onepath.ops.cuda.fp8_rows import fused_quant_outputs, quantize_stored
+from onepath.ops.cuda.fp8_rows import fused_quant_outputs, fused_quant_result, quantize_stored
 
 BLOCK_I = 1024
 NUM_WARPS = 4
@@ -67,8 +66,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, act: QuantSpec | None = None)
                                num_warps=NUM_WARPS, enable_fp_fusion=False)
     if act is None:
         return out.reshape(*lead, width)
-    return out.reshape(*lead, width), FP8Tensor(codes.reshape(*lead, width), scales.reshape(*lead, -1), act.block,
-                                                act)
+    return out.reshape(*lead, width), fused_quant_result(codes, scales, lead, act)
 
 
 @triton.jit

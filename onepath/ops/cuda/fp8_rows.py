@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from onepath.numerics.quant import FP8Tensor
+
 
 @triton.jit
 def quantize_rows(x, amax_floor, amax_ceil, UE8M0: tl.constexpr, DIVIDE: tl.constexpr):
@@ -69,3 +71,8 @@ def fused_quant_outputs(m: int, width: int, act, placeholder: torch.Tensor, bloc
     return codes, scales, dict(args=(act.amax_floor, ceil_arg(act)),
                                constexprs=dict(QUANT=True, UE8M0=act.scale_dtype == "ue8m0",
                                                DIVIDE=act.scale_apply == "divide", GROUP=group))
+
+
+def fused_quant_result(codes: torch.Tensor, scales: torch.Tensor, lead: tuple, act):
+    """The FP8Tensor of fused_quant_outputs' buffers, shaped [*lead, width] / [*lead, groups]; None without act."""
+    return FP8Tensor(codes.reshape(*lead, -1), scales.reshape(*lead, -1), act.block, act) if act else None

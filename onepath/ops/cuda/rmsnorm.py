@@ -23,9 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from onepath.numerics.quant import FP8Tensor
 from onepath.numerics.spec import QuantSpec
-from onepath.ops.cuda.fp8_rows import fused_quant_outputs, quantize_stored
+from onepath.ops.cuda.fp8_rows import fused_quant_outputs, fused_quant_result, quantize_stored
 
 # The chunk of H summed per step: it fixes the reduction order of a row.
 BLOCK_H = 1024
@@ -168,8 +167,7 @@ def _launch(x, residual, weight, eps, act=None):
                               scales.stride(0), *q["args"], HAS_RESIDUAL=residual is not None,
                               VEC=min(vec, 16 // out.element_size()), BLOCK=BLOCK_H, **q["constexprs"],
                               num_warps=NUM_WARPS, enable_fp_fusion=False)
-    quantized = FP8Tensor(codes.reshape(*lead, h), scales.reshape(*lead, -1), act.block, act) if act else None
-    return out.reshape(*lead, h), res.reshape(*lead, h), quantized
+    return out.reshape(*lead, h), res.reshape(*lead, h), fused_quant_result(codes, scales, lead, act)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, act: QuantSpec | None = None):

@@ -7,11 +7,10 @@ from __future__ import annotations
 SHARED_BYTES = 232448
 
 
-def build(kernel, sig: dict, consts: dict, aligned, num_warps: int, num_stages: int, enable_fp_fusion: bool = True,
-          maxnreg: int | None = None):
+def build(kernel, sig: dict, consts: dict, aligned, num_warps: int, num_stages: int, enable_fp_fusion: bool = True):
     """The CompiledKernel of `kernel` for sm_90 (every stage's text in .asm: ttgir, ptx, cubin). sig: argument ->
     Triton type; consts: constexpr argument -> value; aligned: arguments divisible by 16 (what a launch
-    specialises on); num_warps, num_stages, enable_fp_fusion, maxnreg: the launch's options."""
+    specialises on); num_warps, num_stages, enable_fp_fusion: the launch's options."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -21,5 +20,4 @@ def build(kernel, sig: dict, consts: dict, aligned, num_warps: int, num_stages: 
     src = ASTSource(kernel, {n: sig[n] for n in names}, constexprs={(names.index(n),): v for n, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=enable_fp_fusion,
-                                       **({"maxnreg": maxnreg} if maxnreg else {})))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=enable_fp_fusion))
