@@ -104,7 +104,7 @@ def test_cublas_is_not_batch_invariant():
 def test_every_tile_config_gives_the_same_bits(k, n):
     """pick_config may change the tile with M only because the tile never changes the bits: rows,
     columns, K step (64, 128, 256), warps, TMA or pointer loads, wgmma or (16- and 32-row tiles) mma.sync,
-    and the opt-in SWAP_TILES (the weight rows as the MMA's M, the tokens as its N; by TMA and by pointer loads).
+    and SWAP_TILES (the weight rows as the MMA's M, the tokens as its N; by TMA and by pointer loads).
     Control: the same kernel summing K's two halves apart (a split-K) gives other bits."""
     w = _weight(k, n)
     x = _randn(300, k, gen=_gen(3))

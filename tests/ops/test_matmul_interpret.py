@@ -128,18 +128,19 @@ def test_pick_config_fills_the_sms():
     from onepath.ops.cuda import matmul as mm
 
     skinny, dense = mm.SKINNY_TILES, mm.DENSE_TILES
-    # up to 16 rows: 64x128 tiles where N gives them half the SMs, else 16x32, else 64x32 (narrow N)
-    assert mm.pick_config(1, 11008, torch.bfloat16, 132) == skinny[0]
-    assert mm.pick_config(16, 4096, torch.bfloat16, 132) == skinny[1], "128 tiles of 16x32 fill half"
+    # up to 16 rows: the swapped 16x128 tile where N gives it half the SMs, else the swapped 16x64
+    assert mm.pick_config(1, 11008, torch.bfloat16, 132) == skinny[0], "86 tiles of 16x128"
+    assert mm.pick_config(16, 4096, torch.bfloat16, 132) == skinny[1], "64 tiles of 16x128 fall short of 66"
     assert mm.pick_config(1, 1024, torch.bfloat16, 132) == skinny[-1]
-    # 17..32 rows: 16- and 32-row tiles where one gives half the SMs a tile, else the dense ladder
+    assert all(c.swap for c in skinny)
+    # 17..32 rows: 32x128 where it gives half the SMs a tile, else the swapped tiles alike
     small = mm.SMALL_TILES
-    assert mm.pick_config(17, 4096, torch.bfloat16, 132) == small[2], "128 tiles of 16x64"
+    assert mm.pick_config(17, 4096, torch.bfloat16, 132) == small[-1], "128 tiles of 16x64"
     assert mm.pick_config(32, 11008, torch.bfloat16, 132) == small[0], "86 tiles of 32x128"
-    assert mm.pick_config(32, 6144, torch.bfloat16, 132) == small[1]
-    assert mm.pick_config(32, 2048, torch.bfloat16, 132) == small[3]
+    assert mm.pick_config(32, 6144, torch.bfloat16, 132) == small[1], "96 tiles of 16x128"
+    assert mm.pick_config(32, 2048, torch.bfloat16, 132) == small[-1]
     assert mm.pick_config(32, 151936, torch.bfloat16, 132, torch.float32) == small[0]
-    assert mm.pick_config(32, 1024, torch.bfloat16, 132) == dense[-1], "no small tile gives half the SMs one"
+    assert mm.pick_config(32, 1024, torch.bfloat16, 132) == small[-1], "none gives half the SMs a tile: the smallest"
     assert mm.pick_config(33, 4096, torch.bfloat16, 132) == dense[-1], "past 32 rows: the dense ladder"
     assert mm.pick_config(256, 4096, torch.bfloat16, 132) == dense[2], "128 tiles of 64x128 fill half"
     assert mm.pick_config(256, 2048, torch.bfloat16, 132) == dense[3]
@@ -184,7 +185,7 @@ def _compile_sm90(cfg, dtype: str, out: str):
 def test_every_config_compiles_for_sm90_on_wgmma_within_shared_memory():
     """What the launcher can pick builds for the H200: within its shared memory; 16-bit inputs on
     wgmma, except the 16- and 32-row tiles on mma.sync (whose bits tests/gpu/test_matmul.py proves
-    equal); fp32 inputs on FMA (ieee, no TF32 tensor-core path). The opt-in SWAP_TILES, 16 tokens with the
+    equal); fp32 inputs on FMA (ieee, no TF32 tensor-core path). SWAP_TILES, 16 tokens with the
     weight rows as the MMA's M, build on wgmma too."""
     import dataclasses
 

@@ -9,7 +9,7 @@ the other rows or on the row's position. What keeps it:
   64-deep step's instructions, fewer times round the loop (the walk's dependent steps are what a
   skinny decode GEMM waits on), and the K tail's zeros add nothing;
 - the tile config (rows, columns, K step, warps; wgmma or, for 16- and 32-row tiles, mma.sync; the operands
-  swapped, SWAP_TILES, opt-in until timed) may follow M
+  swapped, SWAP_TILES, at decode M) may follow M
   (small tiles fill the 132 SMs at decode, large ones reach the tensor-core peak at prefill) only
   because each output element's MMA chain over K is the same in every one; tests/gpu/test_matmul.py
   proves the candidates give equal bits, and a split-K sum does not;
@@ -107,37 +107,23 @@ DENSE_SPEED = {(128, 256): 1.0, (128, 128): 0.85, (64, 128): 0.8, (64, 64): 0.5,
 # (kernels-matmul-ladder-train-stages.json). Every depth gave the same bits.
 DEEP_RING_M = 1024
 DEEP_RING_STAGES = 5
-# Up to SKINNY_M rows (decode of a few sequences) the weight stream is all the work: 64x128 tiles by pointer
-# loads where N gives them half the SMs (TMA's 64-row x box was slower there), else 16x32 tiles on two warps
-# (mma.sync: the same bits as wgmma's, kernels-matmul-decode-sweep*.json) over 256-deep K steps, else, for a
-# narrow N, 16x16 ones on one warp.
-SKINNY_M = 16
-SKINNY_TILES = (
-    TileConfig(64, 128, num_warps=4, num_stages=4, block_k=128),
-    TileConfig(16, 32, num_warps=2, num_stages=4, tma=True, block_k=256),
-    TileConfig(16, 16, num_warps=1, num_stages=4, tma=True, block_k=256),
-)
-# Tiles with the operands swapped (TileConfig.swap): 16 tokens by 64 or 128 features on one warpgroup's wgmma,
-# the weight's rows as the MMA's M. Opt-in (matmul(config=...), the decode sweep): their bits are
-# tests/gpu/test_matmul.py's to prove and their speed is not measured yet, so pick_config does not take them.
+# Up to SMALL_M rows (decode of a few sequences) the weight stream is all the work. There the tiles take the
+# operands swapped (TileConfig.swap): 16 tokens by 128 or 64 weight rows, the weight rows as wgmma's M, so one
+# warpgroup runs m64 MMAs over a tile whose token side is nearly all padding. On the H200 (CUDA graphs, `python
+# bench/kernels_matmul.py --decode-sweep --graph --ms 1 16 32 --configs ...`, kernels-matmul-decode-sweep-swap-all.json)
+# 16x64 was the fastest tile on every one of the 13 decode shapes at M = 1 and 16 with N up to 6144 (qwen3-1.7b's
+# down projection at M = 1: 11.2 us against 13.1 for the 16x16 tile it replaced; cuBLAS 9.2), 16x128 where N
+# gives it half the SMs (N = 11008 and up: 23.1 against 24.6 for 64x128 by pointer loads); at M = 32 a 32x128 tile
+# (two tokens' rows of wgmma no longer padding) where it gives half the SMs, else the swapped ones alike.
+# Every tile gave the same bits (tests/gpu/test_matmul.py).
 SWAP_TILES = (
-    TileConfig(16, 64, num_warps=4, num_stages=4, tma=True, block_k=256, swap=True),
     TileConfig(16, 128, num_warps=4, num_stages=4, tma=True, block_k=128, swap=True),
+    TileConfig(16, 64, num_warps=4, num_stages=4, tma=True, block_k=256, swap=True),
 )
-# From SKINNY_M to SMALL_M rows, tiles of 32 or 16 rows (mma.sync, the same bits), the largest that still gives
-# half the SMs a tile: a 64-row tile's TMA box of x reaches past M there, and such tiles ran up to twice their time
-# at M = 64 (kernels-matmul-ladder-m32-512.json). At M = 24 and 32 over the decode sweep's 13 shapes one of these
-# was the fastest tile on 11 of 13 shapes, 10.0 us against 17.7 (64x32) on 4096x4096 at M = 32
-# (kernels-matmul-ladder-m24-56.json); where none gives half the SMs a tile (N = 1024) a 64-row one was, and from
-# M = 40 the 64-row ladder was faster again.
+SKINNY_M = 16
+SKINNY_TILES = SWAP_TILES
 SMALL_M = 32
-SMALL_TILES = (
-    TileConfig(32, 128, num_warps=4, num_stages=4, tma=True, block_k=128),
-    TileConfig(32, 64, num_warps=4, num_stages=4, tma=True, block_k=256),
-    TileConfig(16, 64, num_warps=4, num_stages=4, tma=True, block_k=256),
-    TileConfig(16, 32, num_warps=2, num_stages=4, tma=True, block_k=256),
-)
-
+SMALL_TILES = (TileConfig(32, 128, num_warps=4, num_stages=4, tma=True, block_k=128), *SWAP_TILES)
 # An fp32 output tile is staged through shared memory on its way out; 128x256 with its 3 pipeline
 # stages would need 272 KiB, over the H200's 227 KiB per block (see the sm_90 compile test).
 MAX_TILE_FP32_OUT = 128 * 128
@@ -172,18 +158,15 @@ def dense_candidates(m: int, out_dtype: torch.dtype | None = None) -> list[TileC
 
 
 def pick_config(m: int, n: int, dtype: torch.dtype, num_sms: int, out_dtype: torch.dtype | None = None) -> TileConfig:
-    """Up to SKINNY_M rows, the largest SKINNY_TILES config that still gives half the SMs a tile; up to
-    SMALL_M the same among SMALL_TILES where one does; else the dense_candidates config of least modelled
-    time (dense_pick)."""
+    """Up to SKINNY_M rows the first SKINNY_TILES config that gives half the SMs a tile, else its last; up to
+    SMALL_M the same among SMALL_TILES; else the dense_candidates config of least modelled time (dense_pick)."""
     if dtype == torch.float32:
         return TILE_FP32
     half = max(1, num_sms // 2)
     if m <= SKINNY_M:
         return first_filling([c for c in SKINNY_TILES if stages_output(c, out_dtype)], m, n, half)
     if m <= SMALL_M:
-        filling = [c for c in SMALL_TILES if stages_output(c, out_dtype) and c.tiles(m, n) >= half]
-        if filling:
-            return filling[0]
+        return first_filling([c for c in SMALL_TILES if stages_output(c, out_dtype)], m, n, half)
     return dense_pick(m, n, num_sms, out_dtype)
 
 
