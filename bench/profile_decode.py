@@ -129,13 +129,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--bound", type=Path, metavar="FILE", help="add the roofline and attention_at_peak to a saved "
                    "profile, in place; no GPU")
-    p.add_argument("--fused-act-quant", action="store_true",
-                   help="with FP8 linears, RMSNorm and SiLU-mul quantise their output for the next GEMM in their own "
-                        "launch (ops/quant_linear.FUSED_ACT_QUANT; the same bits)")
+    p.add_argument("--no-fused-act-quant", action="store_true",
+                   help="with FP8 linears, the standalone activation quantiser instead of RMSNorm and SiLU-mul "
+                        "quantising their output in their own launch (ops/quant_linear.FUSED_ACT_QUANT; the same bits)")
     args = p.parse_args(argv)
-    if args.fused_act_quant:
+    if args.no_fused_act_quant:
         from onepath.ops import quant_linear
-        quant_linear.FUSED_ACT_QUANT = True
+        quant_linear.FUSED_ACT_QUANT = False
     if args.bound:
         result = json.loads(args.bound.read_text())
         add_bound(result)

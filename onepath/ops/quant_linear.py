@@ -37,14 +37,16 @@ from onepath.ops.autograd import capturing
 from onepath.ops.pinned import row_chunks
 
 FP8_BLOCK_K = 128
-# Fused producers, opt-in (untimed): on the CUDA consistent path without autograd, with FP8 W8A8 linears, RMSNorm
+# Fused producers: on the CUDA consistent path without autograd, with FP8 W8A8 linears, RMSNorm
 # and SiLU-mul also quantise their output by the linears' activation rule in their own launch
 # (ops/cuda/fp8_rows.quantize_stored); the FP8Tensor rides on the output (`attach_quantized`) and quant_linear
 # takes it instead of launching the quantiser (84 of a Qwen3 layer stack's 112 quantiser launches a decode step,
 # 0.25 ms with the other 28 at batch 256: bench/results/profile-decode-1.7b-fp8-ctx187.json). The codes are the
 # quantiser's, bit for bit: the same rule on the same stored values (tests/ops/test_fused_act_quant_interpret.py;
-# on the H200 tests/gpu/test_fused_act_quant_gpu.py).
-FUSED_ACT_QUANT = False
+# on the H200 tests/gpu/test_fused_act_quant_gpu.py). Qwen3-1.7B, FP8 + FP8 KV, fixed-1000 at batch 256: 34,357
+# output tok/s against 33,694 unfused (decode step at context 187 4.41 ms against 4.55; one call,
+# bench/results/rollout-qwen3-1.7b-fp8_fp8_kv-fused.json, -s16.json). Off: `--no-fused-act-quant` on the benches.
+FUSED_ACT_QUANT = True
 
 
 def check_formats(op: OpSpec, name: str) -> str:

@@ -167,7 +167,8 @@ def test_fused_act_rule_only_where_it_applies(monkeypatch):
 
     fp8 = ExecutionSpec.default("consistent", "cuda", quant="fp8")
     with torch.no_grad():
-        assert QL.fused_act_rule(fp8, 1024) is None                    # off by default
+        monkeypatch.setattr(QL, "FUSED_ACT_QUANT", False)
+        assert QL.fused_act_rule(fp8, 1024) is None
         monkeypatch.setattr(QL, "FUSED_ACT_QUANT", True)
         assert QL.fused_act_rule(fp8, 1024) == FP8_ACT
         assert QL.fused_act_rule(fp8, 64) is None                      # 128-wide groups do not divide 64 columns
