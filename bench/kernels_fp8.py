@@ -10,7 +10,8 @@ kernels without the host's launch cost, which bounds the eager times of the smal
                  picks for the shape (fp8_kernel: a Triton tile, or the warp-specialized Gluon kernel from
                  WS_MIN_ROWS rows on)
   fp8_triton     the Triton kernel forced, at its tile for the shape
-  fp8_ws         the warp-specialized kernel forced (WS_CONFIG; Hopper only)
+  fp8_ws         the warp-specialized kernel forced (WS_CONFIG, or --ws-variant: a bench/fp8_gluon.py variant by
+                 name; Hopper only)
   fp8_quant_act  onepath.ops.cuda.quant.quantize_fp8 of the activation (1x128 groups)
   fp8_linear     quantize_fp8 + matmul_fp8: what a W8A8 linear with a cached FP8 weight costs
 fp8_triton against fp8_ws over M is what WS_MIN_ROWS is set from: the summary's ws_from_m, per shape the
@@ -53,10 +54,17 @@ def run(args) -> dict:
     rows = []
     print(f"{'shape':20s} {'M':>5s} {'fp8 kernel':24s} {'bf16 ours':>10s} {'cuBLAS':>8s} {'fp8 gemm':>9s} "
           f"{'triton':>8s} {'ws':>8s} {'quant':>7s} {'fp8/bf16':>8s} {'fp8 TF/s':>8s} {'bf16 TF/s':>9s}")
+    ws = WS_CONFIG
+    if args.ws_variant:
+        from bench.fp8_gluon import variants
+        by_name = {str(v): v for v in variants()}
+        if args.ws_variant not in by_name:
+            raise SystemExit(f"--ws-variant {args.ws_variant!r}: not one of bench/fp8_gluon.py's {sorted(by_name)}")
+        ws = by_name[args.ws_variant]
     for name, k, n in SHAPES:
         w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
         qw = quantize_reference(w, FP8_WEIGHT)
-        for m in [*DECODE_MS, *PREFILL_MS, *TRAIN_MS]:
+        for m in args.ms or [*DECODE_MS, *PREFILL_MS, *TRAIN_MS]:
             x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
             qa = quantize_fp8(x, FP8_ACT)
             flops = 2.0 * m * n * k
@@ -65,7 +73,7 @@ def run(args) -> dict:
                      bf16_cublas=kernel_us(lambda: F.linear(x, w), args.rep_ms, args.graph),
                      fp8_gemm=kernel_us(lambda: matmul_fp8(qa, qw), args.rep_ms, args.graph),
                      fp8_triton=kernel_us(lambda: matmul_fp8(qa, qw, config=tile), args.rep_ms, args.graph),
-                     fp8_ws=kernel_us(lambda: matmul_fp8(qa, qw, config=WS_CONFIG), args.rep_ms, args.graph)
+                     fp8_ws=kernel_us(lambda: matmul_fp8(qa, qw, config=ws), args.rep_ms, args.graph)
                      if is_hopper(device) else None,
                      fp8_quant_act=kernel_us(lambda: quantize_fp8(x, FP8_ACT), args.rep_ms, args.graph),
                      fp8_linear=kernel_us(lambda: matmul_fp8(quantize_fp8(x, FP8_ACT), qw), args.rep_ms, args.graph))
@@ -85,9 +93,12 @@ def run(args) -> dict:
         del w, qw
         torch.cuda.empty_cache()
     train = [r["fp8_gemm_vs_bf16_ours"] for r in rows if r["phase"] == "train"]
-    summary = dict(target_fp8_vs_bf16_train=TARGET_TRAIN, min_fp8_vs_bf16_train=min(train),
-                   geomean_fp8_vs_bf16_train=float(torch.tensor(train).log().mean().exp()),
-                   meets_target=min(train) >= TARGET_TRAIN, ws_min_rows=WS_MIN_ROWS,
+    ws_train = [r["bf16_ours_us"] / r["fp8_ws_us"] for r in rows if r["phase"] == "train" and r["fp8_ws_us"]]
+    summary = dict(target_fp8_vs_bf16_train=TARGET_TRAIN, min_fp8_vs_bf16_train=min(train, default=None),
+                   geomean_fp8_vs_bf16_train=float(torch.tensor(train).log().mean().exp()) if train else None,
+                   meets_target=bool(train) and min(train) >= TARGET_TRAIN, ws_config=str(ws),
+                   geomean_ws_vs_bf16_train=float(torch.tensor(ws_train).log().mean().exp()) if ws_train else None,
+                   ws_min_rows=WS_MIN_ROWS,
                    ws_from_m={name: _ws_from_m([r for r in rows if r["shape"] == name]) for name, _, _ in SHAPES})
     print(summary)
     return dict(environment("cuda"), command="python " + " ".join(sys.argv),
@@ -118,6 +129,9 @@ def main():
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--graph", action="store_true",
                    help="time CUDA graph replays: the kernels alone, without Python's launch cost")
+    p.add_argument("--ws-variant", help="time fp8_ws with this bench/fp8_gluon.py variant, e.g. "
+                   "ws128x256s4+persistent+pingpong-issued (default: WS_CONFIG, the shipped one)")
+    p.add_argument("--ms", type=int, nargs="+", help="only these M (default: the decode, prefill and training M)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("kernels_fp8: no CUDA device, nothing to time")
