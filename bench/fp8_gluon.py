@@ -134,12 +134,12 @@ def _check_awkward(v: WSConfig, cases: list[tuple], info: dict) -> None:
 def run(args) -> None:
     from onepath.numerics.quant import quantize_fp8
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.matmul import _num_sms, matmul
+    from onepath.ops.cuda.matmul import matmul, sm_count
     from onepath.ops.cuda.matmul_fp8 import matmul_fp8, pick_config
 
     out_path = Path(args.out)
     t = lambda fn: kernel_us(fn, args.rep_ms)
-    sms = _num_sms(torch.device("cuda"))
+    sms = sm_count(torch.device("cuda"))
 
     def triton_fp8(qa, qw, bias=None, out_dtype=torch.bfloat16):
         """The Triton kernel at its tile for the shape (matmul_fp8 picks the Gluon one from WS_MIN_ROWS rows on)."""
@@ -215,13 +215,13 @@ def run_decode(args) -> None:
     BF16 GEMM on a bf16 weight of the same shape."""
     from onepath.numerics.quant import FP8Tensor, quantize_fp8
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.matmul import _num_sms, matmul
+    from onepath.ops.cuda.matmul import matmul, sm_count
     from bench.kernels_fp8 import _kernel_name
     from onepath.ops.cuda.matmul_fp8 import WS_CONFIG, matmul_fp8, pick_config
 
     start = time.monotonic()
     out_path = Path(args.out)
-    sms = _num_sms(torch.device("cuda"))
+    sms = sm_count(torch.device("cuda"))
     t = lambda fn: kernel_us(fn, args.rep_ms, graph=True)
     configs = [WS_CONFIG, *_selected(decode_variants(), args)]
     labels = {str(v): f"v{i}" for i, v in enumerate(configs)}  # the table's columns: v0 is WS_CONFIG

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
 
 from onepath.bench.results import environment, kernel_us, save_json  # noqa: E402
-from onepath.ops.cuda.matmul import _num_sms, _tile_coords  # noqa: E402
+from onepath.ops.cuda.matmul import _tile_coords, sm_count  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 6144, 2048), (8192, 2048, 8192)]  # (M, N, K)
 # the Gluon kernel's masks and K tail have no interpreter check: its bits are also compared here
@@ -271,7 +271,7 @@ def run_variant(qa, qw, v: Variant, out_dtype=torch.bfloat16):
     (m, k), n = a.shape, w.shape[0]
     out = torch.empty(m, n, device=a.device, dtype=out_dtype)
     tiles = triton.cdiv(m, v.block_m) * triton.cdiv(n, v.block_n)
-    programs = min(_num_sms(a.device), tiles) if v.persistent else tiles
+    programs = min(sm_count(a.device), tiles) if v.persistent else tiles
     sa, sw = qa.scales.reshape(m, -1).contiguous(), qw.scales.contiguous()
     if v.wait1:
         if k % 16:
@@ -295,7 +295,7 @@ def run(args) -> None:
     def triton_fp8(qa, qw, **kw):
         """The Triton kernel at its tile ("shipped" below): matmul_fp8 alone picks the warp-specialized
         kernel on Hopper (ops/cuda/matmul_fp8_ws.py, bench/fp8_gluon.py)."""
-        tile = pick_config(qa.codes.shape[0], qw.codes.shape[0], _num_sms(qa.codes.device))
+        tile = pick_config(qa.codes.shape[0], qw.codes.shape[0], sm_count(qa.codes.device))
         return matmul_fp8(qa, qw, config=tile, **kw)
 
     t = lambda fn: kernel_us(fn, args.rep_ms)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from bench.kernels_moe import HBM_BYTES_PER_S, NUM_EXPERTS, PROJECTIONS, TOP_K, must_move  # noqa: E402
 from onepath.bench.results import environment, kernel_us, print_table, save_json  # noqa: E402
-from onepath.ops.cuda.matmul import BLOCK_K, TILES_16BIT, TileConfig, _num_sms, _tile_coords  # noqa: E402
+from onepath.ops.cuda.matmul import BLOCK_K, TILES_16BIT, TileConfig, _tile_coords, sm_count  # noqa: E402
 
 TOKENS = (256, 64, 1024, 8192)  # most important first: the budget cuts the last
 MASKED_TOKENS = 64  # models/moe.py MASKED_MAX_TOKENS: decode steps up to it run the masked layout
@@ -99,7 +99,7 @@ def run_variant(v: Variant, x: torch.Tensor, w: torch.Tensor, counts, out_dtype:
         return table_grouped_matmul(x, w, counts, out_dtype)
     programs = None
     if v.tile is not None:
-        sms = _num_sms(x.device)
+        sms = sm_count(x.device)
         m, groups, n = x.shape[0], w.shape[0], w.shape[1]
         tiles = (-(-m // v.tile.block_m) + min(groups, m)) * -(-n // v.tile.block_n)
         programs = {"sms": min(sms, tiles), "2sms": min(2 * sms, tiles), "per_tile": tiles}[v.grid]
@@ -161,7 +161,7 @@ def table_grouped_matmul(x, w, counts, out_dtype):
     from onepath.ops.host import to_device
 
     (m, k), (groups, n, _) = x.shape, w.shape
-    sms = _num_sms(x.device)
+    sms = sm_count(x.device)
     on_device = isinstance(counts, torch.Tensor)
     config = table_config([-(-m // groups)] * groups if on_device else counts, n, sms, out_dtype)
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
@@ -241,7 +241,7 @@ def run(args) -> dict:
     over_budget = lambda: time.monotonic() - began > args.budget_s
     gen = torch.Generator(device="cuda").manual_seed(0)
     result = dict(environment("cuda"), command="python bench/grouped_variants.py " + " ".join(sys.argv[1:]),
-                  sms=_num_sms(torch.device("cuda")), hbm_bytes_per_s=HBM_BYTES_PER_S,
+                  sms=sm_count(torch.device("cuda")), hbm_bytes_per_s=HBM_BYTES_PER_S,
                   timing="CUDA graph replays (triton do_bench_cudagraph), median, device counts; eager_us: "
                          "triton do_bench median, L2 flushed, host counts", cases=[])
     table, summary = [], []

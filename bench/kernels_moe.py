@@ -85,10 +85,10 @@ def graph_us(fn, rep_ms: int) -> float | None:
 
 def run(args) -> dict:
     from onepath.ops.cuda.grouped_matmul import grouped_matmul, pick_grouped_config
-    from onepath.ops.cuda.matmul import _num_sms, matmul
+    from onepath.ops.cuda.matmul import matmul, sm_count
 
     time_us = lambda fn: kernel_us(fn, args.rep_ms)
-    sms = _num_sms(torch.device("cuda"))
+    sms = sm_count(torch.device("cuda"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     grouped_mm = stock_grouped_mm()
     result = dict(environment("cuda"), command="python bench/kernels_moe.py " + " ".join(sys.argv[1:]),

@@ -92,8 +92,9 @@ def add_bound(result: dict) -> None:
 
     config = model_config(result["options"]["model"])
     dtype = ExecutionSpec.default("consistent", "cuda").dtype
-    model = build_decoder(config, Ops(ExecutionSpec.default("baseline", "cpu")), max_positions=2)
-    state = {name: t.to("meta").to(dtype) for name, t in model.state_dict().items()}
+    with torch.device("meta"):  # the weights' shapes, no memory
+        model = build_decoder(config, Ops(ExecutionSpec.default("baseline", "cpu")), max_positions=2)
+    state = {name: t.to(dtype) for name, t in model.state_dict().items()}
     per_token = KVCache.bytes_per_token(config, dtype, None)
     for name, mode in result["modes"].items():
         if "+" in name:

@@ -24,3 +24,24 @@ def test_bound_puts_attention_at_the_hbm_peak_and_keeps_the_other_kernels():
     assert bound["of_roofline"] == pytest.approx(roofline["step_seconds_peak"] * 1e3 / bound["step_ms"])
     assert bound["measured_of_roofline"] == pytest.approx(roofline["step_seconds_peak"] * 1e3)
     assert "roofline" not in result["modes"]["consistent+fp8"]  # quantised modes read other bytes: left out
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_decoder_built_on_meta_has_the_cpu_builds_weights(moe):
+    """add_bound counts the weights of a decoder built under torch.device("meta") (no memory): the same names,
+    shapes and dtypes as a real build, dense and MoE; nothing of it is on the CPU."""
+    import torch
+
+    from onepath.models import build_decoder
+    from onepath.numerics.spec import ExecutionSpec
+    from onepath.ops import Ops
+    from tests.tiny import tiny_config
+
+    config = tiny_config(**(dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+                            if moe else {}))
+    ops = Ops(ExecutionSpec.default("baseline", "cpu"))
+    real = build_decoder(config, ops, max_positions=2).state_dict()
+    with torch.device("meta"):
+        meta = build_decoder(config, ops, max_positions=2).state_dict()
+    assert {n: (t.shape, t.dtype) for n, t in meta.items()} == {n: (t.shape, t.dtype) for n, t in real.items()}
+    assert all(t.device.type == "meta" for t in meta.values())

@@ -205,7 +205,8 @@ class DenseDecoder(nn.Module):
         cos, sin = cos_sin_table(config, max_positions or config.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.to(ops.spec.device)
+        if cos.device.type != "meta":  # built under torch.device("meta"): shapes only (bench/profile_decode.py --bound)
+            self.to(ops.spec.device)
 
     def share_projection_storage(self) -> None:
         """The engine's model: each StackedLinear's layers become views of one stacked weight, which its

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from onepath.numerics.quant import FP8Tensor, quantize  # noqa: E402
 from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT  # noqa: E402
-from onepath.ops.cuda.matmul import _num_sms, matmul  # noqa: E402
+from onepath.ops.cuda.matmul import matmul, sm_count  # noqa: E402
 from onepath.ops.cuda.matmul_fp8 import DECODE_WS_CONFIG, WS_CONFIG, matmul_fp8, pick_config, pick_kernel  # noqa: E402
 
 DEVICE = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -49,7 +49,7 @@ def _operands(m, n, k, seed, bias):
 def _triton(qa, qw, b, out_dtype):
     """The Triton kernel at the tile matmul_fp8 gives the shape when it does not take the Gluon one."""
     m, n = qa.codes.shape[0], qw.codes.shape[0]
-    return matmul_fp8(qa, qw, b, out_dtype, config=pick_config(m, n, _num_sms(DEVICE)))
+    return matmul_fp8(qa, qw, b, out_dtype, config=pick_config(m, n, sm_count(DEVICE)))
 
 
 @pytest.mark.parametrize("config", [WS_CONFIG, DECODE_WS_CONFIG], ids=str)
@@ -75,7 +75,7 @@ def test_ws_kernel_gives_the_triton_kernels_bits(n, k, config):
 def test_a_row_alone_equals_the_row_inside_a_batch_the_ws_kernel_takes(n, k, out_dtype, bias):
     m = BIG[0]
     assert pick_kernel(m, n, k, out_dtype, DEVICE) == WS_CONFIG
-    assert pick_kernel(1, n, k, out_dtype, DEVICE) in (DECODE_WS_CONFIG, pick_config(1, n, _num_sms(DEVICE)))
+    assert pick_kernel(1, n, k, out_dtype, DEVICE) in (DECODE_WS_CONFIG, pick_config(1, n, sm_count(DEVICE)))
     qa, qw, b = _operands(m, n, k, seed=n + k, bias=bias)
     batch = matmul_fp8(qa, qw, b, out_dtype)
     # tile edges of both kernels (64 and 128 rows), the middle, the ragged last tile

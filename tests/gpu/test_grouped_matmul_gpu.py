@@ -103,7 +103,7 @@ def test_decode_tiles_rows_equal_dense_kernel(projection):
     device sizes, one program per tile, two per SM, and in the masked buffer whose NaN tail a TMA tile
     covers but no stored row reads. Control: the same products with K's blocks reversed differ."""
     from onepath.ops.cuda import grouped_matmul as gm
-    from onepath.ops.cuda.matmul import _num_sms, matmul
+    from onepath.ops.cuda.matmul import matmul, sm_count
 
     n, k, out_dtype = PROJECTIONS[projection]
     num_experts = 128
@@ -114,7 +114,7 @@ def test_decode_tiles_rows_equal_dense_kernel(projection):
         counts = routed(tokens, num_experts, gen)
         sizes_seen.update(counts)
         x = torch.randn(sum(counts), k, generator=gen, device="cuda").bfloat16()
-        config = gm.pick_grouped_config(counts, n, x.dtype, _num_sms(x.device), out_dtype)
+        config = gm.pick_grouped_config(counts, n, x.dtype, sm_count(x.device), out_dtype)
         assert config.block_m == 64 and config.tma, f"{tokens} tokens picked {config}"
         dense = torch.cat([matmul(part, w[e], out_dtype=out_dtype) for e, part in enumerate(x.split(counts))])
         device_counts = torch.tensor(counts, device="cuda")
@@ -122,7 +122,7 @@ def test_decode_tiles_rows_equal_dense_kernel(projection):
         runs = {"host sizes": gm.grouped_matmul(x, w, counts, out_dtype=out_dtype),
                 "device sizes": gm.grouped_matmul(x, w, device_counts, out_dtype=out_dtype),
                 "one program per tile": gm.grouped_matmul(x, w, device_counts, out_dtype=out_dtype, programs=tiles),
-                "two per SM": gm.grouped_matmul(x, w, counts, out_dtype=out_dtype, programs=2 * _num_sms(x.device))}
+                "two per SM": gm.grouped_matmul(x, w, counts, out_dtype=out_dtype, programs=2 * sm_count(x.device))}
         buffer, chunks = masked_buffer(x, counts)
         masked = gm.grouped_matmul(buffer, w, torch.tensor(chunks, device="cuda"), out_dtype=out_dtype)
         runs["masked buffer"] = unmasked(masked, chunks, counts)

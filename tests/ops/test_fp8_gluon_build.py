@@ -199,7 +199,7 @@ def test_split_n_tiles_64_rows_and_the_consumers_take_half_the_columns_each(bloc
     from onepath.ops.cuda import matmul_fp8_ws
     from onepath.ops.cuda.matmul_fp8_ws import WSConfig, launch_args, output
 
-    monkeypatch.setattr(matmul_fp8_ws, "_num_sms", lambda device: 132)  # an H200
+    monkeypatch.setattr(matmul_fp8_ws, "sm_count", lambda device: 132)  # an H200
     gen = torch.Generator().manual_seed(0)
     m, n, k = 130, 4096, 256
     qa = quantize(torch.randn(m, k, generator=gen), FP8_ACT)

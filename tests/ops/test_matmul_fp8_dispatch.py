@@ -22,7 +22,7 @@ OUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 def hopper(monkeypatch):
     """pick_kernel as on an H200 (132 SMs), outside the interpreter."""
     monkeypatch.setattr(mm, "is_hopper", lambda device: device.type == "cuda")
-    monkeypatch.setattr(mm, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(mm, "sm_count", lambda device: 132)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 

@@ -64,7 +64,7 @@ import triton.language as tl
 from onepath.numerics.quant import FP8Tensor
 from onepath.numerics.spec import KV_AMAX_CEIL
 from onepath.ops.cuda import interpreting
-from onepath.ops.cuda.matmul import _num_sms
+from onepath.ops.cuda.matmul import sm_count
 
 # Rows (query tokens x group heads) per program: one shape for every launch, so every dot is the same.
 # The spec may set another (OpSpec.q_rows): fewer rows waste less of a decode program (one token, its
@@ -591,7 +591,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
             derived[key] = starts
     max_context = max_context or block_tables.shape[1] * block_size
     num_splits = triton.cdiv(max_context, kv_split)
-    sms = _num_sms(q.device) if q.is_cuda else 1
+    sms = sm_count(q.device) if q.is_cuda else 1
     split, num_stages = launch_plan(starts.shape[0] * num_kv_heads, sms, num_splits, decode_program, fp8_kv,
                                     split_kv, num_stages)
     if split:

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from onepath.ops.host import to_device
-from onepath.ops.cuda.matmul import BLOCK_K, TILE_FP32, TileConfig, _num_sms, _tile_coords, _tma_ok, stages_output
+from onepath.ops.cuda.matmul import BLOCK_K, TILE_FP32, TileConfig, _tile_coords, _tma_ok, sm_count, stages_output
 
 # TMA weight tiles, 64-deep K steps (BLOCK_K): 128-row tiles once the largest group fills them, 64-row ones
 # at decode (bench/results/grouped-variants.json).
@@ -176,7 +176,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | to
     if max(x.numel(), n * k, groups * n) >= 2 ** 31:
         raise ValueError(f"grouped_matmul: x {tuple(x.shape)}, one group's weight [{n}, {k}] or the weights' "
                          f"{groups * n} rows reach 2^31 (32-bit offsets); split the rows or groups into several calls")
-    num_sms = _num_sms(x.device)
+    num_sms = sm_count(x.device)
     # device sizes are not read here: the config and the grid (speed only) assume groups of even size
     # and bound the M tiles (each group ends at most one partial tile)
     sizes = [-(-m // groups)] * groups if on_device else counts

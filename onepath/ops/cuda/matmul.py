@@ -132,7 +132,8 @@ TILE_FP32 = TileConfig(64, 64, num_warps=4, num_stages=2)
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The SMs a persistent launch spreads its programs over (INTERPRET_NUM_SMS off CUDA)."""
     if device.type != "cuda":
         return INTERPRET_NUM_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -310,7 +311,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if max(x2.numel(), weight.numel()) >= 2 ** 31:
         raise ValueError(f"matmul: x {tuple(x2.shape)} or weight {tuple(weight.shape)} has >= 2^31 elements "
                          "(32-bit load offsets); split the rows into several calls")
-    num_sms = _num_sms(x.device)
+    num_sms = sm_count(x.device)
     config = config or pick_config(m, n, x.dtype, num_sms, out.dtype)
     tma = config.tma and _tma_ok(x2, weight)
     x_desc = w_desc = None
@@ -327,7 +328,7 @@ def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     """One launch of the kernel: out[:m] = x2[:m] weight^T (+ bias), TMA loads where descriptors are given.
     matmul() calls it; bench/kernels_matmul.py --past-m also launches over descriptors of other rows than m."""
     n, k = weight.shape
-    num_sms = _num_sms(x2.device)
+    num_sms = sm_count(x2.device)
     _matmul_kernel[(min(num_sms, config.tiles(m, n)),)](
         x2, weight, x_desc, w_desc, bias.contiguous() if bias is not None else None, out,
         m, n, k,

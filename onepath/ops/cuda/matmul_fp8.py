@@ -29,7 +29,7 @@ import triton.language as tl
 
 from onepath.numerics.quant import FP8Tensor
 from onepath.ops.cuda import interpreting
-from onepath.ops.cuda.matmul import TileConfig, _num_sms, _tile_offsets, first_filling
+from onepath.ops.cuda.matmul import TileConfig, _tile_offsets, first_filling, sm_count
 from onepath.ops.cuda.matmul_fp8_ws import OUT_DTYPES, TMA_ALIGN, WSConfig, matmul_fp8_ws
 
 # One K step = one scale group: the partial a scale multiplies is exactly one tl.dot.
@@ -119,7 +119,7 @@ def pick_kernel(m: int, n: int, k: int, out_dtype: torch.dtype, device: torch.de
     rows_aligned = k % TMA_ALIGN == 0 and out_dtype in OUT_DTYPES and n * out_dtype.itemsize % TMA_ALIGN == 0
     if rows_aligned and not interpreting() and is_hopper(device):
         return WS_CONFIG if m >= WS_MIN_ROWS else DECODE_WS_CONFIG
-    return pick_config(m, n, _num_sms(device))
+    return pick_config(m, n, sm_count(device))
 
 
 def matmul_fp8(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None = None,

@@ -51,7 +51,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from onepath.numerics.quant import FP8Tensor
 from onepath.ops.cuda import sm90
-from onepath.ops.cuda.matmul import _num_sms
+from onepath.ops.cuda.matmul import sm_count
 
 BLOCK_K = 128  # one scale group: the partial a scale multiplies is one wgmma chain over 128 K values
 WG_M = 64  # wgmma's rows: a consumer warpgroup's share of the tile's rows
@@ -416,7 +416,7 @@ def launch_args(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out: to
     out_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], epi,
                                 gl.NVMMASharedLayout.get_default_for(epi, OUT_DTYPES[out.dtype]))
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    programs = min(_num_sms(a.device), tiles) if config.persistent else tiles
+    programs = min(sm_count(a.device), tiles) if config.persistent else tiles
     args = (a_desc, w_desc, out_desc, sa, sw, bias.contiguous() if bias is not None else None, m, n, k,
             sa.stride(0), sw.stride(0), programs)
     consts = dict(W_BLOCK_N=qw.block[0], HAS_BIAS=bias is not None, GROUP_M=config.group_m,
