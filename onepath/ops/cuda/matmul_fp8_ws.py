@@ -351,7 +351,9 @@ class WSConfig:
 
     def __str__(self) -> str:
         flags = [f for f, on in (("splitn", self.split == "n"), ("persistent", self.persistent),
-                                 ("wait1", self.wait1), (f"pingpong-{self.pingpong}", self.pingpong)) if on]
+                                 ("wait1", self.wait1), (f"pingpong-{self.pingpong}", self.pingpong),
+                                 (f"group{self.group_m}", self.group_m != WSConfig.group_m),
+                                 (f"regs{self.consumer_regs}", self.consumer_regs != WSConfig.consumer_regs)) if on]
         return "+".join([f"ws{self.block_m}x{self.block_n}s{self.num_stages}", *flags])
 
     def check(self) -> None:
