@@ -9,7 +9,7 @@ the other rows or on the row's position. What keeps it:
   64-deep step's instructions, fewer times round the loop (the walk's dependent steps are what a
   skinny decode GEMM waits on), and the K tail's zeros add nothing;
 - the tile config (rows, columns, K step, warps; wgmma or, for 16- and 32-row tiles, mma.sync; the operands
-  swapped, SWAP_TILES, at decode M) may follow M
+  swapped, SWAP_TILES, back on wgmma, at decode M) may follow M
   (small tiles fill the 132 SMs at decode, large ones reach the tensor-core peak at prefill) only
   because each output element's MMA chain over K is the same in every one; tests/gpu/test_matmul.py
   proves the candidates give equal bits, and a split-K sum does not;
