@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from onepath.bench.results import environment
+from onepath.bench.rollout import add_fused_act_quant_argument, apply_fused_act_quant
 from onepath.bench.workloads import model_config
 from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
@@ -130,13 +131,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--bound", type=Path, metavar="FILE", help="add the roofline and attention_at_peak to a saved "
                    "profile, in place; no GPU")
-    p.add_argument("--no-fused-act-quant", action="store_true",
-                   help="with FP8 linears, the standalone activation quantiser instead of RMSNorm and SiLU-mul "
-                        "quantising their output in their own launch (ops/quant_linear.FUSED_ACT_QUANT; the same bits)")
+    add_fused_act_quant_argument(p)
     args = p.parse_args(argv)
-    if args.no_fused_act_quant:
-        from onepath.ops import quant_linear
-        quant_linear.FUSED_ACT_QUANT = False
+    apply_fused_act_quant(args)
     if args.bound:
         result = json.loads(args.bound.read_text())
         add_bound(result)

@@ -48,6 +48,19 @@ BLOCK_SIZE = 16
 DECODE_SKIP = 2            # decode steps run before the timed window
 
 
+def add_fused_act_quant_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-fused-act-quant", action="store_true",
+                   help="with FP8 linears, the standalone activation quantiser instead of RMSNorm and SiLU-mul "
+                        "quantising their output in their own launch (ops/quant_linear.FUSED_ACT_QUANT; the same bits)")
+
+
+def apply_fused_act_quant(args: argparse.Namespace) -> None:
+    """--no-fused-act-quant turns ops/quant_linear.FUSED_ACT_QUANT off for this process."""
+    if args.no_fused_act_quant:
+        from onepath.ops import quant_linear
+        quant_linear.FUSED_ACT_QUANT = False
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", action="append", help=f"{', '.join(MODELS)}; repeat or comma-separate "
                    "(default qwen3-0.6b)")
@@ -66,9 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default=None, help="low-precision presets for both modes, e.g. fp8+fp8_kv")
     p.add_argument("--spec", action="append", default=[], metavar="OP.FIELD=VALUE",
                    help="kernel settings for both modes, e.g. attention.q_rows=16 attention.kv_tile=64")
-    p.add_argument("--no-fused-act-quant", action="store_true",
-                   help="with FP8 linears, the standalone activation quantiser instead of RMSNorm and SiLU-mul "
-                        "quantising their output in their own launch (ops/quant_linear.FUSED_ACT_QUANT; the same bits)")
+    add_fused_act_quant_argument(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/rollout-MODELS-DEVICE.json)")
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default 256)")
@@ -100,9 +111,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     _check(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.no_fused_act_quant:
-        from onepath.ops import quant_linear
-        quant_linear.FUSED_ACT_QUANT = False
+    apply_fused_act_quant(args)
     out = Path(args.out or f"bench/results/rollout-{'+'.join(models)}-{args.device}.json")
     result = dict(environment(args.device), command=command, options=vars(args), targets=TARGETS,
                   hbm=dict(peak_B_s=HBM_PEAK_B_S, peak_source=HBM_PEAK_SOURCE, copy_ceiling_B_s=COPY_CEILING_B_S,

@@ -47,9 +47,11 @@ def quantize_stored(row, start, H, codes_row, scales_row, amax_floor, amax_ceil,
     tl.store(scales_row + g, scale, mask=g < tl.cdiv(H, GROUP))
 
 
-def ceil_arg(q) -> float:
-    """A rule's amax ceiling as a kernel argument: inf when it has none (min(amax, inf) is amax)."""
-    return float("inf") if q.amax_ceil is None else q.amax_ceil
+def rule_args(q) -> tuple[tuple[float, float], dict]:
+    """A rule as quantize_rows' kernel arguments: (amax_floor, amax_ceil) (inf without a ceiling: min(amax, inf)
+    is amax) and the constexprs UE8M0 and DIVIDE."""
+    ceil = float("inf") if q.amax_ceil is None else q.amax_ceil
+    return (q.amax_floor, ceil), dict(UE8M0=q.scale_dtype == "ue8m0", DIVIDE=q.scale_apply == "divide")
 
 
 def fused_quant_outputs(m: int, width: int, act, placeholder: torch.Tensor, block: int):
@@ -68,9 +70,8 @@ def fused_quant_outputs(m: int, width: int, act, placeholder: torch.Tensor, bloc
                          "with ops/cuda/quant.quantize_fp8 instead")
     codes = torch.empty((m, width), device=placeholder.device, dtype=torch.float8_e4m3fn)
     scales = torch.empty((m, triton.cdiv(width, group)), device=placeholder.device, dtype=torch.float32)
-    return codes, scales, dict(args=(act.amax_floor, ceil_arg(act)),
-                               constexprs=dict(QUANT=True, UE8M0=act.scale_dtype == "ue8m0",
-                                               DIVIDE=act.scale_apply == "divide", GROUP=group))
+    args, constexprs = rule_args(act)
+    return codes, scales, dict(args=args, constexprs=dict(QUANT=True, GROUP=group, **constexprs))
 
 
 def fused_quant_result(codes: torch.Tensor, scales: torch.Tensor, lead: tuple, act):

@@ -22,7 +22,7 @@ import triton.language as tl
 from onepath.numerics.quant import FP8Tensor
 from onepath.numerics.spec import FP8_ACT, QuantSpec
 from onepath.ops.cuda.elementwise import kv_write_rows
-from onepath.ops.cuda.fp8_rows import ceil_arg, quantize_rows
+from onepath.ops.cuda.fp8_rows import quantize_rows, rule_args
 
 GROUPS_PER_PROGRAM = 4
 NUM_WARPS = 4
@@ -81,9 +81,9 @@ def quantize_fp8(x: torch.Tensor, q: QuantSpec = FP8_ACT) -> FP8Tensor:
     scales = torch.empty((m, n_groups), device=x.device, dtype=torch.float32)
     if m and k:
         grid = (m, triton.cdiv(n_groups, GROUPS_PER_PROGRAM))
+        args, constexprs = rule_args(q)
         _quant_fp8_kernel[grid](x2, codes, scales, x2.stride(0), codes.stride(0), scales.stride(0), k, n_groups,
-                                q.amax_floor, ceil_arg(q), UE8M0=q.scale_dtype == "ue8m0", DIVIDE=q.scale_apply == "divide",
-                                GROUP=group, GROUPS=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS)
+                                *args, GROUP=group, GROUPS=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS, **constexprs)
     return FP8Tensor(codes.reshape(x.shape), scales.reshape(*x.shape[:-1], n_groups), q.block, q)
 
 
@@ -109,9 +109,9 @@ def write_kv_fp8(k_cache: FP8Tensor, v_cache: FP8Tensor, k: torch.Tensor, v: tor
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
+    args, constexprs = rule_args(q)
     _write_kv_fp8_kernel[(tokens,)](
         k, v, slot_mapping.contiguous(), codes, v_cache.codes, scales, v_cache.scales,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), codes.stride(1), codes.stride(2),
-        scales.stride(1), scales.stride(2), heads, dim, q.amax_floor, ceil_arg(q),
-        UE8M0=q.scale_dtype == "ue8m0", DIVIDE=q.scale_apply == "divide",
+        scales.stride(1), scales.stride(2), heads, dim, *args, **constexprs,
         BLOCK_HEADS=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(dim), num_warps=NUM_WARPS)
