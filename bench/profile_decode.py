@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from onepath.bench.results import environment
-from onepath.bench.rollout import add_fused_act_quant_argument, apply_fused_act_quant
+from onepath.bench.rollout import add_kernel_arguments, apply_fused_act_quant
 from onepath.bench.workloads import model_config
 from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
@@ -121,8 +121,6 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="consistent,baseline")
     p.add_argument("--quants", default="none", help="comma list of quant presets, each profiled in every mode "
                                                   "(none: BF16; e.g. fp8, fp8_kv, fp8+fp8_kv)")
-    p.add_argument("--spec", action="append", default=[], metavar="OP.FIELD=VALUE",
-                   help="kernel settings for both modes, e.g. attention.q_rows=16 attention.kv_tile=64")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--prompt", type=int, default=150)
     p.add_argument("--steps", type=int, default=10)
@@ -131,7 +129,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--bound", type=Path, metavar="FILE", help="add the roofline and attention_at_peak to a saved "
                    "profile, in place; no GPU")
-    add_fused_act_quant_argument(p)
+    add_kernel_arguments(p)
     args = p.parse_args(argv)
     apply_fused_act_quant(args)
     if args.bound:

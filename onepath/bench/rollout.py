@@ -48,7 +48,10 @@ BLOCK_SIZE = 16
 DECODE_SKIP = 2            # decode steps run before the timed window
 
 
-def add_fused_act_quant_argument(p: argparse.ArgumentParser) -> None:
+def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
+    """The kernel settings the rollout and profile benches share: --spec and --no-fused-act-quant."""
+    p.add_argument("--spec", action="append", default=[], metavar="OP.FIELD=VALUE",
+                   help="kernel settings for both modes, e.g. attention.q_rows=16 attention.kv_tile=64")
     p.add_argument("--no-fused-act-quant", action="store_true",
                    help="with FP8 linears, the standalone activation quantiser instead of RMSNorm and SiLU-mul "
                         "quantising their output in their own launch (ops/quant_linear.FUSED_ACT_QUANT; the same bits)")
@@ -77,9 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="each step waits for the last one's tokens before the next is scheduled")
     p.add_argument("--quant", default=None, help="low-precision presets for both modes, e.g. fp8+fp8_kv")
-    p.add_argument("--spec", action="append", default=[], metavar="OP.FIELD=VALUE",
-                   help="kernel settings for both modes, e.g. attention.q_rows=16 attention.kv_tile=64")
-    add_fused_act_quant_argument(p)
+    add_kernel_arguments(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON path (default bench/results/rollout-MODELS-DEVICE.json)")
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default 256)")
