@@ -10,8 +10,10 @@ kernels without the host's launch cost, which bounds the eager times of the smal
                  picks for the shape (fp8_kernel: a Triton tile, or the warp-specialized Gluon kernel from
                  WS_MIN_ROWS rows on)
   fp8_triton     the Triton kernel forced, at its tile for the shape
-  fp8_ws         the warp-specialized kernel forced (WS_CONFIG, or --ws-variant: a bench/fp8_gluon.py variant by
-                 name; Hopper only)
+  fp8_ws         the warp-specialized kernel forced (WS_CONFIG, or the first --ws-variant: a bench/fp8_gluon.py
+                 variant by name; Hopper only)
+  ws_variants    with --ws-variant A B ...: each named variant, timed in turn on the same operands right after
+                 fp8_ws (variants compared under one clock and power state; the summary's geometric mean each)
   fp8_quant_act  onepath.ops.cuda.quant.quantize_fp8 of the activation (1x128 groups)
   fp8_linear     quantize_fp8 + matmul_fp8: what a W8A8 linear with a cached FP8 weight costs
 fp8_triton against fp8_ws over M is what WS_MIN_ROWS is set from: the summary's ws_from_m, per shape the
@@ -54,13 +56,8 @@ def run(args) -> dict:
     rows = []
     print(f"{'shape':20s} {'M':>5s} {'fp8 kernel':24s} {'bf16 ours':>10s} {'cuBLAS':>8s} {'fp8 gemm':>9s} "
           f"{'triton':>8s} {'ws':>8s} {'quant':>7s} {'fp8/bf16':>8s} {'fp8 TF/s':>8s} {'bf16 TF/s':>9s}")
-    ws = WS_CONFIG
-    if args.ws_variant:
-        from bench.fp8_gluon import variants
-        by_name = {str(v): v for v in variants()}
-        if args.ws_variant not in by_name:
-            raise SystemExit(f"--ws-variant {args.ws_variant!r}: not one of bench/fp8_gluon.py's {sorted(by_name)}")
-        ws = by_name[args.ws_variant]
+    named = _named_variants(args.ws_variant or [])
+    ws = named[0] if named else WS_CONFIG
     for name, k, n in SHAPES:
         w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
         qw = quantize_reference(w, FP8_WEIGHT)
@@ -75,12 +72,15 @@ def run(args) -> dict:
                      fp8_triton=kernel_us(lambda: matmul_fp8(qa, qw, config=tile), args.rep_ms, args.graph),
                      fp8_ws=kernel_us(lambda: matmul_fp8(qa, qw, config=ws), args.rep_ms, args.graph)
                      if is_hopper(device) else None,
+                     ws_variants={str(v): kernel_us(lambda: matmul_fp8(qa, qw, config=v), args.rep_ms, args.graph)
+                                  for v in named[1:]} if is_hopper(device) else {},
                      fp8_quant_act=kernel_us(lambda: quantize_fp8(x, FP8_ACT), args.rep_ms, args.graph),
                      fp8_linear=kernel_us(lambda: matmul_fp8(quantize_fp8(x, FP8_ACT), qw), args.rep_ms, args.graph))
             row = dict(shape=name, K=k, N=n, M=m,
                        phase="train" if m in TRAIN_MS else "prefill" if m in PREFILL_MS else "decode",
                        fp8_kernel=_kernel_name(pick_kernel(m, n, k, torch.bfloat16, device)),
-                       **{f"{key}_us": v for key, v in t.items()},
+                       **{f"{key}_us": v for key, v in t.items() if key != "ws_variants"},
+                       ws_variants_us={str(ws): t["fp8_ws"], **t["ws_variants"]} if named else {},
                        fp8_gemm_vs_bf16_ours=t["bf16_ours"] / t["fp8_gemm"],
                        fp8_linear_vs_bf16_ours=t["bf16_ours"] / t["fp8_linear"],
                        fp8_gemm_tflops=flops / t["fp8_gemm"] * 1e-6, bf16_ours_tflops=flops / t["bf16_ours"] * 1e-6,
@@ -90,20 +90,38 @@ def run(args) -> dict:
                   f"{t['fp8_gemm']:9.1f} {t['fp8_triton']:8.1f} {t['fp8_ws'] or float('nan'):8.1f} "
                   f"{t['fp8_quant_act']:7.1f} {row['fp8_gemm_vs_bf16_ours']:8.2f} {row['fp8_gemm_tflops']:8.0f} "
                   f"{row['bf16_ours_tflops']:9.0f}", flush=True)
+            for v, us in row["ws_variants_us"].items():
+                print(f"{'':26s} {v:40s} {us:8.1f} us  {t['bf16_ours'] / us:5.3f}x bf16 ours", flush=True)
         del w, qw
         torch.cuda.empty_cache()
     train = [r["fp8_gemm_vs_bf16_ours"] for r in rows if r["phase"] == "train"]
     ws_train = [r["bf16_ours_us"] / r["fp8_ws_us"] for r in rows if r["phase"] == "train" and r["fp8_ws_us"]]
     summary = dict(target_fp8_vs_bf16_train=TARGET_TRAIN, min_fp8_vs_bf16_train=min(train, default=None),
-                   geomean_fp8_vs_bf16_train=float(torch.tensor(train).log().mean().exp()) if train else None,
+                   geomean_fp8_vs_bf16_train=_geomean(train),
                    meets_target=bool(train) and min(train) >= TARGET_TRAIN, ws_config=str(ws),
-                   geomean_ws_vs_bf16_train=float(torch.tensor(ws_train).log().mean().exp()) if ws_train else None,
+                   geomean_ws_vs_bf16_train=_geomean(ws_train),
+                   geomean_ws_variants_vs_bf16_train={
+                       v: _geomean([r["bf16_ours_us"] / r["ws_variants_us"][v] for r in rows if r["phase"] == "train"])
+                       for v in map(str, named)},
                    ws_min_rows=WS_MIN_ROWS,
                    ws_from_m={name: _ws_from_m([r for r in rows if r["shape"] == name]) for name, _, _ in SHAPES})
     print(summary)
     return dict(environment("cuda"), command="python " + " ".join(sys.argv),
                 timing=("CUDA graph replays (do_bench_cudagraph median, no launch cost)" if args.graph
                         else KERNEL_TIMING), rows=rows, summary=summary)
+
+
+def _named_variants(names: list[str]) -> list:
+    from bench.fp8_gluon import variants
+    by_name = {str(v): v for v in variants()}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise SystemExit(f"--ws-variant {unknown}: not among bench/fp8_gluon.py's variants {sorted(by_name)}")
+    return [by_name[name] for name in names]
+
+
+def _geomean(values: list[float]) -> float | None:
+    return float(torch.tensor(values).log().mean().exp()) if values else None
 
 
 def _kernel_name(config) -> str:
@@ -129,8 +147,9 @@ def main():
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--graph", action="store_true",
                    help="time CUDA graph replays: the kernels alone, without Python's launch cost")
-    p.add_argument("--ws-variant", help="time fp8_ws with this bench/fp8_gluon.py variant, e.g. "
-                   "ws128x256s4+persistent+pingpong-issued (default: WS_CONFIG, the shipped one)")
+    p.add_argument("--ws-variant", nargs="+", help="time fp8_ws with this bench/fp8_gluon.py variant, e.g. "
+                   "ws128x256s4+persistent+pingpong-issued (default: WS_CONFIG, the shipped one); more names: each "
+                   "timed in turn after it (ws_variants)")
     p.add_argument("--ms", type=int, nargs="+", help="only these M (default: the decode, prefill and training M)")
     args = p.parse_args()
     if not torch.cuda.is_available():
