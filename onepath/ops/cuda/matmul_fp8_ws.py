@@ -16,10 +16,11 @@ idles during each block's promotion. Here a CTA (128 rows x BLOCK_N, split "m") 
                 partial, wait, release the stage, FMA-promote. Neither waits for the other, so one's
                 promotion runs under the other's MMA while the producer keeps the ring full; the
                 output goes out through shared memory by TMA stores.
-On the H200 (bench/fp8_gluon.py, bench/results/fp8-gluon.json; M 4096-8192, N 2048-11008, K 2048-8192) the
-shipped config, 128x256 with 4 stages and persistent, ran 1,138-1,245 TFLOP/s: 1.52-1.66x our BF16
-GEMM and 2.2-2.8x the Triton FP8 kernel (128x128 with 4 stages: 977-1,115); every config gave the
-Triton kernel's bits, with no spills.
+On the H200 the shipped config (matmul_fp8.WS_CONFIG), 128x128 with 6 stages, persistent and wait1, ran
+1.58-1.67x our BF16 GEMM at training shapes (M 4096-8192, N 2048-11008, K 2048-8192; CUDA graphs, three runs,
+bench/results/kernels-fp8-graph-s17.json, -train-s17-a.json, -b.json) and about 2x the Triton FP8 kernel;
+128x256 with 4 stages ran 2-4% slower at each of those shapes, timed in turns with it. Every config gives the
+Triton kernel's bits, with no spills (bench/fp8_gluon.py checks each).
 Switches (WSConfig): BLOCK_N 128 or 256 (two n128 chains per block, promoted one after the other in one
 register block: a 64x256 partial and its accumulator would need 256 registers a thread); WAIT1 (BLOCK_N
 128): issue block kb's wgmma, `wgmma.wait_group 1`, promote kb-1 under it; persistent (#SMs programs
