@@ -58,9 +58,7 @@ def variants() -> list[WSConfig]:
     return [WSConfig(128, 4), WSConfig(128, 3), WSConfig(128, 5), WSConfig(128, 4, persistent=False),
             WSConfig(128, 4, wait1=True), WSConfig(128, 3, wait1=True), WSConfig(128, 5, wait1=True),
             WSConfig(128, 4, persistent=False, wait1=True), WSConfig(128, 6, wait1=True),
-            WSConfig(128, 5, wait1=True, group_m=16), WSConfig(128, 5, wait1=True, stagger=1),
-            WSConfig(128, 6, wait1=True, stagger=1), WSConfig(128, 6, wait1=True, stagger=2),
-            WSConfig(256, 4, stagger=1),
+            WSConfig(128, 5, wait1=True, group_m=16),
             WSConfig(256, 3), WSConfig(256, 4), WSConfig(256, 4, pingpong="issued"), WSConfig(256, 4, pingpong="done"),
             WSConfig(256, 3, persistent=False), WSConfig(256, 4, group_m=4), WSConfig(256, 4, group_m=16),
             WSConfig(256, 4, consumer_regs=240, producer_regs=24)]

@@ -19,7 +19,8 @@ idles during each block's promotion. Here a CTA (128 rows x BLOCK_N, split "m") 
 On the H200 the shipped config (matmul_fp8.WS_CONFIG), 128x128 with 6 stages, persistent and wait1, ran
 1.58-1.67x our BF16 GEMM at training shapes (M 4096-8192, N 2048-11008, K 2048-8192; CUDA graphs, three runs,
 bench/results/kernels-fp8-graph-s17.json, -train-s17-a.json, -b.json) and about 2x the Triton FP8 kernel;
-128x256 with 4 stages ran 2-4% slower at each of those shapes, timed in turns with it. Every config gives the
+128x256 with 4 stages, timed in turns with it, was 0.2-7% slower at every case, 3% on the geometric mean
+(kernels-fp8-graph-train-variants.json, -variants-2.json). Every config gives the
 Triton kernel's bits, with no spills (bench/fp8_gluon.py checks each).
 Switches (WSConfig): BLOCK_N 128 or 256 (two n128 chains per block, promoted one after the other in one
 register block: a 64x256 partial and its accumulator would need 256 registers a thread); WAIT1 (BLOCK_N
@@ -193,7 +194,7 @@ def _epilogue(acc, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS: gl.cons
 def _mma_partition(a_bufs, w_bufs, ready, empty, turn, c_smem, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K, stride_sam,
                    stride_swn, NUM_PROGRAMS, WG: gl.constexpr, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
                    GROUP_M: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr, MMA_N: gl.constexpr,
-                   PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr, STAGGER: gl.constexpr):
+                   PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr):
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = w_bufs.type.shape[1]
@@ -212,9 +213,6 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, turn, c_smem, out_desc, sa_ptr,
     k_tiles = gl.cdiv(K, BK)
     zero = gl.zeros((WG_M, MMA_N), gl.float32, layout)
     it = 0  # K blocks this program has consumed: the ring position, as the producer counts them
-    if STAGGER and WG == 1:  # (a program with fewer blocks has nothing to stagger: its last is loaded anyway)
-        blocks = gl.cdiv(num_pid_m * num_pid_n - gl.program_id(0), NUM_PROGRAMS) * k_tiles
-        mbarrier.wait(ready.index(STAGGER), 0, pred=STAGGER < blocks)
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         row0 = pid_m * BM + A_PART * WG_M
@@ -293,8 +291,8 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, turn, c_smem, out_desc, sa_ptr,
 def _fp8_gemm_ws_kernel(a_desc, w_desc, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K, stride_sam, stride_swn,
                         NUM_PROGRAMS, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                         NUM_STAGES: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr, MMA_N: gl.constexpr,
-                        PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr, STAGGER: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                        PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
     c_smem0 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
@@ -314,10 +312,10 @@ def _fp8_gemm_ws_kernel(a_desc, w_desc, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N
     gl.warp_specialize([
         (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, c_smem0, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K,
                           stride_sam, stride_swn, NUM_PROGRAMS, 0, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1, SPLIT_N,
-                          MMA_N, PINGPONG, PASS_DONE, STAGGER)),
+                          MMA_N, PINGPONG, PASS_DONE)),
         (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, c_smem1, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K,
                           stride_sam, stride_swn, NUM_PROGRAMS, 1, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1, SPLIT_N,
-                          MMA_N, PINGPONG, PASS_DONE, STAGGER)),
+                          MMA_N, PINGPONG, PASS_DONE)),
         (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -343,10 +341,6 @@ class WSConfig:
     # a chain is "issued" (FlashAttention-3's and CUTLASS's ping-pong: the chains queue in that order) or
     # "done" (no two chains in flight at once, a hand-over's latency between them)
     pingpong: str = ""
-    # split "m": consumer 1 starts once K block `stagger` of the program is loaded, not block 0, so that consumer 0
-    # runs ahead; both then reach a tile's end at different times and one's MMA runs under the other's epilogue
-    # (in step, both store at once and the tensor core idles). 0: off
-    stagger: int = 0
 
     @property
     def block_m(self) -> int:
@@ -361,7 +355,6 @@ class WSConfig:
         flags = [f for f, on in (("splitn", self.split == "n"), ("persistent", self.persistent),
                                  ("wait1", self.wait1), (f"pingpong-{self.pingpong}", self.pingpong),
                                  (f"group{self.group_m}", self.group_m != WSConfig.group_m),
-                                 (f"stagger{self.stagger}", self.stagger),
                                  (f"regs{self.consumer_regs}", self.consumer_regs != WSConfig.consumer_regs)) if on]
         return "+".join([f"ws{self.block_m}x{self.block_n}s{self.num_stages}", *flags])
 
@@ -384,9 +377,6 @@ class WSConfig:
         if self.pingpong and (self.split != "m" or self.wait1):
             raise ValueError(f"{self}: pingpong takes turns between the two consumers' chains of split 'm' (one "
                              "chain in flight each): use split 'm' without wait1")
-        if self.stagger and (self.split != "m" or not 0 < self.stagger < self.num_stages - 1):
-            raise ValueError(f"{self}: stagger {self.stagger} must be a K block inside the ring (1 to num_stages - 2 "
-                             f"= {self.num_stages - 2}) with split 'm'")
         if self.num_stages < 2:
             raise ValueError(f"{self}: num_stages {self.num_stages} < 2 leaves the producer nothing to prefetch")
         if 2 * self.consumer_regs + self.producer_regs > 3 * LAUNCH_REGS or self.producer_regs < 24 \
@@ -436,7 +426,7 @@ def launch_args(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out: to
     consts = dict(W_BLOCK_N=qw.block[0], HAS_BIAS=bias is not None, GROUP_M=config.group_m,
                   NUM_STAGES=config.num_stages, WAIT1=config.wait1, SPLIT_N=config.split == "n",
                   MMA_N=config.mma_n, PINGPONG=bool(config.pingpong),
-                  PASS_DONE=config.pingpong == "done", STAGGER=config.stagger, CONSUMER_REGS=config.consumer_regs,
+                  PASS_DONE=config.pingpong == "done", CONSUMER_REGS=config.consumer_regs,
                   PRODUCER_REGS=config.producer_regs)
     return (programs,), args, consts
 
