@@ -16,7 +16,6 @@ Asserted on the PTX and SASS, what the design needs and a build can lose without
   - pingpong: per wgmma chain one wait for the consumer's turn and one arrive passing it on (the same
     build without pingpong has 2 x chains fewer of each), the arrive before the chain's
     WARPGROUP.DEPBAR ("issued") or after it ("done")
-  - store_late: a TMA store of the output between a chain's WARPGROUP.ARRIVE and its wait
 Negative control: matmul_fp8's Triton (not warp-specialized) kernel's build fails those checks.
 The bits rest on tests/gpu/test_fp8_matmul_ws_gpu.py and the GPU bench (torch.equal against the Triton
 kernel): Gluon is not interpreted.
@@ -90,13 +89,6 @@ def _turn_passes(sass: str) -> tuple[int, int]:
     return tuple(sum(map(len, re.findall(rf"(?<={mark})S+", marks))) for mark in "AD")
 
 
-def _stores_under_a_chain(sass: str) -> int:
-    """TMA stores of the output (UTMASTG) issued between a wgmma chain's WARPGROUP.ARRIVE and its wait."""
-    ops = re.findall(r"WARPGROUP\.ARRIVE|WARPGROUP\.DEPBAR|UTMASTG", sass)
-    marks = "".join("A" if op.endswith("ARRIVE") else "D" if "DEPBAR" in op else "S" for op in ops)
-    return sum(map(len, re.findall(r"(?<=A)S+", marks)))
-
-
 def _pingpong_problems(v, ptx: str, sass: str, alone) -> list[str]:
     """The turn's mbarrier ops against `alone`, the same build without pingpong."""
     turns = 2 * (v.block_n // v.mma_n)  # both consumers, every chain of a K block
@@ -141,8 +133,6 @@ def _build_problems(v, **shape) -> list[str]:
     problems = _problems(v, ptx, sass, compiled.metadata.shared)
     if v.pingpong:
         problems += _pingpong_problems(v, ptx, sass, _build(dataclasses.replace(v, pingpong=""), **shape))
-    if getattr(v, "store_late", False) and not _stores_under_a_chain(sass):
-        problems.append("a tile's TMA store under the next tile's first wgmma chain")
     return problems
 
 
@@ -198,15 +188,6 @@ def test_negative_control_the_pingpong_checks_tell_the_turn_passes_apart():
     assert _pingpong_problems(issued, built.asm["ptx"], built.asm["sass"], alone) == \
         ["the turn passed once the chain is issued"]
     assert len(_pingpong_problems(issued, alone.asm["ptx"], alone.asm["sass"], alone)) == 3
-
-
-def test_negative_control_without_store_late_no_store_runs_under_a_chain():
-    """The store_late check can fail: the same config without it stores only after its chains are waited for."""
-    from onepath.ops.cuda.matmul_fp8_ws import WSConfig
-
-    late = WSConfig(128, 6, wait1=True, store_late=True)
-    assert _stores_under_a_chain(_build(late).asm["sass"]) > 0
-    assert _stores_under_a_chain(_build(dataclasses.replace(late, store_late=False)).asm["sass"]) == 0
 
 
 @pytest.mark.parametrize("block_n", [64, 128, 256])

@@ -194,7 +194,7 @@ def _epilogue(acc, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS: gl.cons
 def _mma_partition(a_bufs, w_bufs, ready, empty, turn, c_smem, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K, stride_sam,
                    stride_swn, NUM_PROGRAMS, WG: gl.constexpr, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
                    GROUP_M: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr, MMA_N: gl.constexpr,
-                   PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr, STORE_LATE: gl.constexpr):
+                   PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr):
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = w_bufs.type.shape[1]
@@ -213,10 +213,6 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, turn, c_smem, out_desc, sa_ptr,
     k_tiles = gl.cdiv(K, BK)
     zero = gl.zeros((WG_M, MMA_N), gl.float32, layout)
     it = 0  # K blocks this program has consumed: the ring position, as the producer counts them
-    if STORE_LATE:  # the tile before the first: rows from M on, which the TMA store clips (it writes nothing)
-        acc_prev = zero
-        prev_row0 = M
-        prev_off_n = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         row0 = pid_m * BM + A_PART * WG_M
@@ -232,8 +228,6 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, turn, c_smem, out_desc, sa_ptr,
             # partial is needed (ptxas serializes every wgmma if one is read before its wait).
             scale_e = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, 0, stride_swn, W_BLOCK_N, layout)
             p_e = _issue(a_bufs, w_bufs, ready, it, zero, A_PART, W_PART, True)
-            if STORE_LATE:  # the tile before, stored while this tile's block 0 runs
-                _epilogue(acc_prev, c_smem, out_desc, bias_ptr, prev_row0, prev_off_n, N, HAS_BIAS)
             for kb in range(1, k_tiles - 1, 2):
                 scale_o = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, kb, stride_swn, W_BLOCK_N, layout)
                 p_o = _issue(a_bufs, w_bufs, ready, it + 1, zero, A_PART, W_PART, True)
@@ -285,16 +279,9 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, turn, c_smem, out_desc, sa_ptr,
                     _release(empty, it)
                     acc1 = _promote(partial, scale1, acc1)
                 it += 1
-        if STORE_LATE:
-            acc_prev = acc0
-            prev_row0 = row0
-            prev_off_n = off_n
-        else:
-            _epilogue(acc0, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS)
+        _epilogue(acc0, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS)
         if TWO:
             _epilogue(acc1, c_smem, out_desc, bias_ptr, row0, off_n + MMA_N, N, HAS_BIAS)
-    if STORE_LATE:
-        _epilogue(acc_prev, c_smem, out_desc, bias_ptr, prev_row0, prev_off_n, N, HAS_BIAS)
     tma.store_wait(0)
 
 
@@ -304,8 +291,8 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, turn, c_smem, out_desc, sa_ptr,
 def _fp8_gemm_ws_kernel(a_desc, w_desc, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K, stride_sam, stride_swn,
                         NUM_PROGRAMS, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                         NUM_STAGES: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr, MMA_N: gl.constexpr,
-                        PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr, STORE_LATE: gl.constexpr,
-                        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                        PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
     c_smem0 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
@@ -325,10 +312,10 @@ def _fp8_gemm_ws_kernel(a_desc, w_desc, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N
     gl.warp_specialize([
         (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, c_smem0, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K,
                           stride_sam, stride_swn, NUM_PROGRAMS, 0, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1, SPLIT_N,
-                          MMA_N, PINGPONG, PASS_DONE, STORE_LATE)),
+                          MMA_N, PINGPONG, PASS_DONE)),
         (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, c_smem1, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K,
                           stride_sam, stride_swn, NUM_PROGRAMS, 1, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1, SPLIT_N,
-                          MMA_N, PINGPONG, PASS_DONE, STORE_LATE)),
+                          MMA_N, PINGPONG, PASS_DONE)),
         (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -354,9 +341,6 @@ class WSConfig:
     # a chain is "issued" (FlashAttention-3's and CUTLASS's ping-pong: the chains queue in that order) or
     # "done" (no two chains in flight at once, a hand-over's latency between them)
     pingpong: str = ""
-    # wait1 with one chain a block: a tile's output is stored while the next tile's first K block runs on the
-    # tensor core (in step, the consumers reach their epilogues at once and it idles through them)
-    store_late: bool = False
 
     @property
     def block_m(self) -> int:
@@ -369,8 +353,7 @@ class WSConfig:
 
     def __str__(self) -> str:
         flags = [f for f, on in (("splitn", self.split == "n"), ("persistent", self.persistent),
-                                 ("wait1", self.wait1), ("late", self.store_late),
-                                 (f"pingpong-{self.pingpong}", self.pingpong),
+                                 ("wait1", self.wait1), (f"pingpong-{self.pingpong}", self.pingpong),
                                  (f"group{self.group_m}", self.group_m != WSConfig.group_m),
                                  (f"regs{self.consumer_regs}", self.consumer_regs != WSConfig.consumer_regs)) if on]
         return "+".join([f"ws{self.block_m}x{self.block_n}s{self.num_stages}", *flags])
@@ -394,9 +377,6 @@ class WSConfig:
         if self.pingpong and (self.split != "m" or self.wait1):
             raise ValueError(f"{self}: pingpong takes turns between the two consumers' chains of split 'm' (one "
                              "chain in flight each): use split 'm' without wait1")
-        if self.store_late and not self.wait1:
-            raise ValueError(f"{self}: store_late stores a tile under the next one's first wgmma in wait1's "
-                             "pipeline: set wait1")
         if self.num_stages < 2:
             raise ValueError(f"{self}: num_stages {self.num_stages} < 2 leaves the producer nothing to prefetch")
         if 2 * self.consumer_regs + self.producer_regs > 3 * LAUNCH_REGS or self.producer_regs < 24 \
@@ -446,8 +426,7 @@ def launch_args(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out: to
     consts = dict(W_BLOCK_N=qw.block[0], HAS_BIAS=bias is not None, GROUP_M=config.group_m,
                   NUM_STAGES=config.num_stages, WAIT1=config.wait1, SPLIT_N=config.split == "n",
                   MMA_N=config.mma_n, PINGPONG=bool(config.pingpong),
-                  PASS_DONE=config.pingpong == "done", STORE_LATE=config.store_late,
-                  CONSUMER_REGS=config.consumer_regs,
+                  PASS_DONE=config.pingpong == "done", CONSUMER_REGS=config.consumer_regs,
                   PRODUCER_REGS=config.producer_regs)
     return (programs,), args, consts
 
