@@ -52,8 +52,9 @@ TILES_FP8 = (
 # operands under CUDA graphs (bench/kernels_fp8.py --graph --ms 4096 8192 --ws-variant ...; two calls,
 # bench/results/kernels-fp8-graph-train-variants.json, -variants-2.json): faster at all 8 training cases in both,
 # 1.60 / 1.59x our BF16 GEMM (geometric means) against 1.55 / 1.55. Held at the board's power limit, it does
-# more per clock (bench/gemm_power.py, bench/results/gemm-power.json). It takes M >= WS_MIN_ROWS: from 512 rows on
-# the warp-specialized kernel ran faster than the Triton tiles at every shape of bench/kernels_fp8.py (CUDA graphs).
+# more per clock (bench/gemm_power.py, bench/results/gemm-power.json). It takes M >= WS_MIN_ROWS: it ran faster
+# than the Triton tiles at every M and shape of bench/kernels_fp8.py (CUDA graphs, kernels-fp8-graph-s17.json);
+# below 512 rows the decode layout takes over, chosen on weights read from HBM (fp8-gluon-decode.json).
 WS_CONFIG = WSConfig(block_n=128, num_stages=6, persistent=True, wait1=True)
 WS_MIN_ROWS = 512
 # Below WS_MIN_ROWS (decode), the same kernel with its consumers splitting a 64-row tile's columns
