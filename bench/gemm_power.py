@@ -75,7 +75,7 @@ def sustained(fn, seconds: float) -> dict:
 
 
 def run(args) -> dict:
-    from bench.kernels_fp8 import _named_variants
+    from bench.kernels_fp8 import named_variants
     from onepath.numerics.quant import quantize_fp8 as quantize_reference
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
     from onepath.ops.cuda.matmul import matmul
@@ -90,7 +90,7 @@ def run(args) -> dict:
     one = torch.ones((), device="cuda")
     x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
     kernels = {"bf16 ours": lambda: matmul(x, w), "bf16 cuBLAS": lambda: torch.nn.functional.linear(x, w)}
-    for config in dict.fromkeys([WS_CONFIG, *_named_variants(args.ws_variant or [])]):
+    for config in dict.fromkeys([WS_CONFIG, *named_variants(args.ws_variant or [])]):
         kernels[f"fp8 ours {config}"] = lambda config=config: matmul_fp8(qa, qw, config=config)
     kernels["fp8 cuBLAS per-tensor"] = lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one,
                                                                 out_dtype=torch.bfloat16)

@@ -5,21 +5,21 @@ from pathlib import Path
 
 import pytest
 
-from bench.kernels_fp8 import _geomean, _named_variants
+from bench.kernels_fp8 import _geomean, named_variants
 from onepath.ops.cuda.matmul_fp8 import WS_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_variant_names_map_to_the_bench_configs_in_order():
-    configs = _named_variants([str(WS_CONFIG), "ws128x256s4+persistent"])
+    configs = named_variants([str(WS_CONFIG), "ws128x256s4+persistent"])
     assert configs[0] == WS_CONFIG
     assert (configs[1].block_n, configs[1].num_stages, configs[1].wait1) == (256, 4, False)
 
 
 def test_an_unknown_variant_is_named_with_the_known_ones():
     with pytest.raises(SystemExit, match=r"\['ws128x256s9'\]: not among .*ws128x128s6\+persistent\+wait1"):
-        _named_variants(["ws128x256s4+persistent", "ws128x256s9"])
+        named_variants(["ws128x256s4+persistent", "ws128x256s9"])
 
 
 def test_geomean():
