@@ -49,15 +49,15 @@ DECODE_SHAPES = {  # (K, N) of the decode GEMMs: qkv, o, gate+up, down
 
 
 def variants() -> list[WSConfig]:
-    """BLOCK_N 128 at three ring depths, persistent or not, with and without the wait-1 pipeline (with it also
-    at six, the deepest ring its shared memory holds, and grouped by 16); BLOCK_N
+    """BLOCK_N 128 at three ring depths (five, the shipped one, the deepest its shared memory holds with the
+    A-scale stages), persistent or not, with and without the wait-1 pipeline (with it also grouped by 16); BLOCK_N
     256 (A read once for twice the columns) at the depths its shared memory allows, the shipped 4-stage one
     also with the consumers' chains in turns (pingpong, the turn passed at issue or at completion), with
     other groupings of the persistent walk (group_m: row tiles per group) and with the producer's registers
     given to the consumers (240 + 240 + 24)."""
     return [WSConfig(128, 4), WSConfig(128, 3), WSConfig(128, 5), WSConfig(128, 4, persistent=False),
             WSConfig(128, 4, wait1=True), WSConfig(128, 3, wait1=True), WSConfig(128, 5, wait1=True),
-            WSConfig(128, 4, persistent=False, wait1=True), WSConfig(128, 6, wait1=True),
+            WSConfig(128, 4, persistent=False, wait1=True),
             WSConfig(128, 5, wait1=True, group_m=16),
             WSConfig(256, 3), WSConfig(256, 4), WSConfig(256, 4, pingpong="issued"), WSConfig(256, 4, pingpong="done"),
             WSConfig(256, 3, persistent=False), WSConfig(256, 4, group_m=4), WSConfig(256, 4, group_m=16),

@@ -74,7 +74,10 @@ def sustained(fn, seconds: float) -> dict:
                 power_w=statistics.median(watts) if watts else None, samples=len(mhz))
 
 
-def run(args) -> dict:
+def kernels(m: int, n: int, k: int, variants: list[str]) -> dict:
+    """name -> a call of that GEMM at M, N, K on fresh operands (quantised here, not in the calls): our BF16 GEMM,
+    cuBLAS BF16, our block-FP8 GEMM (WS_CONFIG, then each of variants: bench/fp8_gluon.py names), cuBLAS FP8 with
+    one scale per tensor."""
     from bench.kernels_fp8 import named_variants
     from onepath.numerics.quant import quantize_fp8 as quantize_reference
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
@@ -82,20 +85,24 @@ def run(args) -> dict:
     from onepath.ops.cuda.matmul_fp8 import WS_CONFIG, matmul_fp8
     from onepath.ops.cuda.quant import quantize_fp8
 
-    m, n, k = args.shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
     qa, qw = quantize_fp8(x, FP8_ACT), quantize_reference(w, FP8_WEIGHT)
     one = torch.ones((), device="cuda")
     x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
-    kernels = {"bf16 ours": lambda: matmul(x, w), "bf16 cuBLAS": lambda: torch.nn.functional.linear(x, w)}
-    for config in dict.fromkeys([WS_CONFIG, *named_variants(args.ws_variant or [])]):
-        kernels[f"fp8 ours {config}"] = lambda config=config: matmul_fp8(qa, qw, config=config)
-    kernels["fp8 cuBLAS per-tensor"] = lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one,
-                                                                out_dtype=torch.bfloat16)
+    calls = {"bf16 ours": lambda: matmul(x, w), "bf16 cuBLAS": lambda: torch.nn.functional.linear(x, w)}
+    for config in dict.fromkeys([WS_CONFIG, *named_variants(variants)]):
+        calls[f"fp8 ours {config}"] = lambda config=config: matmul_fp8(qa, qw, config=config)
+    calls["fp8 cuBLAS per-tensor"] = lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one,
+                                                              out_dtype=torch.bfloat16)
+    return calls
+
+
+def run(args) -> dict:
+    m, n, k = args.shape
     rows = []
-    for name, fn in kernels.items():
+    for name, fn in kernels(m, n, k, args.ws_variant or []).items():
         row = dict(kernel=name, **sustained(fn, args.seconds))
         row["tflops"] = 2.0 * m * n * k / row["us"] * 1e-6
         row["tflops_per_ghz"] = row["tflops"] / (row["sm_mhz"] / 1e3) if row["sm_mhz"] else None

@@ -1,4 +1,5 @@
-"""bench/kernels_fp8.py's --ws-variant names (the timing is GPU-only) and bench/gemm_power.py without a GPU."""
+"""bench/kernels_fp8.py's --ws-variant names (the timing is GPU-only); bench/gemm_power.py and bench/ncu_gemm.py
+without a GPU."""
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ def test_variant_names_map_to_the_bench_configs_in_order():
 
 
 def test_an_unknown_variant_is_named_with_the_known_ones():
-    with pytest.raises(SystemExit, match=r"\['ws128x256s9'\]: not among .*ws128x128s6\+persistent\+wait1"):
+    with pytest.raises(SystemExit, match=r"\['ws128x256s9'\]: not among .*ws128x128s5\+persistent\+wait1"):
         named_variants(["ws128x256s4+persistent", "ws128x256s9"])
 
 
@@ -27,9 +28,10 @@ def test_geomean():
     assert _geomean([2.0, 8.0]) == pytest.approx(4.0)
 
 
-def test_gemm_power_without_cuda_says_so_and_exits_0():
+@pytest.mark.parametrize("script", ["bench/gemm_power.py", "bench/ncu_gemm.py"])
+def test_gemm_benches_without_cuda_say_so_and_exit_0(script):
     import torch
     if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the bench would time")
-    run = subprocess.run([sys.executable, "bench/gemm_power.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        pytest.skip("a GPU is present: the bench would run")
+    run = subprocess.run([sys.executable, script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "no CUDA device" in run.stdout, run.stdout + run.stderr

@@ -9,7 +9,8 @@ Asserted on the PTX and SASS, what the design needs and a build can lose without
     for split "n"), chains of four k32 steps of which the first starts from zero (a fresh partial per
     128-wide K block), no mma.sync; FMA promotion
   - warp specialization: setmaxnreg to the consumer and producer budgets, TMA loads completing on
-    mbarriers (cp.async.bulk.tensor ... mbarrier::complete_tx), TMA stores of the output
+    mbarriers (cp.async.bulk.tensor ... mbarrier::complete_tx), three a stage (A, W and A's scales, which
+    the consumers read from shared memory), TMA stores of the output
   - ptxas kept the pipeline: one WARPGROUP.ARRIVE per four-step chain (it puts one before every wgmma
     when it serializes them), `WARPGROUP.DEPBAR.LE gsb0, 0x1` in the wait1 variants; no spills
   - within Hopper's 227 KiB of shared memory
@@ -114,6 +115,10 @@ def _problems(v, ptx: str, sass: str, shared: int) -> list[str]:
         "setmaxnreg to the consumer budget": _setmaxnreg(ptx, getattr(v, "consumer_regs", None)),
         "setmaxnreg to the producer budget": _setmaxnreg(ptx, getattr(v, "producer_regs", None)),
         "TMA loads on mbarriers": "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx,
+        # a stage holds the block's A scales too, which the consumers read from it (not from global memory)
+        "three TMA loads a stage: A, W, A scales":
+            ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes") == 3,
+        "A scales read from shared memory": "ld.shared.b32" in ptx,
         "TMA stores": "cp.async.bulk.tensor.2d.global.shared::cta" in ptx,
         "one WARPGROUP.ARRIVE per wgmma chain": 0 < 4 * sass.count("WARPGROUP.ARRIVE") == sass.count("GMMA."),
         "no spills": not re.search(r"\b(STL|LDL)\b", sass),
@@ -174,7 +179,8 @@ def test_negative_control_the_triton_kernel_fails_the_warp_specialization_checks
                                ("a_ptr", "w_ptr", "out_ptr", "K", "stride_am", "stride_wn", "stride_om"), config)
     problems = _problems(config, ptx, "", shared)
     assert CHAINS not in problems, "the Triton kernel's MMA is the reference the Gluon builds are held to"
-    assert {"setmaxnreg to the consumer budget", "TMA loads on mbarriers", "TMA stores"} <= set(problems), problems
+    assert {"setmaxnreg to the consumer budget", "TMA loads on mbarriers", "TMA stores",
+            "three TMA loads a stage: A, W, A scales", "A scales read from shared memory"} <= set(problems), problems
 
 
 def test_negative_control_the_pingpong_checks_tell_the_turn_passes_apart():

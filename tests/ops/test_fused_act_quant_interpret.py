@@ -109,7 +109,7 @@ def test_fused_kernels_build_for_sm90_and_keep_the_norm_reduction():
     class Launch:
         num_warps, num_stages, enable_fp_fusion = rmsnorm.NUM_WARPS, 3, False
 
-    ints = ("x_stride", "r_stride", "out_stride", "res_stride", "H", "codes_stride", "scales_stride")
+    ints = ("x_stride", "r_stride", "out_stride", "res_stride", "H", "codes_stride", "scales_stride", "scales_gstride")
     sig = dict(x_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", res_ptr="*bf16", eps="fp32",
                codes_ptr="*fp8e4nv", scales_ptr="*fp32", amax_floor="fp32", amax_ceil="fp32", **{n: "i32" for n in ints})
     aligned = ("x_ptr", "r_ptr", "w_ptr", "out_ptr", "res_ptr", "codes_ptr")
@@ -123,6 +123,7 @@ def test_fused_kernels_build_for_sm90_and_keep_the_norm_reduction():
 
     sig = dict(gate_ptr="*bf16", up_ptr="*bf16", out_ptr="*bf16", gate_stride="i32", up_stride="i32", out_stride="i32",
                I="i32", codes_ptr="*fp8e4nv", scales_ptr="*fp32", codes_stride="i32", scales_stride="i32",
+               scales_gstride="i32",
                amax_floor="fp32", amax_ceil="fp32")
     built = build_sm90(elementwise._silu_mul_kernel, sig, dict(BLOCK=elementwise.BLOCK_I, QUANT=True, UE8M0=False,
                                                                DIVIDE=True, GROUP=128), ("out_ptr",), Launch)

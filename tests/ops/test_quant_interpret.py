@@ -18,7 +18,7 @@ from tests.interpret import check_recorder, interpreted_checks, print_checks
 
 CHECKS = ["random_equal_torch", "adversarial_equal_torch", "rows_alone_equal_rows_in_batch", "strided_input",
           "other_group_size", "rejects_other_rules", "interpreter_cast_is_not_rne", "write_kv_fp8_equals_torch",
-          "write_kv_fp8_other_rule_differs"]
+          "write_kv_fp8_other_rule_differs", "scales_stored_by_column"]
 
 
 def _patch_fp8_rounding():
@@ -107,6 +107,15 @@ def _run_checks() -> dict:
         record("rows_alone_equal_rows_in_batch",
                torch.equal(got.codes.view(torch.uint8)[at], alone.codes.view(torch.uint8)[0])
                and torch.equal(got.scales[at], alone.scales[0]), f"M={m} at={at}")
+
+    # scales stored by column, each column 16-byte aligned (the FP8 GEMM's TMA loads a K block's column)
+    for shape in [(1, 300), (5, 300), (2, 3, 257)]:
+        scales = triton_quant.quantize_fp8(spread(*shape)).scales
+        rows = math.prod(shape[:-1])
+        flat = scales.reshape(rows, -1)
+        # (one row: its stride is free, torch may set any)
+        record("scales_stored_by_column", (flat.stride(0) == 1 or rows == 1) and flat.stride(1) % 4 == 0
+               and flat.stride(1) >= rows and flat.data_ptr() % 16 == 0, f"{shape}: strides {flat.stride()}")
 
     # a view of a wider tensor (q of a fused qkv): strided rows read in place
     fused = spread(4, 700, dtype=torch.bfloat16)

@@ -27,8 +27,8 @@ NUM_WARPS = 4
 
 @triton.jit
 def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, gate_stride, up_stride, out_stride, I, codes_ptr, scales_ptr,
-                     codes_stride, scales_stride, amax_floor, amax_ceil, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                     UE8M0: tl.constexpr, DIVIDE: tl.constexpr, GROUP: tl.constexpr):
+                     codes_stride, scales_stride, scales_gstride, amax_floor, amax_ceil, BLOCK: tl.constexpr,
+                     QUANT: tl.constexpr, UE8M0: tl.constexpr, DIVIDE: tl.constexpr, GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * BLOCK
     offs = start + tl.arange(0, BLOCK)
@@ -41,7 +41,8 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, gate_stride, up_stride, out_stri
         # the down projection's FP8 input, by its quantiser's rule, from the chunk just stored
         tl.debug_barrier()
         quantize_stored(out_ptr + row * out_stride, start, I, codes_ptr + row * codes_stride,
-                        scales_ptr + row * scales_stride, amax_floor, amax_ceil, UE8M0, DIVIDE, BLOCK, GROUP)
+                        scales_ptr + row * scales_stride, scales_gstride, amax_floor, amax_ceil, UE8M0, DIVIDE, BLOCK,
+                        GROUP)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -62,8 +63,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, act: QuantSpec | None = None)
     if out.numel():
         grid = (g2.shape[0], triton.cdiv(width, BLOCK_I))
         _silu_mul_kernel[grid](g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), width, codes, scales,
-                               codes.stride(0), scales.stride(0), *q["args"], BLOCK=BLOCK_I, **q["constexprs"],
-                               num_warps=NUM_WARPS, enable_fp_fusion=False)
+                               codes.stride(0), scales.stride(0), scales.stride(1), *q["args"], BLOCK=BLOCK_I,
+                               **q["constexprs"], num_warps=NUM_WARPS, enable_fp_fusion=False)
     if act is None:
         return out.reshape(*lead, width)
     return out.reshape(*lead, width), fused_quant_result(codes, scales, lead, act)

@@ -32,19 +32,27 @@ def quantize_rows(x, amax_floor, amax_ceil, UE8M0: tl.constexpr, DIVIDE: tl.cons
 
 
 @triton.jit
-def quantize_stored(row, start, H, codes_row, scales_row, amax_floor, amax_ceil, UE8M0: tl.constexpr,
+def quantize_stored(row, start, H, codes_row, scales_row, scales_gstride, amax_floor, amax_ceil, UE8M0: tl.constexpr,
                     DIVIDE: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """Columns [start, start + BLOCK) of a row this program has stored at `row` (start a multiple of GROUP, the
     stores behind a tl.debug_barrier), read back as the GEMM's quantiser reads them and quantised per GROUP:
-    codes to codes_row, one scale per group to scales_row. Read back rather than taken from registers, so the
-    kernel's own arithmetic keeps the layouts, and so the bits, it has without the quantiser."""
+    codes to codes_row, one scale per group to scales_row (groups scales_gstride apart). Read back rather than
+    taken from registers, so the kernel's own arithmetic keeps the layouts, and so the bits, it has without the
+    quantiser."""
     g = start // GROUP + tl.arange(0, BLOCK // GROUP)
     offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = offs < H
     x = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
     y, scale = quantize_rows(x, amax_floor, amax_ceil, UE8M0, DIVIDE)
     tl.store(codes_row + offs, y.to(tl.float8e4nv), mask=mask)
-    tl.store(scales_row + g, scale, mask=g < tl.cdiv(H, GROUP))
+    tl.store(scales_row + g * scales_gstride, scale, mask=g < tl.cdiv(H, GROUP))
+
+
+def scales_by_column(m: int, groups: int, device) -> torch.Tensor:
+    """An [m, groups] FP32 buffer for a 1 x G rule's scales, stored by column (strides (1, P), P >= m a multiple
+    of 4): a K block's scales of consecutive rows adjacent and each column 16-byte aligned, the layout the FP8
+    GEMM's TMA loads them in (matmul_fp8_ws.scales_by_column)."""
+    return torch.empty((groups, -(-m // 4) * 4), device=device, dtype=torch.float32)[:, :m].t()
 
 
 def rule_args(q) -> tuple[tuple[float, float], dict]:
@@ -69,7 +77,7 @@ def fused_quant_outputs(m: int, width: int, act, placeholder: torch.Tensor, bloc
                          f"of two dividing {block}; got {act.format} {act.scale_domain} {act.block}: quantise "
                          "with ops/cuda/quant.quantize_fp8 instead")
     codes = torch.empty((m, width), device=placeholder.device, dtype=torch.float8_e4m3fn)
-    scales = torch.empty((m, triton.cdiv(width, group)), device=placeholder.device, dtype=torch.float32)
+    scales = scales_by_column(m, triton.cdiv(width, group), placeholder.device)
     args, constexprs = rule_args(act)
     return codes, scales, dict(args=args, constexprs=dict(QUANT=True, GROUP=group, **constexprs))
 

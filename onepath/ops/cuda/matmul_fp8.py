@@ -47,15 +47,16 @@ TILES_FP8 = (
     TileConfig(64, 128, num_warps=4, num_stages=3),
     TileConfig(64, 64, num_warps=4, num_stages=4),
 )
-# The warp-specialized kernel's config: 128x128, 6 stages, persistent, wait1 (each consumer promotes block kb-1
-# while kb's MMA runs). Timed against the 128x256 4-stage config that shipped before, in turns on the same
-# operands under CUDA graphs (bench/kernels_fp8.py --graph --ms 4096 8192 --ws-variant ...; two calls,
-# bench/results/kernels-fp8-graph-train-variants.json, -variants-2.json): faster at all 8 training cases in both,
-# 1.60 / 1.59x our BF16 GEMM (geometric means) against 1.55 / 1.55. Held at the board's power limit, it does
-# more per clock (bench/gemm_power.py, bench/results/gemm-power.json). It takes M >= WS_MIN_ROWS: it ran faster
-# than the Triton tiles at every M and shape of bench/kernels_fp8.py (CUDA graphs, kernels-fp8-graph-s17.json);
-# below 512 rows the decode layout takes over, chosen on weights read from HBM (fp8-gluon-decode.json).
-WS_CONFIG = WSConfig(block_n=128, num_stages=6, persistent=True, wait1=True)
+# The warp-specialized kernel's config: 128x128, 5 stages (the deepest ring that fits with the A-scale stages),
+# persistent, wait1 (each consumer promotes block kb-1 while kb's MMA runs). 128x128 with wait1 was timed against
+# the 128x256 4-stage config that shipped before, in turns on the same operands under CUDA graphs
+# (bench/kernels_fp8.py --graph --ms 4096 8192 --ws-variant ...; bench/results/kernels-fp8-graph-train-variants.json,
+# -variants-2.json): faster at all 8 training cases in both calls. With the A scales in the stages it ran 1.63-1.72x
+# our BF16 GEMM at every training case of four runs (kernels-fp8-graph-s18.json, -train-s18-a/-b/-c.json). It takes
+# M >= WS_MIN_ROWS: it ran faster than the Triton tiles at every M and shape of bench/kernels_fp8.py (CUDA graphs,
+# kernels-fp8-graph-s18.json); below 512 rows the decode layout takes over, chosen on weights read from HBM
+# (fp8-gluon-decode.json).
+WS_CONFIG = WSConfig(block_n=128, num_stages=5, persistent=True, wait1=True)
 WS_MIN_ROWS = 512
 # Below WS_MIN_ROWS (decode), the same kernel with its consumers splitting a 64-row tile's columns
 # (split "n"), eight stages for a GEMM bound by its weight read, and wait1 (block kb-1 promoted under block

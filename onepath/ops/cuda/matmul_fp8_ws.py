@@ -11,17 +11,20 @@ one by M (tests/gpu/test_fp8_matmul_ws_gpu.py: torch.equal between them).
 Why warp specialization: Triton waits for every wgmma whose result feeds an FMA, so its tensor core
 idles during each block's promotion. Here a CTA (128 rows x BLOCK_N, split "m") runs three partitions:
   producer      1 warp, 40 registers: TMA loads of the A [128, 128] and W [BLOCK_N, 128] tiles of each
-                K block into a ring of NUM_STAGES shared-memory stages (ready/empty mbarriers)
+                K block, and of the A rows' scales sa[:, kb] ([1, 128], sa stored by column), into a ring of
+                NUM_STAGES shared-memory stages (ready/empty mbarriers)
   consumer 0/1  one warpgroup each, 232 registers, rows 0-63 / 64-127: wgmma over the block into a fresh
                 partial, wait, release the stage, FMA-promote. Neither waits for the other, so one's
                 promotion runs under the other's MMA while the producer keeps the ring full; the
                 output goes out through shared memory by TMA stores.
-On the H200 the shipped config (matmul_fp8.WS_CONFIG), 128x128 with 6 stages, persistent and wait1, ran
-1.58-1.67x our BF16 GEMM at training shapes (M 4096-8192, N 2048-11008, K 2048-8192; CUDA graphs, three runs,
-bench/results/kernels-fp8-graph-s17.json, -train-s17-a.json, -b.json) and about 2x the Triton FP8 kernel;
-128x256 with 4 stages, timed in turns with it, was 0.2-7% slower at every case, 3% on the geometric mean
-(kernels-fp8-graph-train-variants.json, -variants-2.json). Every config gives the
-Triton kernel's bits, with no spills (bench/fp8_gluon.py checks each).
+The A scales come from the stage, not from global memory: a consumer warp's load of its rows' sa[m, kb]
+touched eight sectors (rows K/128 floats apart), and those L1 wavefronts held the kernel ~9% below the same
+kernel loading one address (bench/results/kernels-fp8-graph-train-probe.json); by column with L1 prefetches
+it was slower still (-probe-3.json). On the H200 the shipped config (matmul_fp8.WS_CONFIG), 128x128 with 5
+stages (the deepest that fits with the scale stages), persistent and wait1, ran 1.63-1.72x our BF16 GEMM at
+training shapes (M 4096-8192, N 2048-11008, K 2048-8192; CUDA graphs, four runs, kernels-fp8-graph-s18.json,
+-train-s18-a.json, -b.json, -c.json), against 1.58-1.67x with the scales loaded from global memory (-s17*.json).
+Every config gives the Triton kernel's bits, with no spills (bench/fp8_gluon.py checks each).
 Switches (WSConfig): BLOCK_N 128 or 256 (two n128 chains per block, promoted one after the other in one
 register block: a 64x256 partial and its accumulator would need 256 registers a thread); WAIT1 (BLOCK_N
 128): issue block kb's wgmma, `wgmma.wait_group 1`, promote kb-1 under it; persistent (#SMs programs
@@ -30,7 +33,7 @@ consumers take turns at the tensor core, chain by chain, through a pair of turn 
 promotion runs under the other's chain rather than both chains running, then both promotions (the turn
 passes once a chain is "issued" or "done"; each element's chain and order are unchanged). Rows past M,
 columns past N and the ragged last K block are TMA's zero fill: the zero codes the Triton kernel's masked
-loads give the MMA.
+loads give the MMA (and scale 0 for rows past M, whose outputs are never stored).
 Split "n", for decode (M <= 256): the tile is 64 rows x BLOCK_N 64, 128 or 256, and the consumers split its
 columns (consumer i: [i * BLOCK_N/2, (i+1) * BLOCK_N/2), one n32, n64 or n128 chain, a W row range inside
 one 128-row scale block); half the rows of "m" doubles the tiles where M leaves the SMs empty, and the
@@ -75,7 +78,8 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M: gl.constexpr):
+def _load_partition(a_desc, w_desc, sa_desc, a_bufs, w_bufs, sa_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
+                    GROUP_M: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
@@ -90,18 +94,28 @@ def _load_partition(a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, NUM_P
             s = it % STAGES
             # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w_desc.block_type.nbytes
+                            + sa_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kb * BK], ready.index(s), a_bufs.index(s))
             tma.async_copy_global_to_shared(w_desc, [pid_n * BN, kb * BK], ready.index(s), w_bufs.index(s))
+            # the A rows' scales of the block, a [1, BM] column of sa by column (rows past M: TMA's zeros)
+            tma.async_copy_global_to_shared(sa_desc, [kb, pid_m * BM], ready.index(s), sa_bufs.index(s))
             it += 1
 
 
 @gluon.jit
-def _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, kb, stride_swn, W_BLOCK_N: gl.constexpr, layout: gl.constexpr):
-    """sa[m, kb] * sw[n // W_BLOCK_N, kb] for the MMA_N columns from off_n, in FP32: the FMA's multiplier,
-    loaded before the block's MMA is waited for so that the promotion after the wait does not stall."""
+def _scale(sa_bufs, it, A_PART: gl.constexpr, sw_ptr, off_n, N, kb, stride_swn, W_BLOCK_N: gl.constexpr,
+           layout: gl.constexpr):
+    """sa[m, kb] * sw[n // W_BLOCK_N, kb] for the consumer's 64 rows and the MMA_N columns from off_n, in FP32:
+    the FMA's multiplier. sa is read from the it-th block's stage, so after its ready wait and before its
+    release; sw (one address a warp) from global memory."""
     MMA_N: gl.constexpr = layout.instr_shape[1]
-    sa = gl.load(sa_ptrs + kb, mask=row_ok, other=1.0)
+    WG_M: gl.constexpr = layout.warps_per_cta[0] * 16
+    STAGES: gl.constexpr = sa_bufs.shape[0]
+    BM: gl.constexpr = sa_bufs.shape[2]
+    # the stage's [1, BM] box (unswizzled) read as the BM rows it holds
+    rows = sa_bufs.index(it % STAGES)._reinterpret(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    sa = rows.slice(A_PART * WG_M, WG_M).load(gl.SliceLayout(1, layout))
     if W_BLOCK_N % MMA_N == 0:
         # the partial's columns share one weight block: one scalar gives every column the same sa * sw
         sw = gl.load(sw_ptr + (gl.minimum(off_n, N - 1) // W_BLOCK_N) * stride_swn + kb)
@@ -154,6 +168,25 @@ def _chain(a_bufs, w_bufs, ready, it, into, A_PART: gl.constexpr, PART: gl.const
 
 
 @gluon.jit
+def _issue_scaled(a_bufs, w_bufs, sa_bufs, ready, it, into, A_PART: gl.constexpr, PART: gl.constexpr, sw_ptr, off_n,
+                  N, kb, stride_swn, W_BLOCK_N: gl.constexpr, layout: gl.constexpr, SCALE_AFTER: gl.constexpr):
+    """wait1: the it-th K block's partial issued (as _issue) and its scale (_scale), once its stage is loaded.
+    The scale is read before the issue (split "m": after it, its registers and a second partial in flight
+    outgrow the consumer's 232 and ptxas spills), or after it (split "n", whose n64 partials leave room: at
+    M = 1 each K block's chain then no longer waits for the scale's read, 0-1.2 us less a GEMM in
+    bench/results/kernels-fp8-graph-decode-s18.json against the M = 1 rows of kernels-fp8-graph-s18.json)."""
+    STAGES: gl.constexpr = ready.shape[0]
+    mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+    if SCALE_AFTER:
+        partial = _issue(a_bufs, w_bufs, ready, it, into, A_PART, PART, False)
+        scale = _scale(sa_bufs, it, A_PART, sw_ptr, off_n, N, kb, stride_swn, W_BLOCK_N, layout)
+    else:
+        scale = _scale(sa_bufs, it, A_PART, sw_ptr, off_n, N, kb, stride_swn, W_BLOCK_N, layout)
+        partial = _issue(a_bufs, w_bufs, ready, it, into, A_PART, PART, False)
+    return partial, scale
+
+
+@gluon.jit
 def _pinned(x):
     """x, through an empty volatile asm: the compiler must finish x before any later wgmma (also volatile),
     not sink its FMAs below it, which would keep two partials live."""
@@ -191,7 +224,7 @@ def _epilogue(acc, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS: gl.cons
 
 
 @gluon.jit
-def _mma_partition(a_bufs, w_bufs, ready, empty, turn, c_smem, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K, stride_sam,
+def _mma_partition(a_bufs, w_bufs, sa_bufs, ready, empty, turn, c_smem, out_desc, sw_ptr, bias_ptr, M, N, K,
                    stride_swn, NUM_PROGRAMS, WG: gl.constexpr, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
                    GROUP_M: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr, MMA_N: gl.constexpr,
                    PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr):
@@ -216,9 +249,6 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, turn, c_smem, out_desc, sa_ptr,
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         row0 = pid_m * BM + A_PART * WG_M
-        offs_m = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, layout))
-        row_ok = offs_m < M
-        sa_ptrs = sa_ptr + gl.where(row_ok, offs_m, 0) * stride_sam
         off_n = pid_n * BN + W_PART * MMA_N
         acc0 = gl.zeros((WG_M, MMA_N), gl.float32, layout)
         acc1 = gl.zeros((WG_M, MMA_N), gl.float32, layout)
@@ -226,23 +256,23 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, turn, c_smem, out_desc, sa_ptr,
             # Two partials in fixed registers, even and odd K blocks: block kb's wgmma runs while kb-1 is
             # promoted (`wgmma.wait_group 1`). Unrolled by two so that no register copy of an in-flight
             # partial is needed (ptxas serializes every wgmma if one is read before its wait).
-            scale_e = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, 0, stride_swn, W_BLOCK_N, layout)
-            p_e = _issue(a_bufs, w_bufs, ready, it, zero, A_PART, W_PART, True)
+            p_e, scale_e = _issue_scaled(a_bufs, w_bufs, sa_bufs, ready, it, zero, A_PART, W_PART, sw_ptr, off_n, N, 0,
+                                         stride_swn, W_BLOCK_N, layout, SPLIT_N)
             for kb in range(1, k_tiles - 1, 2):
-                scale_o = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, kb, stride_swn, W_BLOCK_N, layout)
-                p_o = _issue(a_bufs, w_bufs, ready, it + 1, zero, A_PART, W_PART, True)
+                p_o, scale_o = _issue_scaled(a_bufs, w_bufs, sa_bufs, ready, it + 1, zero, A_PART, W_PART, sw_ptr,
+                                             off_n, N, kb, stride_swn, W_BLOCK_N, layout, SPLIT_N)
                 partial = warpgroup_mma_wait(1, deps=[p_e])
                 _release(empty, it)
                 acc0 = _promote(partial, scale_e, acc0)
-                scale_e = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, kb + 1, stride_swn, W_BLOCK_N, layout)
-                p_e = _issue(a_bufs, w_bufs, ready, it + 2, zero, A_PART, W_PART, True)
+                p_e, scale_e = _issue_scaled(a_bufs, w_bufs, sa_bufs, ready, it + 2, zero, A_PART, W_PART, sw_ptr,
+                                             off_n, N, kb + 1, stride_swn, W_BLOCK_N, layout, SPLIT_N)
                 partial = warpgroup_mma_wait(1, deps=[p_o])
                 _release(empty, it + 1)
                 acc0 = _promote(partial, scale_o, acc0)
                 it += 2
             if k_tiles % 2 == 0:  # the last block is odd: issue it, then promote the last two
-                scale_o = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, k_tiles - 1, stride_swn, W_BLOCK_N, layout)
-                p_o = _issue(a_bufs, w_bufs, ready, it + 1, zero, A_PART, W_PART, True)
+                p_o, scale_o = _issue_scaled(a_bufs, w_bufs, sa_bufs, ready, it + 1, zero, A_PART, W_PART, sw_ptr,
+                                             off_n, N, k_tiles - 1, stride_swn, W_BLOCK_N, layout, SPLIT_N)
                 partial = warpgroup_mma_wait(1, deps=[p_e])
                 _release(empty, it)
                 acc0 = _promote(partial, scale_e, acc0)
@@ -256,26 +286,19 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, turn, c_smem, out_desc, sa_ptr,
                 acc0 = _promote(partial, scale_e, acc0)
                 it += 1
         else:
-            # the scales one block ahead: their loads are in flight under a whole block's MMA
-            next0 = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, 0, stride_swn, W_BLOCK_N, layout)
-            next1 = next0
-            if TWO:
-                next1 = _scale(sa_ptrs, row_ok, sw_ptr, off_n + MMA_N, N, 0, stride_swn, W_BLOCK_N, layout)
             for kb in range(k_tiles):
-                scale0, scale1 = next0, next1
-                ahead = gl.minimum(kb + 1, k_tiles - 1)
-                next0 = _scale(sa_ptrs, row_ok, sw_ptr, off_n, N, ahead, stride_swn, W_BLOCK_N, layout)
-                if TWO:
-                    next1 = _scale(sa_ptrs, row_ok, sw_ptr, off_n + MMA_N, N, ahead, stride_swn, W_BLOCK_N, layout)
                 partial = _chain(a_bufs, w_bufs, ready, it, zero, A_PART, W_PART, True, turn, CHAINS * it, PASS_DONE)
+                # (read from the stage before it is released)
+                acc0 = _promote(partial, _scale(sa_bufs, it, A_PART, sw_ptr, off_n, N, kb, stride_swn, W_BLOCK_N,
+                                                layout), acc0)
                 if not TWO:
                     _release(empty, it)
-                acc0 = _promote(partial, scale0, acc0)
                 if TWO:
                     # the second half reuses the first's registers (a 64x256 partial and its accumulator
                     # would not fit): the first's FMAs pinned before it, its partial named as the target
                     acc0 = _pinned(acc0)
                     partial = _chain(a_bufs, w_bufs, ready, it, partial, A_PART, 1, False, turn, 2 * it + 1, PASS_DONE)
+                    scale1 = _scale(sa_bufs, it, A_PART, sw_ptr, off_n + MMA_N, N, kb, stride_swn, W_BLOCK_N, layout)
                     _release(empty, it)
                     acc1 = _promote(partial, scale1, acc1)
                 it += 1
@@ -287,14 +310,15 @@ def _mma_partition(a_bufs, w_bufs, ready, empty, turn, c_smem, out_desc, sa_ptr,
 
 # no integer specialization: nothing here gets faster for N or K multiples of 16 (TMA does the bounds),
 # and one build per config, out dtype and bias keeps compile time down (no build per shape in training)
-@gluon.jit(do_not_specialize=["M", "N", "K", "stride_sam", "stride_swn", "NUM_PROGRAMS"])
-def _fp8_gemm_ws_kernel(a_desc, w_desc, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K, stride_sam, stride_swn,
+@gluon.jit(do_not_specialize=["M", "N", "K", "stride_swn", "NUM_PROGRAMS"])
+def _fp8_gemm_ws_kernel(a_desc, w_desc, sa_desc, out_desc, sw_ptr, bias_ptr, M, N, K, stride_swn,
                         NUM_PROGRAMS, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
                         NUM_STAGES: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr, MMA_N: gl.constexpr,
                         PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                         PRODUCER_REGS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
+    sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [NUM_STAGES] + sa_desc.block_type.shape, sa_desc.layout)
     c_smem0 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
     c_smem1 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -310,13 +334,14 @@ def _fp8_gemm_ws_kernel(a_desc, w_desc, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N
     fence_async_shared()
     # (the constexpr switches are listed per partition: a tuple built here would turn them into tensors)
     gl.warp_specialize([
-        (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, c_smem0, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K,
-                          stride_sam, stride_swn, NUM_PROGRAMS, 0, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1, SPLIT_N,
+        (_mma_partition, (a_bufs, w_bufs, sa_bufs, ready, empty, turn, c_smem0, out_desc, sw_ptr, bias_ptr, M, N, K,
+                          stride_swn, NUM_PROGRAMS, 0, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1, SPLIT_N,
                           MMA_N, PINGPONG, PASS_DONE)),
-        (_mma_partition, (a_bufs, w_bufs, ready, empty, turn, c_smem1, out_desc, sa_ptr, sw_ptr, bias_ptr, M, N, K,
-                          stride_sam, stride_swn, NUM_PROGRAMS, 1, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1, SPLIT_N,
+        (_mma_partition, (a_bufs, w_bufs, sa_bufs, ready, empty, turn, c_smem1, out_desc, sw_ptr, bias_ptr, M, N, K,
+                          stride_swn, NUM_PROGRAMS, 1, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1, SPLIT_N,
                           MMA_N, PINGPONG, PASS_DONE)),
-        (_load_partition, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, M, N, K, NUM_PROGRAMS, GROUP_M)),
+        (_load_partition, (a_desc, w_desc, sa_desc, a_bufs, w_bufs, sa_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
+                           GROUP_M)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -388,11 +413,24 @@ class WSConfig:
                              "use fewer stages")
 
     def shared_bytes(self) -> int:
-        """The ring of A and W stages, the two consumers' epilogue tiles (FP32 out, the widest), the
+        """The ring of A, W and A-scale stages, the two consumers' epilogue tiles (FP32 out, the widest), the
         mbarriers (the compiler adds a few hundred bytes)."""
         epilogue = 2 * WG_M * min(EPI_BYTES, 4 * self.mma_n)
         barriers = 2 * self.num_stages + 2 * bool(self.pingpong)
-        return self.num_stages * (self.block_m + self.block_n) * BLOCK_K + epilogue + 8 * barriers
+        stage = (self.block_m + self.block_n) * BLOCK_K + 4 * self.block_m
+        return self.num_stages * stage + epilogue + 8 * barriers
+
+
+def scales_by_column(sa: torch.Tensor) -> torch.Tensor:
+    """sa [M, G] as the kernel's TMA reads it: stored by column (strides (1, P)), P >= M a multiple of 4 so that
+    each column starts 16-byte aligned; a copy unless the quantiser wrote it so (fp8_rows.scales_by_column).
+    A size-1 dimension's stride is free (torch may set any), so one row or one column is read as (1, P)."""
+    m, g = sa.shape
+    col = sa.stride(1) if g > 1 else -(-m // 4) * 4
+    if (sa.stride(0) == 1 or m == 1) and col % 4 == 0 and col >= m and sa.data_ptr() % TMA_ALIGN == 0:
+        return sa.as_strided((m, g), (1, col))
+    out = torch.empty((g, -(-m // 4) * 4), device=sa.device, dtype=torch.float32)[:, :m].t()
+    return out.copy_(sa)
 
 
 def _tma_ready(codes: torch.Tensor) -> torch.Tensor:
@@ -412,17 +450,20 @@ def launch_args(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out: to
     config.check()
     a, w = _tma_ready(qa.codes), _tma_ready(qw.codes)
     (m, k), n = qa.codes.shape, qw.codes.shape[0]
-    sa, sw = qa.scales.reshape(m, -1).contiguous(), qw.scales.contiguous()
+    sa, sw = scales_by_column(qa.scales.reshape(m, -1)), qw.scales.contiguous()
     layout = gl.NVMMASharedLayout.get_default_for([config.block_m, BLOCK_K], gl.float8e4nv)
     a_desc = TensorDescriptor.from_tensor(a, [config.block_m, BLOCK_K], layout)
     w_desc = TensorDescriptor.from_tensor(w, [config.block_n, BLOCK_K], layout)
+    # sa by column as TMA reads it: [K blocks, M], a block's column of rows one [1, BLOCK_M] box
+    sa_desc = TensorDescriptor(sa.t(), [sa.shape[1], m], [sa.stride(1), 1], [1, config.block_m],
+                               gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
     epi = [WG_M, min(config.mma_n, EPI_BYTES // out.element_size())]
     out_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], epi,
                                 gl.NVMMASharedLayout.get_default_for(epi, OUT_DTYPES[out.dtype]))
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     programs = min(sm_count(a.device), tiles) if config.persistent else tiles
-    args = (a_desc, w_desc, out_desc, sa, sw, bias.contiguous() if bias is not None else None, m, n, k,
-            sa.stride(0), sw.stride(0), programs)
+    args = (a_desc, w_desc, sa_desc, out_desc, sw, bias.contiguous() if bias is not None else None, m, n, k,
+            sw.stride(0), programs)
     consts = dict(W_BLOCK_N=qw.block[0], HAS_BIAS=bias is not None, GROUP_M=config.group_m,
                   NUM_STAGES=config.num_stages, WAIT1=config.wait1, SPLIT_N=config.split == "n",
                   MMA_N=config.mma_n, PINGPONG=bool(config.pingpong),

@@ -22,14 +22,14 @@ import triton.language as tl
 from onepath.numerics.quant import FP8Tensor
 from onepath.numerics.spec import FP8_ACT, QuantSpec
 from onepath.ops.cuda.elementwise import kv_write_rows
-from onepath.ops.cuda.fp8_rows import quantize_rows, rule_args
+from onepath.ops.cuda.fp8_rows import quantize_rows, rule_args, scales_by_column
 
 GROUPS_PER_PROGRAM = 4
 NUM_WARPS = 4
 
 
 @triton.jit
-def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, x_stride, q_stride, s_stride, K, n_groups, amax_floor, amax_ceil,
+def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, x_stride, q_stride, s_stride, s_gstride, K, n_groups, amax_floor, amax_ceil,
                       UE8M0: tl.constexpr, DIVIDE: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -38,7 +38,7 @@ def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, x_stride, q_stride, s_stride, K, n_gr
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     y, scale = quantize_rows(x, amax_floor, amax_ceil, UE8M0, DIVIDE)
     tl.store(q_ptr + row * q_stride + cols, y.to(tl.float8e4nv), mask=mask)
-    tl.store(s_ptr + row * s_stride + groups, scale, mask=groups < n_groups)
+    tl.store(s_ptr + row * s_stride + groups * s_gstride, scale, mask=groups < n_groups)
 
 
 @triton.jit
@@ -67,7 +67,8 @@ def _write_kv_fp8_kernel(k_ptr, v_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
 
 def quantize_fp8(x: torch.Tensor, q: QuantSpec = FP8_ACT) -> FP8Tensor:
     """x [..., K] (BF16/FP16/FP32) -> FP8Tensor(codes [..., K] float8_e4m3fn, scales [..., ceil(K/G)] FP32),
-    bit-equal to onepath.numerics.quant.quantize_fp8(x, q) for a 1 x G block rule."""
+    bit-equal to onepath.numerics.quant.quantize_fp8(x, q) for a 1 x G block rule. The scales are stored by
+    column (fp8_rows.scales_by_column), as the FP8 GEMM loads them."""
     if q.format != "fp8_e4m3" or q.scale_domain != "per_block" or q.block[0] != 1 or q.block[1] & (q.block[1] - 1):
         raise ValueError(f"the Triton FP8 quantiser takes per_block fp8_e4m3 groups (1, G), G a power of two "
                          f"(activations, e.g. FP8_ACT); got {q.format} {q.scale_domain} {q.block}: "
@@ -78,12 +79,13 @@ def quantize_fp8(x: torch.Tensor, q: QuantSpec = FP8_ACT) -> FP8Tensor:
         x2 = x2.contiguous()
     m, n_groups = x2.shape[0], triton.cdiv(k, group)
     codes = torch.empty((m, k), device=x.device, dtype=torch.float8_e4m3fn)
-    scales = torch.empty((m, n_groups), device=x.device, dtype=torch.float32)
+    scales = scales_by_column(m, n_groups, x.device)
     if m and k:
         grid = (m, triton.cdiv(n_groups, GROUPS_PER_PROGRAM))
         args, constexprs = rule_args(q)
-        _quant_fp8_kernel[grid](x2, codes, scales, x2.stride(0), codes.stride(0), scales.stride(0), k, n_groups,
-                                *args, GROUP=group, GROUPS=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS, **constexprs)
+        _quant_fp8_kernel[grid](x2, codes, scales, x2.stride(0), codes.stride(0), scales.stride(0), scales.stride(1), k,
+                                n_groups, *args, GROUP=group, GROUPS=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS,
+                                **constexprs)
     return FP8Tensor(codes.reshape(x.shape), scales.reshape(*x.shape[:-1], n_groups), q.block, q)
 
 

@@ -88,9 +88,10 @@ def normed(v, inv, w, dtype: tl.constexpr):
     return (w * (v * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["x_stride", "r_stride", "out_stride", "res_stride", "codes_stride", "scales_stride"])
+@triton.jit(do_not_specialize=["x_stride", "r_stride", "out_stride", "res_stride", "codes_stride", "scales_stride",
+                               "scales_gstride"])
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, x_stride, r_stride, out_stride, res_stride, H, eps,
-                    codes_ptr, scales_ptr, codes_stride, scales_stride, amax_floor, amax_ceil,
+                    codes_ptr, scales_ptr, codes_stride, scales_stride, scales_gstride, amax_floor, amax_ceil,
                     HAS_RESIDUAL: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
                     UE8M0: tl.constexpr, DIVIDE: tl.constexpr, GROUP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -113,7 +114,7 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, x_stride, r_stride, o
         tl.debug_barrier()
         for start in range(0, H, BLOCK):
             quantize_stored(out_row, start, H, codes_ptr + row * codes_stride, scales_ptr + row * scales_stride,
-                            amax_floor, amax_ceil, UE8M0, DIVIDE, BLOCK, GROUP)
+                            scales_gstride, amax_floor, amax_ceil, UE8M0, DIVIDE, BLOCK, GROUP)
 
 
 @triton.jit(do_not_specialize=["x_tok_stride", "x_head_stride"])
@@ -164,7 +165,7 @@ def _launch(x, residual, weight, eps, act=None):
     if m and h:
         _rmsnorm_kernel[(m,)](x2, r2, aligned_rows(weight[None])[0], out, res, row_stride(x2), row_stride(r2),
                               row_stride(out), row_stride(res), h, eps, codes, scales, codes.stride(0),
-                              scales.stride(0), *q["args"], HAS_RESIDUAL=residual is not None,
+                              scales.stride(0), scales.stride(1), *q["args"], HAS_RESIDUAL=residual is not None,
                               VEC=min(vec, 16 // out.element_size()), BLOCK=BLOCK_H, **q["constexprs"],
                               num_warps=NUM_WARPS, enable_fp_fusion=False)
     return out.reshape(*lead, h), res.reshape(*lead, h), fused_quant_result(codes, scales, lead, act)
