@@ -94,23 +94,23 @@ def test_matmul_fp8_runs_the_picked_or_the_given_kernel(hopper, monkeypatch):
     assert len(ran) == 4 and torch.equal(empty, torch.ones(mm.WS_MIN_ROWS, 2048))
 
 
-def test_ws_scales_by_column_keeps_the_quantisers_layout_and_copies_any_other():
+def test_ws_tma_scales_keeps_the_quantisers_layout_and_copies_any_other():
     """The ws kernel's TMA reads sa [M, G] by column from 16-byte aligned columns: the layout the quantisers write
     (fp8_rows.scales_by_column) passes as is; a row-major one (the CPU reference quantiser's) is copied into it,
     values unchanged."""
     from onepath.ops.cuda.fp8_rows import scales_by_column as allocate
-    from onepath.ops.cuda.matmul_fp8_ws import scales_by_column
+    from onepath.ops.cuda.matmul_fp8_ws import tma_scales
 
     gen = torch.Generator().manual_seed(0)
     for m, g in [(1, 1), (1, 3), (5, 1), (5, 3), (37, 9), (64, 32)]:
         rows = torch.randn(m, g, generator=gen)
-        copied = scales_by_column(rows)
+        copied = tma_scales(rows)
         assert torch.equal(copied, rows)
         assert copied.stride(0) == 1 and copied.stride(1) % 4 == 0 and copied.stride(1) >= m, copied.stride()
         # row-major columns start one float apart, not 16 bytes: copied, unless there is one column
         assert (copied.data_ptr() == rows.data_ptr()) == (g == 1), (m, g)
         written = allocate(m, g, "cpu").copy_(rows)
-        assert scales_by_column(written).data_ptr() == written.data_ptr()
+        assert tma_scales(written).data_ptr() == written.data_ptr()
         # as the quantiser returns them reshaped: a size-1 dimension may come with any stride, still no copy
         reshaped = written.reshape(1, m, g)[0] if m > 1 else written.reshape(m, g)
-        assert scales_by_column(reshaped).data_ptr() == written.data_ptr()
+        assert tma_scales(reshaped).data_ptr() == written.data_ptr()

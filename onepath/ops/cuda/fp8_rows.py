@@ -48,11 +48,16 @@ def quantize_stored(row, start, H, codes_row, scales_row, scales_gstride, amax_f
     tl.store(scales_row + g * scales_gstride, scale, mask=g < tl.cdiv(H, GROUP))
 
 
+def scale_column_stride(m: int) -> int:
+    """P, the stride between columns of m rows' scales stored by column: m rounded up to 4 floats (16 bytes)."""
+    return -(-m // 4) * 4
+
+
 def scales_by_column(m: int, groups: int, device) -> torch.Tensor:
-    """An [m, groups] FP32 buffer for a 1 x G rule's scales, stored by column (strides (1, P), P >= m a multiple
-    of 4): a K block's scales of consecutive rows adjacent and each column 16-byte aligned, the layout the FP8
-    GEMM's TMA loads them in (matmul_fp8_ws.scales_by_column)."""
-    return torch.empty((groups, -(-m // 4) * 4), device=device, dtype=torch.float32)[:, :m].t()
+    """An [m, groups] FP32 buffer for a 1 x G rule's scales, stored by column (strides (1, P), P from
+    scale_column_stride): a K block's scales of consecutive rows adjacent and each column 16-byte aligned, the
+    layout the FP8 GEMM's TMA loads them in (matmul_fp8_ws.tma_scales)."""
+    return torch.empty((groups, scale_column_stride(m)), device=device, dtype=torch.float32)[:, :m].t()
 
 
 def rule_args(q) -> tuple[tuple[float, float], dict]:

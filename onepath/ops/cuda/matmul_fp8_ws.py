@@ -56,6 +56,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from onepath.numerics.quant import FP8Tensor
 from onepath.ops.cuda import sm90
+from onepath.ops.cuda.fp8_rows import scale_column_stride, scales_by_column
 from onepath.ops.cuda.matmul import sm_count
 
 BLOCK_K = 128  # one scale group: the partial a scale multiplies is one wgmma chain over 128 K values
@@ -133,6 +134,13 @@ def _promote(partial, scale, acc):
 
 
 @gluon.jit
+def _wait_ready(ready, it):
+    """Wait until the it-th K block's stage is loaded."""
+    STAGES: gl.constexpr = ready.shape[0]
+    mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+
+
+@gluon.jit
 def _issue(a_bufs, w_bufs, ready, it, into, A_PART: gl.constexpr, PART: gl.constexpr, WAIT: gl.constexpr):
     """Wait for the stage of the it-th K block loaded (WAIT), issue its wgmma into a fresh partial (async):
     rows A_PART*64.. of A against the PART-th MMA_N columns of W, four chained k32 steps from zero
@@ -142,7 +150,7 @@ def _issue(a_bufs, w_bufs, ready, it, into, A_PART: gl.constexpr, PART: gl.const
     MMA_N: gl.constexpr = into.shape[1]
     s = it % STAGES
     if WAIT:  # a second part reads the stage the first waited for
-        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        _wait_ready(ready, it)
     a = a_bufs.index(s).slice(A_PART * WG_M, WG_M)
     w = w_bufs.index(s).slice(PART * MMA_N, MMA_N)
     return warpgroup_mma(a, w.permute((1, 0)), into, use_acc=False, is_async=True)
@@ -175,8 +183,7 @@ def _issue_scaled(a_bufs, w_bufs, sa_bufs, ready, it, into, A_PART: gl.constexpr
     outgrow the consumer's 232 and ptxas spills), or after it (split "n", whose n64 partials leave room: at
     M = 1 each K block's chain then no longer waits for the scale's read, 0-1.2 us less a GEMM in
     bench/results/kernels-fp8-graph-decode-s18.json against the M = 1 rows of kernels-fp8-graph-s18.json)."""
-    STAGES: gl.constexpr = ready.shape[0]
-    mbarrier.wait(ready.index(it % STAGES), (it // STAGES) & 1)
+    _wait_ready(ready, it)
     if SCALE_AFTER:
         partial = _issue(a_bufs, w_bufs, ready, it, into, A_PART, PART, False)
         scale = _scale(sa_bufs, it, A_PART, sw_ptr, off_n, N, kb, stride_swn, W_BLOCK_N, layout)
@@ -421,16 +428,15 @@ class WSConfig:
         return self.num_stages * stage + epilogue + 8 * barriers
 
 
-def scales_by_column(sa: torch.Tensor) -> torch.Tensor:
+def tma_scales(sa: torch.Tensor) -> torch.Tensor:
     """sa [M, G] as the kernel's TMA reads it: stored by column (strides (1, P)), P >= M a multiple of 4 so that
     each column starts 16-byte aligned; a copy unless the quantiser wrote it so (fp8_rows.scales_by_column).
     A size-1 dimension's stride is free (torch may set any), so one row or one column is read as (1, P)."""
     m, g = sa.shape
-    col = sa.stride(1) if g > 1 else -(-m // 4) * 4
+    col = sa.stride(1) if g > 1 else scale_column_stride(m)
     if (sa.stride(0) == 1 or m == 1) and col % 4 == 0 and col >= m and sa.data_ptr() % TMA_ALIGN == 0:
         return sa.as_strided((m, g), (1, col))
-    out = torch.empty((g, -(-m // 4) * 4), device=sa.device, dtype=torch.float32)[:, :m].t()
-    return out.copy_(sa)
+    return scales_by_column(m, g, sa.device).copy_(sa)
 
 
 def _tma_ready(codes: torch.Tensor) -> torch.Tensor:
@@ -450,7 +456,7 @@ def launch_args(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out: to
     config.check()
     a, w = _tma_ready(qa.codes), _tma_ready(qw.codes)
     (m, k), n = qa.codes.shape, qw.codes.shape[0]
-    sa, sw = scales_by_column(qa.scales.reshape(m, -1)), qw.scales.contiguous()
+    sa, sw = tma_scales(qa.scales.reshape(m, -1)), qw.scales.contiguous()
     layout = gl.NVMMASharedLayout.get_default_for([config.block_m, BLOCK_K], gl.float8e4nv)
     a_desc = TensorDescriptor.from_tensor(a, [config.block_m, BLOCK_K], layout)
     w_desc = TensorDescriptor.from_tensor(w, [config.block_n, BLOCK_K], layout)
