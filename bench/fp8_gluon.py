@@ -1,11 +1,11 @@
-"""The warp-specialized Gluon block-FP8 GEMM (onepath/ops/cuda/matmul_fp8_ws.py) across its configs: which
-is fastest, and does each give the Triton kernel's bits (ops/cuda/matmul_fp8.py)?
+"""The warp-specialized Gluon block-FP8 GEMM (onepath/ops/cuda/linear_fp8_ws.py) across its configs: which
+is fastest, and does each give the Triton kernel's bits (ops/cuda/linear_fp8.py)?
 
     python bench/fp8_gluon.py [--out bench/results/fp8-gluon.json] [--only NAME|GLOB ...] [--skip ...]
     python bench/fp8_gluon.py --decode [--out bench/results/fp8-gluon-decode.json] [--weights-mb 0]
 
 The kernel, its contract and its switches (BLOCK_N 128 or 256, ring depth, persistent, wait1, pingpong) are
-described in matmul_fp8_ws.py; matmul_fp8 ships two (ops/cuda/matmul_fp8.py): WS_CONFIG from WS_MIN_ROWS
+described in linear_fp8_ws.py; matmul_fp8 ships two (ops/cuda/linear_fp8.py): WS_CONFIG from WS_MIN_ROWS
 rows on, DECODE_WS_CONFIG (split "n") below.
 Per config: bits against the Triton kernel (matmul_fp8 with its Triton tile, forced) on awkward shapes
 (FP32 out; bf16 out with bias) and at training shapes, the registers and spills of its build, median
@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
 
 from onepath.bench.results import KERNEL_TIMING, environment, kernel_us, print_table, save_json  # noqa: E402
-from onepath.ops.cuda.matmul_fp8_ws import WSConfig, launch, output  # noqa: E402
+from onepath.ops.cuda.linear_fp8_ws import WSConfig, launch, output  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 6144, 2048), (8192, 2048, 8192), (8192, 11008, 4096), (4096, 2048, 8192)]
 AWKWARD = [(1, 200, 208), (37, 72, 384), (130, 200, 208), (300, 1000, 1000)]  # (M, N, K)
@@ -122,7 +122,7 @@ def _awkward_cases(gen, triton_fp8) -> list[tuple]:
 def _check_awkward(v: WSConfig, cases: list[tuple], info: dict) -> None:
     """info's same_bits_awkward and awkward_mismatches, or its error: run first for each variant (masks, ragged
     K, TMA's zero fill; a hang shows up quickly)."""
-    from onepath.ops.cuda.matmul_fp8 import matmul_fp8
+    from onepath.ops.cuda.linear_fp8 import matmul_fp8
 
     try:
         mismatched = []
@@ -139,8 +139,8 @@ def _check_awkward(v: WSConfig, cases: list[tuple], info: dict) -> None:
 def run(args) -> None:
     from onepath.numerics.quant import quantize_fp8
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.matmul import matmul, sm_count
-    from onepath.ops.cuda.matmul_fp8 import matmul_fp8, pick_config
+    from onepath.ops.cuda.linear import matmul, sm_count
+    from onepath.ops.cuda.linear_fp8 import matmul_fp8, pick_config
 
     out_path = Path(args.out)
     t = lambda fn: kernel_us(fn, args.rep_ms)
@@ -220,9 +220,9 @@ def run_decode(args) -> None:
     BF16 GEMM on a bf16 weight of the same shape."""
     from onepath.numerics.quant import FP8Tensor, quantize_fp8
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.matmul import matmul, sm_count
+    from onepath.ops.cuda.linear import matmul, sm_count
     from bench.kernels_fp8 import _kernel_name
-    from onepath.ops.cuda.matmul_fp8 import WS_CONFIG, matmul_fp8, pick_config
+    from onepath.ops.cuda.linear_fp8 import WS_CONFIG, matmul_fp8, pick_config
 
     start = time.monotonic()
     out_path = Path(args.out)

@@ -1,6 +1,6 @@
 """Which formulation of the block-FP8 GEMM's K loop Triton runs fast on Hopper: the data behind
-ops/cuda/matmul_fp8.py's Triton tiles. "Shipped" here is that Triton kernel, forced to its tile: on Hopper
-matmul_fp8 now takes the warp-specialized Gluon kernel (ops/cuda/matmul_fp8_ws.py, bench/fp8_gluon.py).
+ops/cuda/linear_fp8.py's Triton tiles. "Shipped" here is that Triton kernel, forced to its tile: on Hopper
+matmul_fp8 now takes the warp-specialized Gluon kernel (ops/cuda/linear_fp8_ws.py, bench/fp8_gluon.py).
 
     python bench/fp8_variants.py [--out bench/results/fp8-variants.json]
 
@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
 
 from onepath.bench.results import environment, kernel_us, save_json  # noqa: E402
-from onepath.ops.cuda.matmul import _tile_coords, sm_count  # noqa: E402
+from onepath.ops.cuda.linear import _tile_coords, sm_count  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 6144, 2048), (8192, 2048, 8192)]  # (M, N, K)
 # the Gluon kernel's masks and K tail have no interpreter check: its bits are also compared here
@@ -289,12 +289,12 @@ def run_variant(qa, qw, v: Variant, out_dtype=torch.bfloat16):
 def run(args) -> None:
     from onepath.numerics.quant import quantize_fp8
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.matmul import matmul
-    from onepath.ops.cuda.matmul_fp8 import matmul_fp8, pick_config
+    from onepath.ops.cuda.linear import matmul
+    from onepath.ops.cuda.linear_fp8 import matmul_fp8, pick_config
 
     def triton_fp8(qa, qw, **kw):
         """The Triton kernel at its tile ("shipped" below): matmul_fp8 alone picks the warp-specialized
-        kernel on Hopper (ops/cuda/matmul_fp8_ws.py, bench/fp8_gluon.py)."""
+        kernel on Hopper (ops/cuda/linear_fp8_ws.py, bench/fp8_gluon.py)."""
         tile = pick_config(qa.codes.shape[0], qw.codes.shape[0], sm_count(qa.codes.device))
         return matmul_fp8(qa, qw, config=tile, **kw)
 

@@ -81,8 +81,8 @@ def kernels(m: int, n: int, k: int, variants: list[str]) -> dict:
     from bench.kernels_fp8 import named_variants
     from onepath.numerics.quant import quantize_fp8 as quantize_reference
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.matmul import matmul
-    from onepath.ops.cuda.matmul_fp8 import WS_CONFIG, matmul_fp8
+    from onepath.ops.cuda.linear import matmul
+    from onepath.ops.cuda.linear_fp8 import WS_CONFIG, matmul_fp8
     from onepath.ops.cuda.quant import quantize_fp8
 
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -1,5 +1,5 @@
 """Which formulation of the grouped expert GEMM streams the experts' weights fastest: the data behind
-ops/cuda/grouped_matmul.py's tiles and grid.
+ops/cuda/linear_grouped.py's tiles and grid.
 
     python bench/grouped_variants.py [--out bench/results/grouped-variants.json]
 
@@ -16,10 +16,10 @@ Variants (one line each in the table):
     + per_tile | 2sms        one program per tile (the grid bounded as for device counts) | two per SM
 Timing: replays of a CUDA graph of the call with device counts (the MoE decode step's path; no host
 work), median; eager_us (triton do_bench, L2 flushed, host counts: the launcher's host work included,
-as kernels_moe.py's "grouped") for shipped and table. References: ops/cuda/matmul.py on the same rows
+as kernels_moe.py's "grouped") for shipped and table. References: ops/cuda/linear.py on the same rows
 against one weight (same FLOPs), torch._grouped_mm. HBM roofline: the bytes the call must move
 (every routed expert's weight once, x's and out's counted rows) / 4.8 TB/s.
-Bits: each variant's counted rows vs the shipped kernel's and vs ops/cuda/matmul.py on each expert's
+Bits: each variant's counted rows vs the shipped kernel's and vs ops/cuda/linear.py on each expert's
 rows (torch.equal); "best" is the fastest variant with both equal. Each variant runs under its own
 try: one that fails to build is a row with its error. Cases run most important first, and variants
 past --budget-s are skipped (recorded), so one call stays under 3 minutes. Without CUDA it says so
@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 
 from bench.kernels_moe import HBM_BYTES_PER_S, NUM_EXPERTS, PROJECTIONS, TOP_K, must_move  # noqa: E402
 from onepath.bench.results import environment, kernel_us, print_table, save_json  # noqa: E402
-from onepath.ops.cuda.matmul import BLOCK_K, TILES_16BIT, TileConfig, _tile_coords, sm_count  # noqa: E402
+from onepath.ops.cuda.linear import BLOCK_K, TILES_16BIT, TileConfig, _tile_coords, sm_count  # noqa: E402
 
 TOKENS = (256, 64, 1024, 8192)  # most important first: the budget cuts the last
 MASKED_TOKENS = 64  # models/moe.py MASKED_MAX_TOKENS: decode steps up to it run the masked layout
@@ -93,7 +93,7 @@ def fits(tile: TileConfig | None, out_dtype: torch.dtype) -> bool:
 
 
 def run_variant(v: Variant, x: torch.Tensor, w: torch.Tensor, counts, out_dtype: torch.dtype) -> torch.Tensor:
-    from onepath.ops.cuda.grouped_matmul import grouped_matmul
+    from onepath.ops.cuda.linear_grouped import grouped_matmul
 
     if v.table:
         return table_grouped_matmul(x, w, counts, out_dtype)
@@ -210,8 +210,8 @@ def case(tokens: int, n: int, k: int, gen: torch.Generator, device="cuda"):
 
 
 def dense_rows(x, w, counts, out_dtype):
-    """ops/cuda/matmul.py on each expert's rows: the bits every grouped row must have."""
-    from onepath.ops.cuda.matmul import matmul
+    """ops/cuda/linear.py on each expert's rows: the bits every grouped row must have."""
+    from onepath.ops.cuda.linear import matmul
 
     used = x[:sum(counts)]
     return torch.cat([matmul(part, w[e], out_dtype=out_dtype) for e, part in enumerate(used.split(counts))])
@@ -235,7 +235,7 @@ def stock_grouped_mm(x, w, counts):
 
 
 def run(args) -> dict:
-    from onepath.ops.cuda.matmul import matmul
+    from onepath.ops.cuda.linear import matmul
 
     began = time.monotonic()
     over_budget = lambda: time.monotonic() - began > args.budget_s

@@ -4,9 +4,9 @@
 
 Per (shape, M), median microseconds (triton.testing.do_bench, L2 flushed; --graph: CUDA graph replays, the
 kernels without the host's launch cost, which bounds the eager times of the small ones):
-  bf16_ours      onepath.ops.cuda.matmul.matmul (the consistent BF16 GEMM)
+  bf16_ours      onepath.ops.cuda.linear.matmul (the consistent BF16 GEMM)
   bf16_cublas    F.linear
-  fp8_gemm       onepath.ops.cuda.matmul_fp8.matmul_fp8 on operands quantised beforehand, by the kernel it
+  fp8_gemm       onepath.ops.cuda.linear_fp8.matmul_fp8 on operands quantised beforehand, by the kernel it
                  picks for the shape (fp8_kernel: a Triton tile, or the warp-specialized Gluon kernel from
                  WS_MIN_ROWS rows on)
   fp8_triton     the Triton kernel forced, at its tile for the shape
@@ -46,8 +46,8 @@ TARGET_TRAIN = 1.6
 def run(args) -> dict:
     from onepath.numerics.quant import quantize_fp8 as quantize_reference
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.matmul import matmul
-    from onepath.ops.cuda.matmul_fp8 import WS_CONFIG, WS_MIN_ROWS, is_hopper, matmul_fp8, pick_config, pick_kernel
+    from onepath.ops.cuda.linear import matmul
+    from onepath.ops.cuda.linear_fp8 import WS_CONFIG, WS_MIN_ROWS, is_hopper, matmul_fp8, pick_config, pick_kernel
     from onepath.ops.cuda.quant import quantize_fp8
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -127,7 +127,7 @@ def _geomean(values: list[float]) -> float | None:
 
 
 def _kernel_name(config) -> str:
-    from onepath.ops.cuda.matmul_fp8 import WSConfig
+    from onepath.ops.cuda.linear_fp8 import WSConfig
     if isinstance(config, WSConfig):
         return f"gluon {config}"
     return f"triton {config.block_m}x{config.block_n}w{config.num_warps}s{config.num_stages}"

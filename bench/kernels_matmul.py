@@ -1,4 +1,4 @@
-"""Time onepath.ops.cuda.matmul against cuBLAS (F.linear) over decode to prefill M.
+"""Time onepath.ops.cuda.linear against cuBLAS (F.linear) over decode to prefill M.
 
     python bench/kernels_matmul.py [--out bench/results/kernels-matmul.json] [--sweep]
     python bench/kernels_matmul.py --decode-sweep --graph --out bench/results/kernels-matmul-decode-sweep.json
@@ -85,7 +85,7 @@ def _sweep_configs():
     """The shipped tiles, other wgmma tiles (narrower N: more programs at decode, where N / BLOCK_N programs
     are all there are), and mma.sync tiles whose warps hold 16 whole rows (as the attention's decode program,
     which keeps the 64-row program's bits): the sweep's same_bits_as_default says whether each may join."""
-    from onepath.ops.cuda.matmul import TILES_16BIT, TileConfig
+    from onepath.ops.cuda.linear import TILES_16BIT, TileConfig
 
     extra = [TileConfig(128, 64, 4, 4), TileConfig(64, 256, 8, 3), TileConfig(128, 256, 8, 4),
              TileConfig(128, 128, 4, 4), TileConfig(64, 64, 4, 6), TileConfig(64, 32, 4, 8),
@@ -116,7 +116,7 @@ SHARED_BYTES = 220 * 1024  # what a config's pipeline may take of the 227 KiB (t
 
 def _sweep_entry(name, x, w, out_dtype, config, ref, cublas_us, rep_ms) -> dict:
     """One candidate tile on one case: whether its bits equal the default's, its time, or why it did not build."""
-    from onepath.ops.cuda.matmul import matmul
+    from onepath.ops.cuda.linear import matmul
 
     entry = dict(shape=name, K=x.shape[1], N=w.shape[0], M=x.shape[0], config=dataclasses.asdict(config))
     try:
@@ -132,7 +132,7 @@ def _decode_configs(m: int):
     """16-row mma.sync tiles (one warp) up to M = 16, and there 16-token tiles with the operands swapped (64 or
     128 weight rows as wgmma's M, TileConfig.swap); 64-row wgmma tiles at every M, 128-row ones from M = 128;
     each with BLOCK_K 64, 128 or 256 and pointer or TMA loads, where the stages fit."""
-    from onepath.ops.cuda.matmul import TileConfig
+    from onepath.ops.cuda.linear import TileConfig
 
     grid = []
     if m <= 16:
@@ -161,7 +161,7 @@ def parse_tile(name: str):
     S: the operands swapped, TileConfig.swap, e.g. 16x64x256w4s4TS)."""
     import re
 
-    from onepath.ops.cuda.matmul import TileConfig
+    from onepath.ops.cuda.linear import TileConfig
 
     match = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)([TP])(S?)", name)
     if not match:
@@ -178,8 +178,8 @@ def _decode_cases(shapes, configs=None):
 
 def _compile_shard(shard: list, last_rows_back: bool = True) -> int:
     """Build (and run once) each case's kernel so the timing process finds it in Triton's cache."""
-    from onepath.ops.cuda import matmul as mm
-    from onepath.ops.cuda.matmul import matmul
+    from onepath.ops.cuda import linear as mm
+    from onepath.ops.cuda.linear import matmul
 
     mm.LAST_ROWS_BACK = last_rows_back
     failed = 0
@@ -209,7 +209,7 @@ def _precompile(cases, jobs: int, last_rows_back: bool) -> None:
 
 
 def run_decode_sweep(args) -> dict:
-    from onepath.ops.cuda.matmul import matmul, pick_config
+    from onepath.ops.cuda.linear import matmul, pick_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = _decode_shapes(args)
@@ -273,13 +273,13 @@ def summarize(path: Path) -> None:
 
 def _ladder_before(m: int, out_dtype: torch.dtype):
     """The dense tiles before SMALL_TILES and the deeper 128x128 ring: DENSE_TILES, 128-row ones once M filled one."""
-    from onepath.ops.cuda.matmul import DENSE_TILES, stages_output
+    from onepath.ops.cuda.linear import DENSE_TILES, stages_output
     return [c for c in DENSE_TILES if c.block_m <= max(64, m) and stages_output(c, out_dtype)]
 
 
 def _half_the_sms_rule(m: int, n: int, out_dtype: torch.dtype, sms: int):
     """The dense pick before DENSE_SPEED: the largest ladder tile that still gives half the SMs a tile."""
-    from onepath.ops.cuda.matmul import first_filling
+    from onepath.ops.cuda.linear import first_filling
     return first_filling(_ladder_before(m, out_dtype), m, n, sms // 2)
 
 
@@ -291,7 +291,7 @@ def rank_picks(paths: list[Path], sms: int = 132) -> dict:
     take there: pick_config's (SMALL_TILES up to SMALL_M rows, dense_candidates past them), the DENSE_SPEED model
     over the ladder before (_ladder_before; what every M past SKINNY_M took before SMALL_TILES) and the rule
     before that (the largest ladder tile still giving half the SMs one). A case counts where all were timed."""
-    from onepath.ops.cuda.matmul import (SKINNY_M, SMALL_M, SMALL_TILES, TileConfig, dense_candidates, dense_pick,
+    from onepath.ops.cuda.linear import (SKINNY_M, SMALL_M, SMALL_TILES, TileConfig, dense_candidates, dense_pick,
                                         pick_config, stages_output)
 
     cases = {}  # (shape, K, N, M) -> the file it was read from and its times by tile
@@ -349,7 +349,7 @@ def run_past_m(args) -> dict:
     the bits of the M rows checked against matmul()."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from onepath.ops.cuda import matmul as mm
+    from onepath.ops.cuda import linear as mm
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
@@ -403,7 +403,7 @@ def _tile_name(c: dict) -> str:
 
 
 def run(args) -> dict:
-    from onepath.ops.cuda.matmul import matmul, pick_config
+    from onepath.ops.cuda.linear import matmul, pick_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -487,7 +487,7 @@ def main():
     global GRAPH
     GRAPH = args.graph
     if args.last_rows_past_m:
-        from onepath.ops.cuda import matmul as mm
+        from onepath.ops.cuda import linear as mm
         mm.LAST_ROWS_BACK = False
     runner = run_decode_sweep if args.decode_sweep else run_past_m if args.past_m else run
     save_json(runner(args), Path(args.out))

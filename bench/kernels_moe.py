@@ -1,12 +1,12 @@
-"""Time the grouped expert GEMM (ops/cuda/grouped_matmul.py) against our dense GEMM at equal work.
+"""Time the grouped expert GEMM (ops/cuda/linear_grouped.py) against our dense GEMM at equal work.
 
     python bench/kernels_moe.py [--out bench/results/kernels-moe.json] [--tokens 256 8192]
 
 Qwen3-30B-A3B's experts (hidden 2048, moe_intermediate 768, 128 experts, top-8), random routing.
 Per (tokens, projection): median microseconds (triton.testing.do_bench, L2 flushed) of
   grouped     one grouped launch over tokens x 8 rows packed by expert (the launcher's host work included);
-  dense       ops/cuda/matmul.py on one [tokens x 8, K] x [K, N] problem: the same FLOPs, one weight;
-  loop        ops/cuda/matmul.py once per expert: the path the grouped kernel replaces;
+  dense       ops/cuda/linear.py on one [tokens x 8, K] x [K, N] problem: the same FLOPs, one weight;
+  loop        ops/cuda/linear.py once per expert: the path the grouped kernel replaces;
   cublas loop F.linear once per expert (the baseline's path); torch._grouped_mm where torch has it;
   grouped_graph  the grouped launch with the counts on the device, replayed from a CUDA graph (the
               engine's decode path: no host work, no L2 flush; the weights are far past L2 anyway).
@@ -84,8 +84,8 @@ def graph_us(fn, rep_ms: int) -> float | None:
 
 
 def run(args) -> dict:
-    from onepath.ops.cuda.grouped_matmul import grouped_matmul, pick_grouped_config
-    from onepath.ops.cuda.matmul import matmul, sm_count
+    from onepath.ops.cuda.linear_grouped import grouped_matmul, pick_grouped_config
+    from onepath.ops.cuda.linear import matmul, sm_count
 
     time_us = lambda fn: kernel_us(fn, args.rep_ms)
     sms = sm_count(torch.device("cuda"))

@@ -245,7 +245,7 @@ def _paged_decode(q, k_cache, v_cache, positions, query_seq, block_tables, max_c
     """Single-token queries on CUDA: the paged kernel as flash-decoding runs it, with the number of KV
     splits chosen from the batch (enough programs for two per SM), a shape-dependent choice."""
     from onepath.ops.cuda.attention import paged_attention
-    from onepath.ops.cuda.matmul import sm_count
+    from onepath.ops.cuda.linear import sm_count
     programs = q.shape[0] * cache_shape(k_cache)[2]
     sms = sm_count(q.device)
     splits = max(1, min(-(-max_context // kv_tile), -(-2 * sms // programs)))

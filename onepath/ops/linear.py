@@ -3,14 +3,14 @@
 consistent (CPU): the GEMM runs on fixed [row_chunk, K] pieces. torch's CPU GEMM picks a kernel
 by M (M = 1, 2..15, >= 16 give a row different bits), so one fixed M per launch is what makes a
 row's bits independent of the batch, of its position in it, and of the phase.
-consistent (CUDA): the Triton persistent GEMM of ops/cuda/matmul.py (one ascending MMA chain over K, no split-K).
+consistent (CUDA): the Triton persistent GEMM of ops/cuda/linear.py (one ascending MMA chain over K, no split-K).
 baseline: one F.linear over all rows (the library's M-dependent choice; cuBLAS on the GPU).
 The LM head returns FP32 logits: the consistent GEMM rounds its FP32 accumulator to FP32 once;
 the baseline rounds to the weights' dtype first, as the stock engines do.
 Quantised (the op's weight/act QuantSpecs set): ops/quant_linear.py's forward, on both sides; the
 backward stays this file's reference on the unquantised operands (straight-through).
 grouped_linear (the MoE experts, rows packed by expert): on consistent CUDA, unquantised, one launch
-of ops/cuda/grouped_matmul.py, whose rows have the dense kernel's bits; on baseline CUDA, BF16 and
+of ops/cuda/linear_grouped.py, whose rows have the dense kernel's bits; on baseline CUDA, BF16 and
 unquantised, the stock one, torch._grouped_mm (its rows may depend on the batch: the baseline's are
 allowed to); elsewhere linear() per group. Both grouped paths differentiate the per-group F.linear.
 """
@@ -46,7 +46,7 @@ def linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bias: tor
         def kernel(x, w, b=None):
             return quant_linear(spec, x, w, b, out_dtype, op)
     elif spec.mode == "consistent" and spec.device == "cuda":
-        from onepath.ops.cuda.matmul import matmul
+        from onepath.ops.cuda.linear import matmul
 
         def kernel(x, w, b=None):
             return matmul(x.reshape(-1, x.shape[-1]), w, b, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
@@ -132,6 +132,6 @@ def grouped_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, c
     if stock:
         # BF16 out, then cast: the rounding the baseline's linear() per group gives the FP32 down projection
         return apply_kernel(lambda x, w: stock_grouped(x, w, counts).to(out_dtype), reference, x, weight)
-    from onepath.ops.cuda.grouped_matmul import grouped_matmul
+    from onepath.ops.cuda.linear_grouped import grouped_matmul
 
     return apply_kernel(lambda x, w: grouped_matmul(x, w, counts, out_dtype=out_dtype), reference, x, weight)

@@ -9,14 +9,14 @@ Block FP8 W8A8 (ops[op].weight = FP8_WEIGHT 128x128, .act = FP8_ACT 1x128), per 
   CPU: the partial is summed in float64, where it is exact (e4m3 products are multiples of 2^-18 below
   2^18, 128 of them stay under 2^25: 43 bits < 53), then rounded once to FP32; a row's bits cannot
   depend on M, on the summation order or on its neighbours. The FMA is exact: FP64 with round-to-odd,
-  then one rounding to FP32. CUDA: ops/cuda/matmul_fp8.py, a fresh tl.dot per K block on the fp8
+  then one rounding to FP32. CUDA: ops/cuda/linear_fp8.py, a fresh tl.dot per K block on the fp8
   codes (Hopper's FP8 MMA rounds its own way: CPU and GPU do not bit-match, each agrees with itself).
 NVFP4 W4A16 (weight = NVFP4_WEIGHT) and W4A4 (act = NVFP4_ACT), emulated:
     w_op  = E2M1[code_w] * s_blk_w,  a_op = E2M1[code_a] * s_blk_a (W4A4) or x (W4A16)   exact in BF16
     acc   = a_op @ w_op^T                                FP32 accumulation, the consistent GEMM's order
     y     = round(acc * (s_dec_a[m] * s_dec_w) + b)      s_dec = 1 / s_enc (FP32), W4A16: acc * s_dec_w
   CPU: F.linear on fixed [row_chunk, K] pieces of the operands in FP32 (linear.consistent's rule);
-  CUDA: ops/cuda/matmul.py on the BF16 operands with FP32 output; the epilogue in FP32 torch ops.
+  CUDA: ops/cuda/linear.py on the BF16 operands with FP32 output; the epilogue in FP32 torch ops.
 baseline: the same quantisers, then one library GEMM over all rows on the dequantised operands.
 Backward is straight-through: linear.reference on the unquantised operands (ops/autograd.py).
 
@@ -157,7 +157,7 @@ def quant_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bia
     x2 = x.reshape(-1, k)
     if fmt == "fp8":
         if cuda:
-            from onepath.ops.cuda.matmul_fp8 import matmul_fp8
+            from onepath.ops.cuda.linear_fp8 import matmul_fp8
             from onepath.ops.cuda.quant import quantize_fp8
             qa = attached_quantized(x, op.act)
             y = matmul_fp8(qa if qa is not None else quantize_fp8(x2, op.act), qw, bias, out_dtype)
@@ -174,7 +174,7 @@ def quant_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bia
     else:
         a_op = x2.to(operand_dtype)
     if cuda:
-        from onepath.ops.cuda.matmul import matmul
+        from onepath.ops.cuda.linear import matmul
         acc = matmul(a_op, w_op, out_dtype=torch.float32)
     elif spec.mode == "consistent":
         acc = row_chunks(lambda c: F.linear(c, w_op), op.row_chunk, a_op)

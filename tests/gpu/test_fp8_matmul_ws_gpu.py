@@ -1,4 +1,4 @@
-"""matmul_fp8's two kernels on the GPU: the warp-specialized Gluon kernel (ops/cuda/matmul_fp8_ws.py) gives
+"""matmul_fp8's two kernels on the GPU: the warp-specialized Gluon kernel (ops/cuda/linear_fp8_ws.py) gives
 the Triton kernel's bits (torch.equal) on fresh random inputs of awkward sizes, both epilogues (bf16 with
 bias, FP32), in its training layout (WS_CONFIG) and its decode one (DECODE_WS_CONFIG); a row alone (M = 1,
 the decode layout) equals the same row inside a batch of 4100 rows (the training layout), which is what
@@ -18,8 +18,8 @@ pytest.importorskip("triton")
 
 from onepath.numerics.quant import FP8Tensor, quantize  # noqa: E402
 from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT  # noqa: E402
-from onepath.ops.cuda.matmul import matmul, sm_count  # noqa: E402
-from onepath.ops.cuda.matmul_fp8 import DECODE_WS_CONFIG, WS_CONFIG, matmul_fp8, pick_config, pick_kernel  # noqa: E402
+from onepath.ops.cuda.linear import matmul, sm_count  # noqa: E402
+from onepath.ops.cuda.linear_fp8 import DECODE_WS_CONFIG, WS_CONFIG, matmul_fp8, pick_config, pick_kernel  # noqa: E402
 
 DEVICE = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 MS = [1, 37, 128, 130, 511, 512, 777, 2048, 4100]

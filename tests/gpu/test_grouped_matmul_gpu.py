@@ -1,5 +1,5 @@
 """The grouped expert GEMM on the GPU (Hopper MMA, BF16): every row of a grouped launch has the
-bits of ops/cuda/matmul.py's dense kernel on that row against its expert's weight, at Qwen3-MoE
+bits of ops/cuda/linear.py's dense kernel on that row against its expert's weight, at Qwen3-MoE
 expert shapes (hidden 2048, moe_intermediate 768; gate_up N = 1536, down N = 2048 with FP32 out),
 64 and 128 experts, random top-8 routing with empty experts, 1 to 4096 tokens. The decode tiles
 (64-row, TMA) at 1..300 tokens over 128 experts: host and device sizes, every grid, the masked
@@ -45,8 +45,8 @@ def case(num_experts: int, n: int, k: int, tokens: int, gen: torch.Generator):
 @pytest.mark.parametrize("num_experts", [64, 128])
 @pytest.mark.parametrize("projection", list(PROJECTIONS))
 def test_grouped_rows_equal_dense_kernel(num_experts, projection):
-    from onepath.ops.cuda.grouped_matmul import grouped_matmul
-    from onepath.ops.cuda.matmul import matmul
+    from onepath.ops.cuda.linear_grouped import grouped_matmul
+    from onepath.ops.cuda.linear import matmul
 
     n, k, out_dtype = PROJECTIONS[projection]
     gen = torch.Generator(device="cuda").manual_seed(num_experts)
@@ -102,8 +102,8 @@ def test_decode_tiles_rows_equal_dense_kernel(projection):
     1-row experts included): every row has the dense kernel's bits on its expert, with host sizes,
     device sizes, one program per tile, two per SM, and in the masked buffer whose NaN tail a TMA tile
     covers but no stored row reads. Control: the same products with K's blocks reversed differ."""
-    from onepath.ops.cuda import grouped_matmul as gm
-    from onepath.ops.cuda.matmul import matmul, sm_count
+    from onepath.ops.cuda import linear_grouped as gm
+    from onepath.ops.cuda.linear import matmul, sm_count
 
     n, k, out_dtype = PROJECTIONS[projection]
     num_experts = 128
@@ -148,8 +148,8 @@ def test_decode_graph_replays_other_routings_with_the_dense_bits(projection):
     sizes give other rows (a replay stuck on the sizes seen at capture would show), for the routings
     whose chunk sizes differ from the captured ones (two random routings of 64 tokens over 96 experts
     give every used expert one 16-row chunk: the same sizes, so the same rows)."""
-    from onepath.ops.cuda.grouped_matmul import grouped_matmul
-    from onepath.ops.cuda.matmul import matmul
+    from onepath.ops.cuda.linear_grouped import grouped_matmul
+    from onepath.ops.cuda.linear import matmul
 
     n, k, out_dtype = PROJECTIONS[projection]
     num_experts, tokens = 128, 64

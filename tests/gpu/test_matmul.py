@@ -1,4 +1,4 @@
-"""onepath.ops.cuda.matmul on the GPU: a row's bits do not depend on the batch (bitwise), the values
+"""onepath.ops.cuda.linear on the GPU: a row's bits do not depend on the batch (bitwise), the values
 are right (a stated bound against an fp64 product), the runs repeat, and every tile config the
 launcher may pick for some M gives the same bits. Negative control: cuBLAS (F.linear) fails the
 same batch test. Whole file: well under a minute on an H200, most of it Triton compiles.
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("triton")
 
-from onepath.ops.cuda.matmul import (DENSE_TILES, SKINNY_TILES, SMALL_TILES, SWAP_TILES, TILES_16BIT,  # noqa: E402
+from onepath.ops.cuda.linear import (DENSE_TILES, SKINNY_TILES, SMALL_TILES, SWAP_TILES, TILES_16BIT,  # noqa: E402
                                      TileConfig, dense_candidates, matmul, pick_config)
 
 # (K, N): Qwen-0.5B-like MLP (896 -> 4864), 1024 -> 3072, square 4096, an LM head (kept at 32000

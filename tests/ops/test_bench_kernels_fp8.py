@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from bench.kernels_fp8 import _geomean, named_variants
-from onepath.ops.cuda.matmul_fp8 import WS_CONFIG
+from onepath.ops.cuda.linear_fp8 import WS_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
 

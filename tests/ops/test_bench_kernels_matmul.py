@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from bench.kernels_matmul import DECODE_SWEEP, SHARED_BYTES, _decode_cases, _decode_configs, _decode_shapes, parse_tile
-from onepath.ops.cuda.matmul import TileConfig
+from onepath.ops.cuda.linear import TileConfig
 
 
 def test_tile_names_map_to_configs():
@@ -63,7 +63,7 @@ def test_rank_picks_reads_later_sweeps_over_earlier_ones(tmp_path):
     import torch
 
     from bench.kernels_matmul import rank_picks
-    from onepath.ops.cuda.matmul import DENSE_TILES, SMALL_TILES, dense_candidates, pick_config
+    from onepath.ops.cuda.linear import DENSE_TILES, SMALL_TILES, dense_candidates, pick_config
 
     def sweep(path, cases):
         entries = [dict(shape="s", K=4096, N=n, M=m, config=dataclasses.asdict(c), us=us_of(c))

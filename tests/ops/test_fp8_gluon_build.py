@@ -1,4 +1,4 @@
-"""onepath/ops/cuda/matmul_fp8_ws.py's warp-specialized block-FP8 GEMM builds for the H200 without a GPU:
+"""onepath/ops/cuda/linear_fp8_ws.py's warp-specialized block-FP8 GEMM builds for the H200 without a GPU:
 the config matmul_fp8 ships (WS_CONFIG) and every config bench/fp8_gluon.py times (the split "n" decode
 configs too), compiled for sm_90
 (ptxas included) from the launcher's own arguments as the JIT would specialize them (CPU tensors stand
@@ -60,7 +60,7 @@ def _compile_like_jit(kernel, args, kwargs):
 def _build(v, m=256, n=512, k=1024, out_dtype=torch.bfloat16, bias=False):
     from onepath.numerics.quant import quantize
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.matmul_fp8_ws import _fp8_gemm_ws_kernel, launch_args, output
+    from onepath.ops.cuda.linear_fp8_ws import _fp8_gemm_ws_kernel, launch_args, output
 
     gen = torch.Generator().manual_seed(0)
     qa = quantize(torch.randn(m, k, generator=gen), FP8_ACT)
@@ -144,7 +144,7 @@ def _build_problems(v, **shape) -> list[str]:
 def _variants():
     """The shipped config first, then the bench's sweeps (the training one holds it too: built once)."""
     from bench.fp8_gluon import decode_variants, variants
-    from onepath.ops.cuda.matmul_fp8 import WS_CONFIG
+    from onepath.ops.cuda.linear_fp8 import WS_CONFIG
     return list(dict.fromkeys([WS_CONFIG, *variants(), *decode_variants()]))
 
 
@@ -167,7 +167,7 @@ def test_variant_builds_for_awkward_shapes_fp32_out_and_bias(v):
 def test_negative_control_the_triton_kernel_fails_the_warp_specialization_checks():
     """The checks can fail: matmul_fp8's Triton kernel has the same wgmma chains and FMAs but no
     setmaxnreg partitions and no TMA; its build must be flagged."""
-    from onepath.ops.cuda.matmul_fp8 import TILES_FP8, _matmul_fp8_kernel
+    from onepath.ops.cuda.linear_fp8 import TILES_FP8, _matmul_fp8_kernel
 
     config = TILES_FP8[0]
     sig = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sw_ptr": "*fp32", "bias_ptr": "*bf16",
@@ -186,7 +186,7 @@ def test_negative_control_the_triton_kernel_fails_the_warp_specialization_checks
 def test_negative_control_the_pingpong_checks_tell_the_turn_passes_apart():
     """The turn checks can fail: the "done" build held to "issued" (arrive after the wgmma wait, not before)
     and the build without pingpong held to it (no turn ops) are flagged."""
-    from onepath.ops.cuda.matmul_fp8_ws import WSConfig
+    from onepath.ops.cuda.linear_fp8_ws import WSConfig
 
     issued, done = WSConfig(256, 4, pingpong="issued"), WSConfig(256, 4, pingpong="done")
     alone = _build(WSConfig(256, 4))
@@ -202,8 +202,8 @@ def test_split_n_tiles_64_rows_and_the_consumers_take_half_the_columns_each(bloc
     at most one per SM); each consumer's chain is m64n(block_n / 2)k32, inside one 128-row weight scale block."""
     from onepath.numerics.quant import quantize
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda import matmul_fp8_ws
-    from onepath.ops.cuda.matmul_fp8_ws import WSConfig, launch_args, output
+    from onepath.ops.cuda import linear_fp8_ws as matmul_fp8_ws
+    from onepath.ops.cuda.linear_fp8_ws import WSConfig, launch_args, output
 
     monkeypatch.setattr(matmul_fp8_ws, "sm_count", lambda device: 132)  # an H200
     gen = torch.Generator().manual_seed(0)
@@ -223,7 +223,7 @@ def test_config_check_names_what_is_wrong():
     """Split "m" keeps its two shapes; split "n" takes n32/n64/n128 chains; the ring must fit Hopper's 227 KiB
     (split "n" with BLOCK_N 128: 8 stages fit, 9 do not); a layout that is neither is refused; pingpong is
     split "m" without wait1, its turn passed once "issued" or "done"."""
-    from onepath.ops.cuda.matmul_fp8_ws import WSConfig
+    from onepath.ops.cuda.linear_fp8_ws import WSConfig
 
     for v in (WSConfig(128, 8, split="n"), WSConfig(256, 4, split="n"), WSConfig(64, 12, split="n"),
               WSConfig(256, 4, wait1=True, split="n")):

@@ -5,7 +5,7 @@ The interpreter's dot and FMA are test_quant_linear_interpret.py's exact models 
 products summed exactly and rounded once to FP32; a correctly rounded FMA), so what must match is the
 order of operations: every variant (split tiles, one-block software pipelining, persistent walk,
 fewer stages) gives each element the shipped chain (fresh dot per K block, one FMA, ascending K),
-hence torch.equal with ops/cuda/matmul_fp8.py on the same inputs. The negative control, mul + add
+hence torch.equal with ops/cuda/linear_fp8.py on the same inputs. The negative control, mul + add
 (two roundings per block), must differ. Hopper's MMA bits are the GPU bench's check (torch.equal).
 The Gluon variant (gluon_wait1) cannot be interpreted: here it is only built for sm_90, with the
 `wgmma.wait_group 1` that is its reason to exist; its bits rest on the GPU bench alone.
@@ -30,7 +30,7 @@ def _run_checks() -> dict:
     from bench.fp8_variants import Variant, run_variant, variants
     from onepath.numerics.quant import quantize
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.matmul_fp8 import matmul_fp8
+    from onepath.ops.cuda.linear_fp8 import matmul_fp8
 
     gen = torch.Generator().manual_seed(0)
     control = Variant(64, 128, 4, 4, fma=False)

@@ -1,10 +1,10 @@
-"""onepath.ops.cuda.grouped_matmul run by Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny,
+"""onepath.ops.cuda.linear_grouped run by Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny,
 awkward shapes: 5 groups of 0, 1, 37, 0 and 6 rows, K = 200 (three full K blocks and a tail), N = 72.
 
 As in test_matmul_interpret.py, the interpreter's dot is replaced by a row-independent model of the
 MMA chain (exact products, each K block rounded once to FP32 and added) and its FP32 -> bf16 cast
 rounds to nearest even. Under it the contract is checked bitwise: every grouped row equals the dense
-kernel (ops/cuda/matmul.py) on that row alone against its group's weight, under any packing of the
+kernel (ops/cuda/linear.py) on that row alone against its group's weight, under any packing of the
 same rows, in every tile config, with TMA or pointer loads, and whatever the number of programs
 walking the tiles; rows past the device sizes (NaN here) never reach a stored row; the MoE experts
 wired to it keep masked == contiguous == alone.
@@ -27,9 +27,9 @@ def _run_checks() -> dict:
     patch_gemm_interpreter()
     import torch
 
-    from onepath.ops.cuda.grouped_matmul import grouped_matmul
-    from onepath.ops.cuda.grouped_matmul import GROUPED_TILES
-    from onepath.ops.cuda.matmul import TILES_16BIT, TileConfig, matmul
+    from onepath.ops.cuda.linear_grouped import grouped_matmul
+    from onepath.ops.cuda.linear_grouped import GROUPED_TILES
+    from onepath.ops.cuda.linear import TILES_16BIT, TileConfig, matmul
 
     gen = torch.Generator().manual_seed(0)
     k, n = 200, 72
@@ -203,8 +203,8 @@ def test_config_pick_and_grid():
     pytest.importorskip("triton")
     import torch
 
-    from onepath.ops.cuda import grouped_matmul as gm
-    from onepath.ops.cuda import matmul as mm
+    from onepath.ops.cuda import linear_grouped as gm
+    from onepath.ops.cuda import linear as mm
 
     # decode: small groups stay on the dense kernel's 64-row tiles, the weight by TMA, x by pointers;
     # training: the largest tile once the groups fill it, both by TMA
@@ -224,8 +224,8 @@ def test_config_pick_and_grid():
 def _compile_sm90(cfg, dtype: str, out: str, x_tma: bool | None = None):
     """The grouped kernel compiled for sm_90 by the Triton wheel's own ptxas: (ptx, shared bytes);
     x's tiles by TMA as the launcher decides unless x_tma says."""
-    from onepath.ops.cuda import grouped_matmul as gm
-    from onepath.ops.cuda import matmul as mm
+    from onepath.ops.cuda import linear_grouped as gm
+    from onepath.ops.cuda import linear as mm
 
     x_tma = cfg.tma and (gm.x_by_tma(cfg) if x_tma is None else x_tma)
     consts = dict(X_TMA=x_tma, W_TMA=cfg.tma, G_PAD=128, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -247,8 +247,8 @@ def test_every_grouped_config_compiles_for_sm90_on_wgmma_within_shared_memory():
     227 KiB of shared memory; fp32 inputs on FMA."""
     import dataclasses
 
-    from onepath.ops.cuda import grouped_matmul as gm
-    from onepath.ops.cuda import matmul as mm
+    from onepath.ops.cuda import linear_grouped as gm
+    from onepath.ops.cuda import linear as mm
 
     cases = [(dataclasses.replace(c, tma=tma), "bf16", out) for c in gm.GROUPED_TILES for tma in (True, False)
              for out in ("bf16", "fp32") if out == "bf16" or c.block_m * c.block_n <= mm.MAX_TILE_FP32_OUT]

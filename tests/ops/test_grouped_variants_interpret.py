@@ -3,7 +3,7 @@ interpreter (TRITON_INTERPRET=1) on awkward shapes, and built for sm_90.
 
 The interpreter's dot is test_grouped_matmul_interpret.py's row-independent model of the MMA chain,
 so what must match is each element's K walk: every variant (tile shapes, TMA or pointer loads, the
-grids, the kernel before with its tile list) gives every counted row ops/cuda/matmul.py's bits on the
+grids, the kernel before with its tile list) gives every counted row ops/cuda/linear.py's bits on the
 row's expert, with the sizes as a list or a device tensor. The negative control, a K step of 32
 instead of 64 (another chain of roundings), must differ. Hopper's MMA bits are the GPU bench's
 check (torch.equal on every row it times).
@@ -23,7 +23,7 @@ def _run_checks() -> dict:
     patch_gemm_interpreter()
 
     from bench.grouped_variants import case, dense_rows, fits, run_variant, variants
-    from onepath.ops.cuda import matmul as mm
+    from onepath.ops.cuda import linear as mm
     from tests.interpret import check_recorder
 
     results, record = check_recorder()
@@ -82,7 +82,7 @@ def test_every_variant_compiles_for_sm90_on_wgmma_within_shared_memory():
     import torch
 
     from bench.grouped_variants import TILES_16BIT, _table_kernel, fits, variants
-    from onepath.ops.cuda import matmul as mm
+    from onepath.ops.cuda import linear as mm
     from tests.ops.test_grouped_matmul_interpret import _compile_sm90
 
     pytest.importorskip("triton.backends.nvidia")

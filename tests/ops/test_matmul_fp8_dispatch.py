@@ -1,4 +1,4 @@
-"""matmul_fp8's pick between its two kernels (ops/cuda/matmul_fp8.py, pick_kernel): the warp-specialized
+"""matmul_fp8's pick between its two kernels (ops/cuda/linear_fp8.py, pick_kernel): the warp-specialized
 Gluon kernel from WS_MIN_ROWS rows on, on Hopper (capability 9.0 exactly), not interpreted, with rows TMA
 reads and writes in place; the Triton tiles everywhere else. The pick may follow M only because both
 kernels give the same bits (tests/gpu/test_fp8_matmul_ws_gpu.py); here, without a GPU, that it never
@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from onepath.ops.cuda import matmul_fp8 as mm  # noqa: E402
-from onepath.ops.cuda.matmul import TileConfig  # noqa: E402
+from onepath.ops.cuda import linear_fp8 as mm  # noqa: E402
+from onepath.ops.cuda.linear import TileConfig  # noqa: E402
 
 CUDA = torch.device("cuda", 0)
 OUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -99,7 +99,7 @@ def test_ws_tma_scales_keeps_the_quantisers_layout_and_copies_any_other():
     (fp8_rows.scales_by_column) passes as is; a row-major one (the CPU reference quantiser's) is copied into it,
     values unchanged."""
     from onepath.ops.cuda.fp8_rows import scales_by_column as allocate
-    from onepath.ops.cuda.matmul_fp8_ws import tma_scales
+    from onepath.ops.cuda.linear_fp8_ws import tma_scales
 
     gen = torch.Generator().manual_seed(0)
     for m, g in [(1, 1), (1, 3), (5, 1), (5, 3), (37, 9), (64, 32)]:

@@ -1,4 +1,4 @@
-"""onepath.ops.cuda.matmul run by Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny shapes.
+"""onepath.ops.cuda.linear run by Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny shapes.
 
 The interpreter must be on before the kernel is decorated, so the checks run in a subprocess: this
 file, run as a script, prints one JSON line of results that the tests below assert on. On CPU the
@@ -21,7 +21,7 @@ def _run_checks() -> dict:
     import torch
 
     patch_gemm_interpreter()
-    from onepath.ops.cuda.matmul import (DENSE_TILES, SKINNY_TILES, SMALL_TILES, SWAP_TILES, TILES_16BIT,
+    from onepath.ops.cuda.linear import (DENSE_TILES, SKINNY_TILES, SMALL_TILES, SWAP_TILES, TILES_16BIT,
                                         TileConfig, dense_candidates, matmul)
 
     gen = torch.Generator().manual_seed(0)
@@ -79,7 +79,7 @@ def _run_checks() -> dict:
 
     # The last row tile moved back to end at M (rows computed twice, stored twice) or running past M: the same
     # output, at every M a tile does not divide, and with or without TMA.
-    from onepath.ops.cuda import matmul as mm
+    from onepath.ops.cuda import linear as mm
     w = rand(n, k, dtype="bfloat16")
     for cname in ("16x16", "tma_16x32", "swap_16x16", "swap_tma_16x32"):
         for m in (17, 23, 31, 33, 40):
@@ -125,7 +125,7 @@ def test_pick_config_fills_the_sms():
 
     import torch
 
-    from onepath.ops.cuda import matmul as mm
+    from onepath.ops.cuda import linear as mm
 
     skinny, dense = mm.SKINNY_TILES, mm.DENSE_TILES
     # up to 16 rows: the swapped 16x128 tile where N gives it half the SMs, else the swapped 16x64
@@ -166,7 +166,7 @@ def test_pick_config_fills_the_sms():
 
 def _compile_sm90(cfg, dtype: str, out: str):
     """The kernel compiled for sm_90 by the Triton wheel's own ptxas: (ptx, shared bytes)."""
-    from onepath.ops.cuda import matmul as mm
+    from onepath.ops.cuda import linear as mm
 
     consts = dict(HAS_BIAS=True, TMA=cfg.tma, EVEN_M=False, LAST_ROWS_BACK=True, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -189,7 +189,7 @@ def test_every_config_compiles_for_sm90_on_wgmma_within_shared_memory():
     weight rows as the MMA's M, build on wgmma too."""
     import dataclasses
 
-    from onepath.ops.cuda import matmul as mm
+    from onepath.ops.cuda import linear as mm
 
     cases = [(dataclasses.replace(c, tma=tma), "bf16", out) for c in (*mm.TILES_16BIT, *mm.DENSE_TILES, *mm.SKINNY_TILES,
                                                                         *mm.SMALL_TILES, *mm.dense_candidates(512),

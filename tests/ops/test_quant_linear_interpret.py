@@ -1,4 +1,4 @@
-"""onepath.ops.cuda.matmul_fp8 run by Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny shapes.
+"""onepath.ops.cuda.linear_fp8 run by Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny shapes.
 
 As in test_matmul_interpret.py, the interpreter's dot and FMA are replaced by exact models: a block's
 fp8 code products summed exactly (float64) and rounded once to FP32 (a K-block partial of e4m3 codes
@@ -23,8 +23,8 @@ def _run_checks() -> dict:
 
     from onepath.numerics.quant import quantize
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.matmul import TileConfig
-    from onepath.ops.cuda.matmul_fp8 import TILES_FP8, matmul_fp8
+    from onepath.ops.cuda.linear import TileConfig
+    from onepath.ops.cuda.linear_fp8 import TILES_FP8, matmul_fp8
     from onepath.ops.quant_linear import fp8_gemm
 
     gen = torch.Generator().manual_seed(0)
@@ -83,7 +83,7 @@ def _run_checks() -> dict:
 def test_every_fp8_config_compiles_for_sm90_on_fp8_wgmma_within_shared_memory():
     """What the launcher can pick builds for the H200 (the Triton wheel's ptxas, no GPU): fp8 wgmma
     (e4m3 operands, no mma.sync fallback), one FMA per K block, within the 227 KiB of shared memory."""
-    from onepath.ops.cuda import matmul_fp8 as mm
+    from onepath.ops.cuda import linear_fp8 as mm
 
     bad = []
     for cfg in mm.TILES_FP8:

@@ -64,7 +64,7 @@ import triton.language as tl
 from onepath.numerics.quant import FP8Tensor
 from onepath.numerics.spec import KV_AMAX_CEIL
 from onepath.ops.cuda import interpreting
-from onepath.ops.cuda.matmul import sm_count
+from onepath.ops.cuda.linear import sm_count
 
 # Rows (query tokens x group heads) per program: one shape for every launch, so every dot is the same.
 # The spec may set another (OpSpec.q_rows): fewer rows waste less of a decode program (one token, its

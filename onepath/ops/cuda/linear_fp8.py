@@ -6,13 +6,13 @@ and 128-wide K group [M, ceil(K/128)]; weight codes [N, K] with FP32 scales per 
     partial = tl.dot(a_kb, w_kb^T)                    a fresh FP32 tensor-core partial of one block
     acc     = fma(partial, sa[m, kb] * sw[n // 128, kb], acc)
     y       = round(acc + bias)                       bias in FP32, one rounding to out_dtype
-What keeps a row's bits its own (matmul.py's rules): BLOCK_K = 128 = the scale group, for every
+What keeps a row's bits its own (linear.py's rules): BLOCK_K = 128 = the scale group, for every
 tile config, so a row's chain of MMAs and FMAs is a function of K alone; no split-K, no atomics;
 rows past M masked; one program per output tile.
 The promotion is done by hand (one dot per K block, then the FMA): Triton on SM90 would otherwise
 keep the whole K loop in the FP8 MMA's imprecise accumulator (max_num_imprecise_acc = 2^30).
 
-Two kernels keep that chain: this file's Triton kernel and matmul_fp8_ws.py's warp-specialized Gluon
+Two kernels keep that chain: this file's Triton kernel and linear_fp8_ws.py's warp-specialized Gluon
 kernel (Hopper only; 2.2-2.8x faster at training shapes, 1.76x at decode). The pick follows M like the tile
 ladder (pick_kernel): on Hopper the Gluon kernel where its TMA rows fit (its training layout from WS_MIN_ROWS
 rows on, its decode layout below), the Triton tiles elsewhere. That cannot move a row's bits, because each
@@ -29,12 +29,12 @@ import triton.language as tl
 
 from onepath.numerics.quant import FP8Tensor
 from onepath.ops.cuda import interpreting
-from onepath.ops.cuda.matmul import TileConfig, _tile_offsets, first_filling, sm_count
-from onepath.ops.cuda.matmul_fp8_ws import OUT_DTYPES, TMA_ALIGN, WSConfig, matmul_fp8_ws
+from onepath.ops.cuda.linear import TileConfig, _tile_offsets, first_filling, sm_count
+from onepath.ops.cuda.linear_fp8_ws import OUT_DTYPES, TMA_ALIGN, WSConfig, matmul_fp8_ws
 
 # One K step = one scale group: the partial a scale multiplies is exactly one tl.dot.
 BLOCK_K = 128
-# fp8 tiles, largest first (BLOCK_M >= 64: Hopper's wgmma); the pick follows M like matmul.py's,
+# fp8 tiles, largest first (BLOCK_M >= 64: Hopper's wgmma); the pick follows M like linear.py's,
 # which cannot move a row's bits (each element's MMA chain over K is the same in every tile).
 # 128-row tiles are left out: with a fresh dot per K block, the MMA waits for its result every block,
 # and four warps on a 64x128 tile, one program per tile, ran 3.6-3.9x faster than the persistent
@@ -42,7 +42,7 @@ BLOCK_K = 128
 # bench/results/fp8-variants-before-tiles.json; same bits in every variant). Three stages on that tile
 # ran 1.03-1.06x faster than four, and a Gluon kernel that promotes block kb-1 while kb's MMA runs
 # 0.38-0.71x as fast as the Triton one (bench/results/fp8-variants.json; same bits; no warp specialization,
-# unlike matmul_fp8_ws.py).
+# unlike linear_fp8_ws.py).
 TILES_FP8 = (
     TileConfig(64, 128, num_warps=4, num_stages=3),
     TileConfig(64, 64, num_warps=4, num_stages=4),

@@ -1,6 +1,6 @@
 """grouped_matmul: y[rows of group g] = x[rows of g] @ weight[g]^T in one launch; the MoE experts.
 
-The contract: every output row has the bits ops/cuda/matmul.py's dense kernel gives that row alone
+The contract: every output row has the bits ops/cuda/linear.py's dense kernel gives that row alone
 against weight[g]. So a token's expert output depends neither on the layout (contiguous, masked) nor
 on how many tokens its expert got. What keeps it: the dense kernel's K walk, unchanged:
 - one program computes a whole output tile, walking K in ascending BLOCK_K = matmul.BLOCK_K steps
@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from onepath.ops.host import to_device
-from onepath.ops.cuda.matmul import BLOCK_K, TILE_FP32, TileConfig, _tile_coords, _tma_ok, sm_count, stages_output
+from onepath.ops.cuda.linear import BLOCK_K, TILE_FP32, TileConfig, _tile_coords, _tma_ok, sm_count, stages_output
 
 # TMA weight tiles, 64-deep K steps (BLOCK_K): 128-row tiles once the largest group fills them, 64-row ones
 # at decode (bench/results/grouped-variants.json).

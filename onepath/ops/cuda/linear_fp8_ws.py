@@ -1,4 +1,4 @@
-"""matmul_fp8_ws: ops/cuda/matmul_fp8.py's block-FP8 GEMM as a warp-specialized Gluon kernel for Hopper,
+"""matmul_fp8_ws: ops/cuda/linear_fp8.py's block-FP8 GEMM as a warp-specialized Gluon kernel for Hopper,
 with the Triton kernel's bits.
 
 The contract per output element is matmul_fp8's: for K blocks kb = 0, 1, ... (128 wide, ascending) a
@@ -57,7 +57,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from onepath.numerics.quant import FP8Tensor
 from onepath.ops.cuda import sm90
 from onepath.ops.cuda.fp8_rows import scale_column_stride, scales_by_column
-from onepath.ops.cuda.matmul import sm_count
+from onepath.ops.cuda.linear import sm_count
 
 BLOCK_K = 128  # one scale group: the partial a scale multiplies is one wgmma chain over 128 K values
 WG_M = 64  # wgmma's rows: a consumer warpgroup's share of the tile's rows
