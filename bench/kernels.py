@@ -1,7 +1,7 @@
 """Every GPU kernel against its stock counterpart, one table per operator family, JSON in bench/results/.
 
-`python bench/kernels.py --out-dir bench/results` runs bench/kernels_{matmul,attention,pointwise}.py
-in turn (each also runs alone, with more options).
+`python bench/kernels.py --out-dir bench/results` runs bench/kernels_{linear,fp8,attention,moe,pointwise}.py
+in turn, each writing <out-dir>/<topic>/kernels-<name>.json (FOLDER; each also runs alone, with more options).
 """
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-PARTS = ("matmul", "attention", "pointwise")
+PARTS = ("linear", "fp8", "attention", "moe", "pointwise")
+FOLDER = dict(linear="linear", fp8="linear", attention="attention", moe="moe", pointwise="pointwise")
 
 
 def main():
@@ -22,7 +23,7 @@ def main():
     status = 0
     for part in args.only:
         print(f"\n== {part} ==", flush=True)
-        out = Path(args.out_dir) / f"kernels-{part}.json"
+        out = Path(args.out_dir) / FOLDER[part] / f"kernels-{part}.json"
         status |= subprocess.call([sys.executable, str(here / f"kernels_{part}.py"), "--out", str(out)])
     sys.exit(status)
 

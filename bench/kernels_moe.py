@@ -1,6 +1,6 @@
 """Time the grouped expert GEMM (ops/cuda/linear_grouped.py) against our dense GEMM at equal work.
 
-    python bench/kernels_moe.py [--out bench/results/kernels-moe.json] [--tokens 256 8192]
+    python bench/kernels_moe.py [--out bench/results/moe/kernels-moe.json] [--tokens 256 8192]
 
 Qwen3-30B-A3B's experts (hidden 2048, moe_intermediate 768, 128 experts, top-8), random routing.
 Per (tokens, projection): median microseconds (triton.testing.do_bench, L2 flushed) of
@@ -144,12 +144,12 @@ def run(args) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="bench/results/kernels-moe.json")
+    p.add_argument("--out", default="bench/results/moe/kernels-moe.json")
     p.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="tokens per call (rows = tokens x top-8)")
     p.add_argument("--rep-ms", type=int, default=200, help="do_bench time budget per measurement")
     args = p.parse_args()
     if not torch.cuda.is_available():
-        print("kernels_moe: no CUDA device here; nothing timed (run it on the GPU machine)")
+        print("kernels_moe: no CUDA device here; nothing timed (run it on a CUDA GPU)")
         return
     run(args)
     print(f"wrote {args.out}")

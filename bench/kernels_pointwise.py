@@ -6,7 +6,7 @@ The sampler rows run the engine's whole sampler as ModelRunner calls it (keys a 
 without top-k/top-p: fused (ops.sample_with_logprobs) and as three calls (ops.probs -> ops.sample ->
 ops.token_logprobs); their bytes are one read of the logits, the least any sampler moves. Stock: softmax,
 torch.multinomial, log_softmax.
-Run on the GPU: `python bench/kernels_pointwise.py --out bench/results/kernels-pointwise.json` (--graph: CUDA
+Run on the GPU: `python bench/kernels_pointwise.py --out bench/results/pointwise/kernels-pointwise.json` (--graph: CUDA
 graph replays, without the launch cost that dominates the small rows; each row says how it was timed).
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ def cases(m: int):
     from onepath.ops import rmsnorm as RN
     from onepath.ops import rope as RP
     from onepath.ops import silu_mul as SM
-    from onepath.ops.cuda import elementwise, logprobs, rmsnorm
+    from onepath.ops.cuda import logprobs, rmsnorm, rope, silu_mul
     g = torch.Generator(device="cuda").manual_seed(m)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     hidden, inter, heads, head_dim, vocab = 1024, 3072, 16, 128, 151936
@@ -63,9 +63,9 @@ def cases(m: int):
     yield ("rmsnorm 1024", 2 * x.numel() * 2 + w.numel() * 2,
            lambda: rmsnorm.rmsnorm(x, w, 1e-6), lambda: RN.reference(x, w, 1e-6))
     yield ("silu_mul 3072", 3 * gate.numel() * 2,
-           lambda: elementwise.silu_mul(gate, up), lambda: SM.reference(gate, up))
+           lambda: silu_mul.silu_mul(gate, up), lambda: SM.reference(gate, up))
     yield ("rope 16x128", 2 * q.numel() * 2 + m * head_dim * 4,
-           lambda: elementwise.rope(q, pos, cos, sin), lambda: RP.reference(q, cos[pos], sin[pos]))
+           lambda: rope.rope(q, pos, cos, sin), lambda: RP.reference(q, cos[pos], sin[pos]))
     if m <= 4096:
         ops, keys = Ops(ExecutionSpec.default("consistent", "cuda")), list(range(m))
         yield ("logprobs V=151936 fp32", logits.numel() * 4,
@@ -103,14 +103,14 @@ def run(args) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="bench/results/kernels-pointwise.json")
+    p.add_argument("--out", default="bench/results/pointwise/kernels-pointwise.json")
     p.add_argument("--rows", type=int, nargs="+", default=ROWS)
     p.add_argument("--rep-ms", type=int, default=50)
     p.add_argument("--graph", action="store_true", help="time CUDA graph replays (no launch cost)")
     p.add_argument("--ops", nargs="+", help="only the ops whose name starts with one of these (e.g. logprobs sampler)")
     args = p.parse_args()
     if not torch.cuda.is_available():
-        print("kernels_pointwise: no CUDA device here; run it through the device tool on the H200")
+        print("kernels_pointwise: no CUDA device here; nothing timed (run it on a CUDA GPU)")
         return
     with open(args.out, "w") as f:
         json.dump(run(args), f, indent=2)

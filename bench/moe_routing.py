@@ -1,56 +1,13 @@
-"""No routing replay, measured over an RL run: per step, the share of tokens whose recomputed MoE routing
-(the trainer's forward) equals the rollout's (the engine records it), with the step's diff metrics.
+"""Routing agreement (trainer vs rollout) per RL step on an MoE, with the step's diff metrics.
 
-    python bench/moe_routing.py --out bench/results/moe-routing-cpu.json                # embedded MoE, CPU
-    python bench/moe_routing.py --device cuda --set model.num_experts=64 ... --out ...  # on the GPU
-
-The run is `onepath train` on the demo config with an embedded Qwen3-MoE (--set overrides any key);
-target: moe/routing_agreement = 1.0 on every step, over >= 20 steps.
+The logic and the options: onepath/bench/moe_routing.py (`python bench/moe_routing.py --help`).
 """
-from __future__ import annotations
-
-import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, installed or not
 
-from onepath.bench.results import environment, save_json  # noqa: E402
-from onepath.cli import main as onepath_main  # noqa: E402
-from onepath.train.metrics import read_metrics  # noqa: E402
-
-MOE = ["model.model_type=qwen3_moe", "model.num_experts=16", "model.num_experts_per_tok=4",
-       "model.moe_intermediate_size=48", "warm_start.steps=100"]
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="onepath/configs/demo.yaml")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--mode", default="consistent", choices=("consistent", "baseline"))
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides, after MOE's")
-    p.add_argument("--out", default="bench/results/moe-routing-cpu.json")
-    args = p.parse_args(argv)
-    overrides = [f for item in MOE + args.set for f in ("--" + item.partition("=")[0], item.partition("=")[2])]
-    with tempfile.TemporaryDirectory() as run:
-        code = onepath_main(["train", "--config", args.config, "--mode", args.mode, "--out", run, "--quiet",
-                             "--device", args.device, "--train.steps", str(args.steps), "--train.val_every", "0",
-                             *overrides])
-        records = read_metrics(Path(run) / "metrics.jsonl")
-    steps = [{"step": r["step"], "routing_agreement": r["moe/routing_agreement"],
-              "routing_compared_tokens": r["moe/routing_compared_tokens"],
-              "tokens_differing_frac": r.get("rollout_corr/tokens_differing_frac")} for r in records]
-    result = dict(environment(args.device), command="python bench/moe_routing.py " + " ".join(argv or sys.argv[1:]),
-                  exit_code=code, overrides=MOE + args.set, mode=args.mode, steps=steps,
-                  all_steps_agree=bool(steps) and all(s["routing_agreement"] == 1.0 for s in steps),
-                  compared_tokens=sum(s["routing_compared_tokens"] for s in steps))
-    save_json(result, Path(args.out))
-    print(f"{len(steps)} steps, {result['compared_tokens']} tokens compared, routing agreement 1.0 on every step: "
-          f"{result['all_steps_agree']}")
-    return code
-
+from onepath.bench.moe_routing import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

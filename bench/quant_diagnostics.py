@@ -2,7 +2,7 @@
 and "aligned" (both quantised by the spec), the frozen-policy comparison of `onepath diagnose`:
 P99 |d log p|, the fraction of ratios outside the PPO clip range, k3 KL, per-module relative L2.
 
-    python bench/quant_diagnostics.py --device cuda --out bench/results/quant-diagnostics.json
+    python bench/quant_diagnostics.py --device cuda --out bench/results/quant/quant-diagnostics.json
     python bench/quant_diagnostics.py --device cpu --out /tmp/quant-diagnostics.json     # CPU: FP32 base
 
 Without --model a random Qwen3-style checkpoint is written first (K dims of 256 and 512: whole FP8

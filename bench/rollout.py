@@ -1,8 +1,8 @@
 """Rollout tokens/s (consistent, baseline, transformers' generate) and the decode roofline; JSON in bench/results/.
 
-    python bench/rollout.py --model qwen3-0.6b --device cuda --out bench/results/rollout-qwen3-0.6b.json
+    python bench/rollout.py --model qwen3-0.6b --device cuda --out bench/results/rollout/rollout-qwen3-0.6b.json
     python bench/rollout.py --model tiny --device cpu --requests 8 --scale 0.02
-    python bench/rollout.py --model qwen3-30b-a3b-12l --workloads fixed-1000 --out bench/results/rollout-qwen3-moe.json
+    python bench/rollout.py --model qwen3-30b-a3b-12l --workloads fixed-1000 --out bench/results/rollout/rollout-qwen3-moe.json
 
 The same as `onepath bench rollout` (onepath/bench/rollout.py holds the logic and the options).
 """

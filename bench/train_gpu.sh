@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GRPO on a Qwen3-0.6B-shaped model on one GPU (onepath/configs/qwen3-0.6b-gpu.yaml): warm start, then
-# 50 steps in consistent and in baseline mode, then the report. On one H200 through the device tool:
-#   bash bench/train_gpu.sh                      (about 8 minutes; give the call timeout_s=600)
+# train.steps steps in consistent and in baseline mode, then the report:
+#   bash bench/train_gpu.sh
 # Writes $OUT/qwen3-0.6b-gpu/ (consistent/, baseline/, summary.json, report.png) and $OUT/train-gpu.json
 # (the summary with command, date, GPU, versions, wall time); without $OUT, under runs/.
 # Extra arguments go to `onepath train`, e.g. --train.steps 20 or --resume.

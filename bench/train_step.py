@@ -1,6 +1,6 @@
 """One training step (forward + backward + AdamW) on one batch, consistent vs baseline, as the trainer runs it.
 
-    python bench/train_step.py --out bench/results/train-step.json    # GPU: 64 x 512 tokens, Qwen3-0.6B shape, bf16
+    python bench/train_step.py --out bench/results/train/train-step.json    # GPU: 64 x 512 tokens, Qwen3-0.6B shape, bf16
     python bench/train_step.py --tiny --out /tmp/train-step.json       # CPU smoke run, seconds
 
 Each mode builds the same model (same seed) and an Actor, then times Actor.backward (the GRPO loss

@@ -9,35 +9,48 @@ from pathlib import Path
 
 
 def train(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="onepath train", description="GRPO with bitwise-consistent rollout and trainer")
+    parser = argparse.ArgumentParser(
+        prog="onepath train", description="GRPO with bitwise-consistent rollout and trainer; on several processes "
+        "launch it with `torchrun --nproc-per-node N -m onepath train ...` and pick the layouts with --parallel.*")
     parser.add_argument("--config", default=None, help="YAML run config (default: the embedded demo)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar or per-step table")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (tiny models run fastest on one)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads per process (tiny models run fastest on one)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest complete step_N checkpoint in the run directory "
-                             "(a run directory without one starts at step 1)")
+                             "(a run directory without one starts at step 1); the layout may differ from the run's")
     args, overrides = parser.parse_known_args(argv)
     import torch
     torch.set_num_threads(args.threads)
     from onepath.config import load_run_config
+    from onepath.train import parallel
     from onepath.train.summary import summarise
     from onepath.train.trainer import GRPOTrainer, prepare
 
     config = args.config or str(Path(__file__).parent / "configs" / "demo.yaml")
     cfg = load_run_config(config, overrides)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    setup = prepare(cfg, out, progress=not args.quiet)
-    modes = ("consistent", "baseline") if cfg.mode == "both" else (cfg.mode,)
-    histories = {}
-    for mode in modes:
-        run_dir = out / mode if len(modes) > 1 else out
-        histories[mode] = GRPOTrainer(cfg, mode, setup, run_dir, resume=args.resume).run(progress=not args.quiet)
-    ok = summarise(histories, out, time.perf_counter() - start)
-    from onepath.train.report import draw_report
-    print(f"report: {draw_report([out], out)}")
-    return 0 if ok else 1
+    rank, size = parallel.start(cfg.device)
+    try:
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        world = parallel.world_for(cfg, rank, size)  # before the warm start: a layout the model cannot take
+        setup = prepare(cfg, out, progress=not args.quiet, world=world)
+        modes = ("consistent", "baseline") if cfg.mode == "both" else (cfg.mode,)
+        histories = {}
+        for mode in modes:
+            run_dir = out / mode if len(modes) > 1 else out
+            trainer = GRPOTrainer(cfg, mode, setup, run_dir, resume=args.resume, world=world)
+            histories[mode] = trainer.run(progress=not args.quiet)
+        if rank != 0:
+            return 0
+        ok = summarise(histories, out, time.perf_counter() - start)
+        from onepath.train.report import draw_report
+        print(f"report: {draw_report([out], out)}")
+        return 0 if ok else 1
+    finally:
+        parallel.stop()
 
 
 def report(argv: list[str]) -> int:
@@ -56,34 +69,29 @@ def report(argv: list[str]) -> int:
 
 
 def generate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="onepath generate", description="sample completions from a checkpoint")
+    parser = argparse.ArgumentParser(
+        prog="onepath generate", description="sample completions from a checkpoint; the engine and the sampling "
+        "take the run config's settings (--config, then overrides such as --rollout.max_tokens 32 "
+        "--rollout.max_model_len 512 --rollout.temperature 0.7 --mode baseline --device cuda --quant fp8)")
     parser.add_argument("model", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json)")
-    parser.add_argument("prompts", nargs="+")
-    parser.add_argument("--mode", default="consistent", choices=("consistent", "baseline"))
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--quant", default=None, help="low precision preset(s), e.g. fp8+fp8_kv (default: none)")
-    args = parser.parse_args(argv)
+    parser.add_argument("prompts", nargs="+", help="prompts, before any override")
+    parser.add_argument("--config", default=None, help="YAML run config (default: RunConfig's defaults)")
+    args, overrides = parser.parse_known_args(argv)
+    from onepath.config import engine_settings, load_run_config, sampling_params
     from onepath.engine.llm_engine import LLMEngine
-    from onepath.engine.sampling_params import SamplingParams
-    from onepath.engine.scheduler import SchedulerConfig
+    from onepath.models import build_decoder
     from onepath.models.checkpoint import load_config, load_state_dict, load_tokenizer
     from onepath.numerics.spec import ExecutionSpec
-    from onepath.train.trainer import build_model
+    from onepath.ops import Ops
 
-    config = load_config(args.model)
-    spec = ExecutionSpec.default(args.mode, args.device, quant=args.quant)
-    model = build_model(config, spec, args.max_model_len, load_state_dict(args.model))
-    engine = LLMEngine(model, tokenizer=load_tokenizer(args.model),
-                       scheduler=SchedulerConfig(max_model_len=args.max_model_len))
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            max_tokens=args.max_tokens, seed=args.seed)
-    for prompt, out in zip(args.prompts, engine.generate(args.prompts, params)):
+    cfg = load_run_config(args.config, [*overrides, "--model.path", args.model])
+    if cfg.mode not in ("consistent", "baseline"):
+        raise ValueError(f"mode = {cfg.mode!r}: generate samples in one mode, consistent or baseline")
+    model = build_decoder(load_config(args.model), Ops(ExecutionSpec.default(cfg.mode, cfg.device, quant=cfg.quant)),
+                          max_positions=cfg.rollout.max_model_len)
+    model.load_hf_state_dict(load_state_dict(args.model))
+    engine = LLMEngine(model, **engine_settings(cfg), tokenizer=load_tokenizer(args.model))
+    for prompt, out in zip(args.prompts, engine.generate(args.prompts, sampling_params(cfg, cfg.rollout.seed))):
         if out.error:
             print(f"{prompt!r}: error: {out.error}")
         else:

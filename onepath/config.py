@@ -10,7 +10,11 @@ from typing import ClassVar
 
 import yaml
 
+from onepath.engine.llm_engine import CPU_NUM_BLOCKS, GPU_MEMORY_UTILIZATION
+from onepath.engine.sampling_params import SamplingParams
+from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.config import SUPPORTED_MODEL_TYPES
+from onepath.models.kv_cache import BLOCK_SIZE
 from onepath.numerics.spec import ExecutionSpec
 
 MODES = ("consistent", "baseline", "both")
@@ -18,6 +22,9 @@ EMBEDDED_TASKS = ("arithmetic",)
 OLD_LOGPROB = ("verify", "every_n", "skip")
 CORRECTION_LEVELS = ("token", "sequence")
 ENVIRONMENTS = ("calculator",)
+ROLLOUT_LAYOUTS = ("single", "dp", "ep")
+TRAINER_LAYOUTS = ("single", "fsdp", "ep")
+SAMPLING = {f.name: f.default for f in fields(SamplingParams)}  # the engine's defaults, defined there once
 # the embedded model's architectures (a checkpoint's config.json may also name qwen2_moe)
 EMBEDDED_MODEL_TYPES = SUPPORTED_MODEL_TYPES + ("qwen3_moe",)
 
@@ -136,15 +143,15 @@ class WarmStartSection(_Section):
 class RolloutSection(_Section):
     NAME: ClassVar[str] = "rollout"
     n: int = 8
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float = SAMPLING["temperature"]
+    top_k: int = SAMPLING["top_k"]   # 0 = off
+    top_p: float = SAMPLING["top_p"]  # 1.0 = off
     max_tokens: int = 8
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
-    block_size: int = 16
-    num_blocks: int | None = 1024  # null: sized from gpu_memory_utilization on CUDA (1024 on CPU)
-    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may fill when num_blocks is null
+    block_size: int = BLOCK_SIZE
+    num_blocks: int | None = CPU_NUM_BLOCKS  # null: sized from gpu_memory_utilization on CUDA (1024 on CPU)
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION  # share of the GPU's memory the engine may fill when num_blocks is null
     cuda_graphs: bool | None = None      # decode steps replay CUDA graphs; null = on when device is cuda
     max_model_len: int = 64
     prefill_chunk_size: int | None = None
@@ -262,9 +269,28 @@ class LoggerSection(_Section):
         self._require("name", self.name != "", "is empty", "give a run name, or null for the --out directory's name")
 
 
+@dataclass(slots=True)
+class ParallelSection(_Section):
+    """How the processes `torchrun --nproc-per-node N` starts share the work; on one process every
+    layout is single. rollout: single (rank 0's engine samples every prompt) | dp (an engine replica
+    per rank, each on its share of the prompts) | ep (an engine per rank, experts split over every
+    rank). trainer: single (rank 0 trains) | fsdp (each rank owns 1/N of every parameter and its
+    AdamW state) | ep (experts split over every rank, the rest replicated)."""
+    NAME: ClassVar[str] = "parallel"
+    rollout: str = "single"
+    trainer: str = "single"
+
+    def __post_init__(self):
+        self._coerce()
+        self._require("rollout", self.rollout in ROLLOUT_LAYOUTS, "is not a rollout layout",
+                      f"use one of {', '.join(ROLLOUT_LAYOUTS)}")
+        self._require("trainer", self.trainer in TRAINER_LAYOUTS, "is not a trainer layout",
+                      f"use one of {', '.join(TRAINER_LAYOUTS)}")
+
+
 SECTIONS: dict[str, type[_Section]] = {
     "model": ModelSection, "data": DataSection, "warm_start": WarmStartSection,
-    "rollout": RolloutSection, "train": TrainSection, "logger": LoggerSection,
+    "rollout": RolloutSection, "train": TrainSection, "logger": LoggerSection, "parallel": ParallelSection,
 }
 
 
@@ -277,6 +303,7 @@ class RunConfig(_Section):
     rollout: RolloutSection = field(default_factory=RolloutSection)
     train: TrainSection = field(default_factory=TrainSection)
     logger: LoggerSection = field(default_factory=LoggerSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     mode: str = "consistent"
     device: str = "cpu"
     quant: str | None = None
@@ -297,6 +324,10 @@ class RunConfig(_Section):
         if self.train.overlong_buffer > self.rollout.max_tokens:
             raise ValueError(f"train.overlong_buffer = {self.train.overlong_buffer} > rollout.max_tokens = "
                              f"{self.rollout.max_tokens}: the penalty window must fit in the response length")
+        ep = [side for side in ("rollout", "trainer") if getattr(self.parallel, side) == "ep"]
+        if ep and self.model.path is None and self.model.model_type != "qwen3_moe":
+            raise ValueError(f"parallel.{ep[0]} = 'ep' splits the experts, but model.model_type = "
+                             f"{self.model.model_type!r} is dense: use dp/fsdp, or a qwen3_moe model")
         if self.model.path is None and self.rollout.max_model_len > self.model.max_position_embeddings:
             raise ValueError(
                 f"rollout.max_model_len = {self.rollout.max_model_len} > model.max_position_embeddings = "
@@ -328,6 +359,23 @@ class RunConfig(_Section):
                 _section_field(name, key)
             kwargs[name] = SECTIONS[name](**value)
         return cls(**kwargs)
+
+
+def engine_settings(cfg: RunConfig) -> dict:
+    """LLMEngine's keyword arguments from cfg.rollout: KV cache, scheduler, CUDA graphs (the trainer,
+    `onepath generate` and the benchmarks build their engines from this alone)."""
+    r = cfg.rollout
+    return dict(num_blocks=r.num_blocks, block_size=r.block_size,
+                scheduler=SchedulerConfig(r.max_num_seqs, r.max_num_batched_tokens, r.max_model_len,
+                                          r.prefill_chunk_size),
+                gpu_memory_utilization=r.gpu_memory_utilization, cuda_graphs=r.cuda_graphs)
+
+
+def sampling_params(cfg: RunConfig, seed: int, **overrides) -> SamplingParams:
+    """The rollout's sampling settings from cfg.rollout; overrides (temperature, stop_token_ids, ...) win."""
+    r = cfg.rollout
+    settings = dict(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens, seed=seed)
+    return SamplingParams(**{**settings, **overrides})
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:

@@ -44,6 +44,83 @@ def print_checks(run_checks) -> None:
     print(json.dumps(run_checks()))
 
 
+def kernel_case_tools(gen):
+    """(rand, close, embedded) for a kernel's checks, drawing from `gen`: rand(*shape, dtype, scale) a random
+    tensor; close(a, b, **tol) -> (ok, why) by torch.testing.assert_close; embedded(probe, m, make) a random
+    batch of m rows (from make(n)) with probe's rows at a random position -> (batch, position)."""
+    import torch
+
+    def rand(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    def close(a, b, **tol):
+        try:
+            torch.testing.assert_close(a, b, **tol)
+            return True, ""
+        except AssertionError as e:
+            return False, str(e).splitlines()[-1]
+
+    def embedded(probe, m, make):
+        batch = make(m + probe.shape[0] - 1)
+        pos = int(torch.randint(m, (1,), generator=gen))
+        batch[pos:pos + probe.shape[0]] = probe
+        return batch, pos
+
+    return rand, close, embedded
+
+
+def patch_libdevice_log1p():
+    """The interpreter has no libdevice: give the sampler's log1p numpy's (the GPU's is libdevice's)."""
+    import types
+
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+
+    from onepath.ops.cuda import sampling
+
+    def log1p(x):
+        return tl.tensor(TensorHandle(np.log1p(x.handle.data), x.handle.dtype.scalar), x.type)
+
+    sampling.libdevice = types.SimpleNamespace(log1p=log1p)
+
+
+def patch_fp8_rounding():
+    """Install torch's round-to-nearest-even FP32 -> float8e4nv conversion in the interpreter (Triton 3.6's rounds
+    half up, Hopper's cvt.rn.satfinite to nearest even); returns the interpreter's own, for a negative control."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def convert_rne(data, src, dst, rounding_mode):
+        if src == tl.float32 and dst == tl.float8e4nv:
+            wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            return wide.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(np.shape(data))
+        return convert(data, src, dst, rounding_mode)
+
+    interpreter._convert_float = convert_rne
+    return convert
+
+
+def same_fp8(a, b) -> bool:
+    """Two FP8Tensors with the same codes and scales, bit for bit."""
+    import torch
+    return (a.codes.shape == b.codes.shape and a.scales.shape == b.scales.shape
+            and torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8))
+            and torch.equal(a.scales.view(torch.int32), b.scales.view(torch.int32)))
+
+
+def fp8_spread(gen, *shape, dtype=None):
+    """randn with one power-of-two magnitude per 128-group: the groups' scales far apart."""
+    import torch
+    k = shape[-1]
+    mag = torch.randint(-30, 30, (*shape[:-1], -(-k // 128)), generator=gen).repeat_interleave(128, -1)[..., :k]
+    return (torch.randn(*shape, generator=gen) * torch.exp2(mag.float())).to(dtype or torch.float32)
+
+
 def interpreted_results(script: str, what: str) -> dict:
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
@@ -126,7 +203,7 @@ def patch_gemm_interpreter() -> None:
 def patch_fp8_gemm_interpreter() -> None:
     """Make Triton's CPU interpreter compute the block-FP8 GEMM as Hopper does where it matters to bits:
     a dot's partial summed exactly (float64, then rounded once to FP32: e4m3 products are exact), tl.fma
-    as one rounding (onepath.ops.quant_linear.fma), and FP32 -> bf16 / e4m3 casts rounding to nearest
+    as one rounding (onepath.ops.linear_quant.fma), and FP32 -> bf16 / e4m3 casts rounding to nearest
     even as torch's do (the interpreter truncates to bf16 and rounds e4m3 half up; see
     tests/ops/test_quant_interpret.py). Call it in the interpreted subprocess, before the kernels run."""
     import numpy as np
@@ -145,7 +222,7 @@ def patch_fp8_gemm_interpreter() -> None:
         return interpreter.TensorHandle(block + d.data, d.dtype.scalar)
 
     def create_fma(self, x, y, z):
-        from onepath.ops.quant_linear import fma
+        from onepath.ops.linear_quant import fma
         out = fma(*(torch.from_numpy(np.ascontiguousarray(t.data, dtype=np.float32)) for t in (x, y, z)))
         return interpreter.TensorHandle(out.numpy(), z.dtype.scalar)
 

@@ -21,8 +21,8 @@ def test_train_both_modes_writes_the_run_directory(tmp_path, capsys):
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "again.png")]) == 0
     assert "consistent: 2 steps, diff = 0 on 2" in capsys.readouterr().out
-    assert main(["generate", str(tmp_path / "consistent" / "step_2"), "12+3=", "--max-tokens", "4",
-                 "--max-model-len", "64"]) == 0
+    assert main(["generate", str(tmp_path / "consistent" / "step_2"), "12+3=", "--rollout.max_tokens", "4",
+                 "--rollout.max_model_len", "64"]) == 0
     assert "'12+3=' ->" in capsys.readouterr().out
 
 

@@ -4,7 +4,8 @@ import pytest
 
 import onepath
 from onepath.config import (DataSection, ModelSection, RolloutSection, RunConfig, TrainSection, WarmStartSection,
-                            dump_yaml, load_run_config)
+                            dump_yaml, engine_settings, load_run_config, sampling_params)
+from onepath.models.kv_cache import BLOCK_SIZE
 
 DEMO = Path(onepath.__file__).parent / "configs" / "demo.yaml"
 
@@ -126,3 +127,23 @@ def test_round_trip(tmp_path):
     assert cfg.to_dict()["train"]["betas"] == [0.8, 0.95]
     assert "betas: [0.8, 0.95]" in path.read_text()
 
+
+
+def test_parallel_layouts_are_config_keys():
+    cfg = load_run_config(None, ["--parallel.rollout", "dp", "--parallel.trainer=fsdp"])
+    assert (cfg.parallel.rollout, cfg.parallel.trainer) == ("dp", "fsdp")
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match=r"parallel.trainer = 'zero3' is not a trainer layout: use one of single"):
+        load_run_config(None, ["--parallel.trainer", "zero3"])
+    with pytest.raises(ValueError, match=r"parallel.rollout = 'ep' splits the experts.*'qwen3' is dense"):
+        load_run_config(None, ["--parallel.rollout", "ep"])
+
+
+def test_engine_and_sampling_settings_come_from_the_rollout_section():
+    cfg = load_run_config(None, ["--rollout.max_model_len", "48", "--rollout.temperature", "0.5",
+                                 "--rollout.prefill_chunk_size", "16"])
+    settings = engine_settings(cfg)
+    assert settings["block_size"] == cfg.rollout.block_size == BLOCK_SIZE
+    assert settings["scheduler"].max_model_len == 48 and settings["scheduler"].prefill_chunk_size == 16
+    params = sampling_params(cfg, seed=3, max_tokens=2)
+    assert (params.temperature, params.seed, params.max_tokens) == (0.5, 3, 2)

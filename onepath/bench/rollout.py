@@ -2,9 +2,9 @@
 
 One run covers every model, workload and mode (`onepath bench rollout`, or bench/rollout.py):
 
-    onepath bench rollout --model qwen3-0.6b --device cuda --out bench/results/rollout-qwen3-0.6b.json
+    onepath bench rollout --model qwen3-0.6b --device cuda --out bench/results/rollout/rollout-qwen3-0.6b.json
     python bench/rollout.py --model tiny --device cpu --requests 8 --scale 0.02
-    python bench/rollout.py --model qwen3-30b-a3b-12l --workloads fixed-1000 --out bench/results/rollout-qwen3-moe.json
+    python bench/rollout.py --model qwen3-30b-a3b-12l --workloads fixed-1000 --out bench/results/rollout/rollout-qwen3-moe.json
 
 Each (workload, mode) runs on a fresh engine (max_model_len fitted to the workload) over the same
 weights and prompts; the engine is warmed up (Triton compilation, CUDA-graph capture, prefill and
@@ -54,14 +54,14 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
                    help="kernel settings for both modes, e.g. attention.q_rows=16 attention.kv_tile=64")
     p.add_argument("--no-fused-act-quant", action="store_true",
                    help="with FP8 linears, the standalone activation quantiser instead of RMSNorm and SiLU-mul "
-                        "quantising their output in their own launch (ops/quant_linear.FUSED_ACT_QUANT; the same bits)")
+                        "quantising their output in their own launch (ops/linear_quant.FUSED_ACT_QUANT; the same bits)")
 
 
 def apply_fused_act_quant(args: argparse.Namespace) -> None:
-    """--no-fused-act-quant turns ops/quant_linear.FUSED_ACT_QUANT off for this process."""
+    """--no-fused-act-quant turns ops/linear_quant.FUSED_ACT_QUANT off for this process."""
     if args.no_fused_act_quant:
-        from onepath.ops import quant_linear
-        quant_linear.FUSED_ACT_QUANT = False
+        from onepath.ops import linear_quant
+        linear_quant.FUSED_ACT_QUANT = False
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,7 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", default=None, help="low-precision presets for both modes, e.g. fp8+fp8_kv")
     add_kernel_arguments(p)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/rollout-MODELS-DEVICE.json)")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default bench/results/rollout/rollout-MODELS-DEVICE.json)")
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default 256)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length (CPU runs)")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     apply_fused_act_quant(args)
-    out = Path(args.out or f"bench/results/rollout-{'+'.join(models)}-{args.device}.json")
+    out = Path(args.out or f"bench/results/rollout/rollout-{'+'.join(models)}-{args.device}.json")
     result = dict(environment(args.device), command=command, options=vars(args), targets=TARGETS,
                   hbm=dict(peak_B_s=HBM_PEAK_B_S, peak_source=HBM_PEAK_SOURCE, copy_ceiling_B_s=COPY_CEILING_B_S,
                            copy_ceiling_source=COPY_CEILING_SOURCE, workload_roofline=WORKLOAD_ROOFLINE),
@@ -155,7 +156,7 @@ def _names(values: list[str], known, what: str) -> list[str]:
 
 def _check(args) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but torch sees no CUDA device: run on the GPU machine or pass --device cpu")
+        raise ValueError("--device cuda but torch sees no CUDA device: run on a CUDA GPU or pass --device cpu")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization {args.gpu_memory_utilization} must be in (0, 1]")
     for name in ("requests", "hf_requests", "decode_steps", "threads"):
@@ -274,8 +275,8 @@ def warm_up(engine: LLMEngine, max_model_len: int, batch: int, args, prompt_lens
     multiples of 16 below it, 8, 4, 2, 1; then, given the workload's prompt lengths, its own prefill:
     prompts of those lengths (fresh tokens, no prefix-cache hit) decoding until all are prefilled, so
     that the timed run's steps have the row counts of steps run here. Kernels compile per tile config and
-    per whether M fills its tiles (a launch at a new row count may need a new build: a 1.3 s eager step
-    inside the timed run without this, rollout-qwen3-0.6b-step-profile.json); here, not in the timed region."""
+    per whether M fills its tiles (a launch at a new row count may need a new build, a slow step inside the
+    timed run without this: rollout-qwen3-0.6b-step-profile.json); here, not in the timed region."""
     g = torch.Generator().manual_seed(args.seed + 7919)
     length = max(1, min(64, max_model_len // 4))
 

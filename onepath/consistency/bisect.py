@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from onepath.consistency.recorder import Layout, SiteRows, check_same_sites, snapshot, trace
+from onepath.consistency.recorder import Layout, Site, SiteRows, check_same_sites, snapshot, trace
 from onepath.models import build_decoder
 from onepath.models.dense import DenseDecoder
+from onepath.models.kv_cache import BLOCK_SIZE
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import Ops
 
@@ -54,11 +55,8 @@ class Side:
 
 
 @dataclass(slots=True)
-class SiteDiff:
-    site: int
-    op: str
-    module: str
-    layer: int | None
+class SiteDiff(Site):
+    site: int                  # the site's index in call order
     shape: list[int]           # the compared rows of the first output, [tokens, ...]
     dtype: str
     differing: int             # elements that differ (all outputs of the op)
@@ -66,10 +64,6 @@ class SiteDiff:
     max_abs: float
     max_ulp: int
     first_position: int | None  # the probe's first token position that differs
-
-    @property
-    def name(self) -> str:
-        return f"{self.op} at {self.module}" if self.module else self.op
 
 
 @dataclass(slots=True)
@@ -143,7 +137,7 @@ def differs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return d
 
 
-def compare_site(k: int, site, a: SiteRows, b: SiteRows) -> SiteDiff:
+def compare_site(k: int, site: Site, a: SiteRows, b: SiteRows) -> SiteDiff:
     positions, ia, ib = a.common(b)
     shape, dtype = [0], "none"
     count = elements = max_ulp = 0
@@ -169,10 +163,11 @@ def compare_site(k: int, site, a: SiteRows, b: SiteRows) -> SiteDiff:
         max_ulp = max(max_ulp, int(ulp_distance(x[d], y[d]).max()))
         row = int(d.reshape(d.shape[0], -1).any(dim=1).nonzero()[0])
         first = positions[row] if first is None else min(first, positions[row])
-    return SiteDiff(k, site.op, site.module, site.layer, shape, dtype, count, elements, max_abs, max_ulp, first)
+    return SiteDiff(site.op, site.module, site.layer, k, shape, dtype, count, elements, max_abs, max_ulp, first)
 
 
-def bisect(a: Side, b: Side, probe: list[int], out_dir: str | Path | None = None, block_size: int = 16) -> BisectReport:
+def bisect(a: Side, b: Side, probe: list[int], out_dir: str | Path | None = None,
+           block_size: int = BLOCK_SIZE) -> BisectReport:
     """Compare every op output of the probe's tokens on sides a and b; write a repro of the first
     divergence under out_dir when given."""
     seqs_a, pa = a.sequences(probe)

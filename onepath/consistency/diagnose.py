@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from onepath.consistency import diff
 from onepath.consistency.bisect import Side, add_model_args, load_models, parse_layout, sequences_from_args
 from onepath.consistency.recorder import Layout, Site, check_same_sites, trace
 from onepath.models.dense import DenseDecoder
+from onepath.models.kv_cache import BLOCK_SIZE
+from onepath.numerics import diff
 
 _LAYER_PREFIX = re.compile(r"^(?:.*\.)?layers\.\d+\.?")
 
@@ -34,7 +35,7 @@ def module_kind(site: Site) -> str:
 
 
 def diagnose(model_a: DenseDecoder, model_b: DenseDecoder, sequences: list[list[int]], layout_a: Layout = Layout(),
-             layout_b: Layout = Layout(), eps: float = 0.2, block_size: int = 16) -> dict:
+             layout_b: Layout = Layout(), eps: float = 0.2, block_size: int = BLOCK_SIZE) -> dict:
     ta = trace(model_a, sequences, layout_a, block_size)
     tb = trace(model_b, sequences, layout_b, block_size)
     check_same_sites(ta, tb)

@@ -35,7 +35,7 @@ import torch
 
 from onepath.models.batch import ForwardBatch, SeqChunk
 from onepath.models.dense import DenseDecoder
-from onepath.models.kv_cache import KVCache
+from onepath.models.kv_cache import BLOCK_SIZE, KVCache
 from onepath.models.moe import Experts
 
 # Modules recorded as one site (their output, one row per token): their ops calls are per pair, not token.
@@ -280,7 +280,7 @@ class _Gather:
 
 
 @torch.no_grad()
-def trace(model: DenseDecoder, sequences: list[list[int]], layout: Layout = Layout(), block_size: int = 16,
+def trace(model: DenseDecoder, sequences: list[list[int]], layout: Layout = Layout(), block_size: int = BLOCK_SIZE,
           capture=()) -> Trace:
     """Run `sequences` through `model` as `layout` says and record every site's rows per sequence.
     `capture`: global call indices whose inputs are kept (Trace.captured)."""

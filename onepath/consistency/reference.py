@@ -33,7 +33,6 @@ class ReferenceDecoder:
                        for name, t in state.items() if t.is_floating_point()}
         inv, self.rope_scaling = inv_freq(config)
         self.inv_freq = inv.to(torch.float64)
-        self.window = config.sliding_window if config.model_type == "mistral" else None
 
     def linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         y = x @ self.params[prefix + ".weight"].T
@@ -70,11 +69,11 @@ class ReferenceDecoder:
         angles = torch.cat([freqs, freqs], dim=-1)
         cos, sin = angles.cos() * self.rope_scaling, angles.sin() * self.rope_scaling
         i = torch.arange(n)
-        mask = i[None, :] <= i[:, None]
-        if self.window:
-            mask &= i[None, :] > i[:, None] - self.window
+        causal = i[None, :] <= i[:, None]
         for layer in range(c.num_hidden_layers):
             prefix = f"model.layers.{layer}"
+            window = c.attention_window(layer)
+            mask = causal if window is None else causal & (i[None, :] > i[:, None] - window)
             x = x + self.attention(rms_norm(x, p[prefix + ".input_layernorm.weight"], c.rms_norm_eps),
                                    prefix + ".self_attn", cos, sin, mask)
             x = x + self.mlp(rms_norm(x, p[prefix + ".post_attention_layernorm.weight"], c.rms_norm_eps),

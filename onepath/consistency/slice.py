@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from onepath.models.checkpoint import (CONFIG, INDEX, REDOWNLOAD, WEIGHTS, _move_into_place, _read_index,
-                                       _read_json, _read_safetensors, _write_json, write_weights)
+from onepath.models.checkpoint import (CONFIG, INDEX, REDOWNLOAD, WEIGHTS, atomic_directory, read_index, read_json,
+                                       read_safetensors, write_json, write_weights)
 
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 NOT_COPIED = (".safetensors", ".index.json", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -103,7 +102,7 @@ def slice_checkpoint(model: str | Path, out: str | Path, layers: int, start: int
         raise FileNotFoundError(f"checkpoint directory {src} does not exist or is not a directory")
     if not (src / CONFIG).is_file():
         raise FileNotFoundError(f"{src / CONFIG} is missing: a checkpoint directory needs a config.json")
-    raw = _read_json(src / CONFIG)
+    raw = read_json(src / CONFIG)
     config = slice_config(raw, start, layers)
     if out.resolve() == src.resolve() or out.resolve() in src.resolve().parents:
         raise ValueError(f"output {out} is or holds the model {src}: write the slice to a new directory")
@@ -131,24 +130,17 @@ def slice_checkpoint(model: str | Path, out: str | Path, layers: int, start: int
         renamed = {key: _renamed(key, start, stop) for key in keys}
         kept = [key for key, new in renamed.items() if new is not None]
         if kept:
-            tensors = _read_safetensors(src / file, kept, None)
+            tensors = read_safetensors(src / file, kept, None)
             state.update((renamed[key], tensors[key]) for key in kept)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        _write_json(tmp / CONFIG, config)
+    with atomic_directory(out) as tmp:
+        write_json(tmp / CONFIG, config)
         write_weights(tmp, dict(sorted(state.items())), max_shard_size)
         copied = []
         for p in sorted(src.iterdir()):
             if p.is_file() and p.name != CONFIG and not p.name.endswith(NOT_COPIED) and not p.name.startswith("."):
                 shutil.copy2(p, tmp / p.name)
                 copied.append(p.name)
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return SliceReport(str(src), str(out), start, stop, total, len(state), sum(t.nbytes for t in state.values()),
                        copied, *_missing_kinds(names, raw.get("layer_types"), start, stop))
 
@@ -156,7 +148,7 @@ def slice_checkpoint(model: str | Path, out: str | Path, layers: int, start: int
 def _weight_files(path: Path) -> dict[str, list[str]]:
     """Safetensors file name -> the tensor names in it, read from the index or the file's header."""
     if (path / INDEX).is_file():
-        return _read_index(path)
+        return read_index(path)
     if not (path / WEIGHTS).is_file():
         others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
         hint = f" (found {others}: convert them to safetensors)" if others else ""

@@ -20,7 +20,8 @@ from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import Scheduler, SchedulerConfig
 from onepath.engine.sequence import Sequence
 from onepath.models.dense import DenseDecoder
-from onepath.ops.quant_linear import refresh_quantized
+from onepath.models.kv_cache import BLOCK_SIZE
+from onepath.ops.linear_quant import refresh_quantized
 
 
 @dataclass(slots=True)
@@ -57,13 +58,8 @@ def young_collections_only():
     """Inside the block Python's collector runs its young collections only: the full-collection threshold
     is out of reach, and the caller's thresholds come back at exit, so the next full collection, outside,
     sees everything made inside. Nothing is frozen, so blocks nest and a caller's own gc.freeze() stays as it
-    was.
-    In the rollout benchmark's host code (bench/gc_pauses.py) a full collection fell in the first decode
-    window after a generate: 86 ms on a 2-core CPU machine (gc-pauses-cpu.json), 129 ms on the H200's host,
-    where that window ran 6.31 ms a step against 4.30 (gc-pauses-cuda.json). A first form froze the objects
-    alive at entry and stood aside when anything was frozen already; on the H200's Python 3.12 something
-    always was (375 objects), so it never acted and a 125 ms full collection still fell in a window's timed
-    steps (gc-pauses-cuda-stacks.json, with the thresholds and stack at its start)."""
+    was. Why: a full collection inside generate stalls the host while the GPU idles (the measurements, and why
+    an earlier form that froze objects never acted: docs/gpu-performance.md, host pauses)."""
     thresholds = gc.get_threshold()
     gc.set_threshold(thresholds[0], thresholds[1], NO_FULL_COLLECTIONS)
     try:
@@ -72,10 +68,15 @@ def young_collections_only():
         gc.set_threshold(*thresholds)
 
 
+GPU_MEMORY_UTILIZATION = 0.9  # share of the GPU's memory the KV cache may fill when num_blocks is None
+CPU_NUM_BLOCKS = 1024         # KV-cache blocks on the CPU when num_blocks is None
+
+
 class LLMEngine:
-    def __init__(self, model: DenseDecoder, *, num_blocks: int | None = None, block_size: int = 16,
+    def __init__(self, model: DenseDecoder, *, num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
                  scheduler: SchedulerConfig | None = None, eos_token_ids: tuple[int, ...] | None = None,
-                 tokenizer=None, enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
+                 tokenizer=None, enable_prefix_caching: bool = True,
+                 gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
                  cuda_graphs: bool | None = None, graph_batch_sizes: list[int] | None = None,
                  record_routing: bool = False, async_scheduling: bool = True):
         """num_blocks: KV-cache blocks; None sizes the cache from gpu_memory_utilization on CUDA (1024 on
@@ -89,7 +90,7 @@ class LLMEngine:
         # q/k/v and gate/up read one stacked weight each, with no copy per step (a captured graph reads it)
         model.share_projection_storage()
         self.scheduler_config = replace(scheduler or SchedulerConfig(),
-                                        chunk_align=model.ops.spec.op("attention").kv_tile)
+                                        chunk_align=model.ops.kv_tile)
         config = self.scheduler_config
         if config.max_model_len > model.rope_cos.shape[0]:
             raise ValueError(f"max_model_len {config.max_model_len} > the model's "
@@ -102,7 +103,8 @@ class LLMEngine:
         # recorded routing is read on the host after each forward: eager steps
         cuda_graphs = on_cuda and capturable and not record_routing if cuda_graphs is None else cuda_graphs
         if num_blocks is None:
-            num_blocks = memory.kv_blocks_for(model, config, block_size, gpu_memory_utilization) if on_cuda else 1024
+            num_blocks = (memory.kv_blocks_for(model, config, block_size, gpu_memory_utilization) if on_cuda
+                          else CPU_NUM_BLOCKS)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         if graph_batch_sizes is not None and (not graph_batch_sizes or min(graph_batch_sizes) < 1):

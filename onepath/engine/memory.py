@@ -65,8 +65,7 @@ def kv_blocks_for(model: DenseDecoder, config: SchedulerConfig, block_size: int,
 
 def kv_bytes_per_token(model: DenseDecoder) -> int:
     """K/V bytes of one token in the cache the model's spec asks for, FP8 scales included."""
-    spec = model.ops.spec
-    return KVCache.bytes_per_token(model.config, spec.dtype, spec.op("attention").kv)
+    return KVCache.bytes_per_token(model.config, model.ops.spec.dtype, model.ops.kv_quant)
 
 
 def report(model: DenseDecoder, cache: KVCache, utilization: float | None) -> dict:

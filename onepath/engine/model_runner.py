@@ -4,7 +4,7 @@ CUDA graphs (decode): a step whose sequences all decode one token runs a graph c
 smallest captured batch size >= its size; other steps (prefill, chunks, mixed) run eagerly. The
 graph holds the model and the LM head; sampling runs eagerly on its logits. A request moves
 between the two paths with its batch, so they must give the same bits, and they do because every
-consistent kernel's row result is independent of the row count (tests/gpu/test_cuda_graphs_gpu.py):
+consistent kernel's row result is independent of the row count (tests/engine/test_cuda_graphs_gpu.py):
 a graph is the eager forward at a padded batch. Padding rows decode token 0 at position 0 into a
 scratch block that the block manager never hands out, so they touch no sequence's K/V.
 
@@ -18,6 +18,7 @@ from array import array
 
 import torch
 
+from onepath.engine.sampling_params import sampling_tensors
 from onepath.engine.scheduler import ScheduledSeq
 from onepath.engine.sequence import PLACEHOLDER, Sequence
 from onepath.models.batch import ForwardBatch, SeqChunk
@@ -239,10 +240,7 @@ class ModelRunner:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> Sampled:
         """Draw each sequence's next token and its log-probability under the distribution it was drawn
         from: softmax(logits / temperature) restricted to top-k / top-p and renormalised."""
-        device = logits.device
-        temperature = to_device([s.params.temperature for s in seqs], torch.float32, device)
-        top_k = to_device([s.params.top_k for s in seqs], torch.long, device)
-        top_p = to_device([s.params.top_p for s in seqs], torch.float32, device)
+        temperature, top_k, top_p = sampling_tensors([s.params for s in seqs], logits.device)
         filtered = any(s.params.top_k or s.params.top_p < 1.0 for s in seqs)  # else no mask (and no sync)
         keep = self.ops.sampling_mask(logits, temperature, top_k, top_p) if filtered else None
         tokens, logprobs = self.ops.sample_with_logprobs(logits, temperature, self.sample_keys(seqs), keep)

@@ -4,6 +4,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
+from onepath.ops.host import to_device
+
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
@@ -36,6 +40,14 @@ class SamplingParams:
             raise ValueError(f"ignore_eos {self.ignore_eos!r} must be True or False")
         if not _is_int(self.seed):
             raise ValueError(f"seed {self.seed!r} must be an int")
+
+
+def sampling_tensors(params: list[SamplingParams], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """temperature [N] FP32, top_k [N] int64, top_p [N] FP32, one row per params entry: the engine's sampler and
+    the trainer's log-probs read the same tensors, so they draw from and score one distribution."""
+    return (to_device([p.temperature for p in params], torch.float32, device),
+            to_device([p.top_k for p in params], torch.long, device),
+            to_device([p.top_p for p in params], torch.float32, device))
 
 
 def _is_int(x) -> bool:

@@ -10,6 +10,8 @@ import os
 import shutil
 import uuid
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -36,7 +38,7 @@ def load_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[
     """Every tensor of the checkpoint, on the CPU; floating ones cast to `dtype` when given."""
     path = _checkpoint_dir(path)
     if (path / INDEX).is_file():
-        files = _read_index(path)
+        files = read_index(path)
     elif (path / WEIGHTS).is_file():
         files = {WEIGHTS: None}
     else:
@@ -45,7 +47,7 @@ def load_state_dict(path: str | Path, dtype: torch.dtype | None = None) -> dict[
         raise FileNotFoundError(f"no weights in {path}: expected {WEIGHTS} or {INDEX}{hint}")
     state = {}
     for name, keys in files.items():
-        state.update(_read_safetensors(path / name, keys, dtype))
+        state.update(read_safetensors(path / name, keys, dtype))
     return state
 
 
@@ -61,26 +63,19 @@ def save_checkpoint(path: str | Path, state_dict: dict[str, torch.Tensor], confi
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory: choose another checkpoint path")
     tensors = _tensors_to_save(state_dict, config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_directory(path) as tmp:
         raw = config.to_dict()
         dtype = _dominant_dtype(tensors)
         if dtype is not None:
             raw["torch_dtype"] = raw["dtype"] = dtype
-        _write_json(tmp / CONFIG, raw)
+        write_json(tmp / CONFIG, raw)
         write_weights(tmp, tensors, max_shard_size)
         generation = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        _write_json(tmp / GENERATION_CONFIG, {k: v for k, v in generation.items() if v is not None})
+        write_json(tmp / GENERATION_CONFIG, {k: v for k, v in generation.items() if v is not None})
         if tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER))
         if tokenizer_config is not None:
-            _write_json(tmp / TOKENIZER_CONFIG, tokenizer_config)
-        _move_into_place(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            write_json(tmp / TOKENIZER_CONFIG, tokenizer_config)
 
 
 def write_weights(path: Path, tensors: dict[str, torch.Tensor], max_shard_size: int | None) -> None:
@@ -96,7 +91,7 @@ def write_weights(path: Path, tensors: dict[str, torch.Tensor], max_shard_size: 
         weight_map.update(dict.fromkeys(shard, name))
     metadata = {"total_parameters": sum(t.numel() for t in tensors.values()),
                 "total_size": sum(t.nbytes for t in tensors.values())}
-    _write_json(path / INDEX, {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))})
+    write_json(path / INDEX, {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))})
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
@@ -112,7 +107,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 def load_tokenizer_config(path: str | Path) -> dict:
     file = _checkpoint_dir(path) / TOKENIZER_CONFIG
-    return _read_json(file) if file.is_file() else {}
+    return read_json(file) if file.is_file() else {}
 
 
 def _checkpoint_dir(path: str | Path) -> Path:
@@ -122,7 +117,7 @@ def _checkpoint_dir(path: str | Path) -> Path:
     return path
 
 
-def _read_json(file: Path) -> dict:
+def read_json(file: Path) -> dict:
     try:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as e:
@@ -132,14 +127,14 @@ def _read_json(file: Path) -> dict:
     return raw
 
 
-def _write_json(file: Path, obj: dict) -> None:
+def write_json(file: Path, obj: dict) -> None:
     file.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def _read_index(path: Path) -> dict[str, list[str]]:
+def read_index(path: Path) -> dict[str, list[str]]:
     """Shard file name -> the tensor names the index puts there, in index order."""
     index = path / INDEX
-    weight_map = _read_json(index).get("weight_map")
+    weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ValueError(f"{index} has no weight_map: {REDOWNLOAD}")
     files: dict[str, list[str]] = {}
@@ -154,7 +149,7 @@ def _read_index(path: Path) -> dict[str, list[str]]:
     return files
 
 
-def _read_safetensors(file: Path, keys: list[str] | None, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def read_safetensors(file: Path, keys: list[str] | None, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     try:
         with safe_open(file, framework="pt") as f:
             present = set(f.keys())
@@ -208,13 +203,25 @@ def _dominant_dtype(tensors: dict[str, torch.Tensor]) -> str | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
-def _move_into_place(tmp: Path, path: Path) -> None:
-    if not path.exists():
+@contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Yields a new sibling directory `.NAME.tmp-*` to fill; once the block ends it replaces `path`, and an
+    error deletes it. A crash at any moment leaves `path` whole (old or new) and at most a dot-named leftover."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if not path.exists():
+            os.replace(tmp, path)
+            return
+        # POSIX cannot rename a directory over a non-empty one, so the old one steps aside first and is
+        # deleted only once the new one is in place.
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(path, old)
         os.replace(tmp, path)
-        return
-    # POSIX cannot rename a directory over a non-empty one, so the old checkpoint steps aside first
-    # and is deleted only once the new one is in place.
-    old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-    os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old)
+        shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,16 +1,21 @@
-"""ModelConfig: the architecture fields of a Hugging Face config.json that the decoders read (dense, MoE)."""
+"""ModelConfig: the architecture fields of a Hugging Face config.json that the decoders read (dense, MoE).
+
+Which config.json fields a family reads, refuses or may ignore is fields.py's table; a field that
+changes the math is never dropped without a word.
+"""
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
-# config.json keys of the mixture-of-experts families only: a dense config.json is written without them
-MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-              "decoder_sparse_step", "mlp_only_layers")
-QWEN2_MOE_FIELDS = ("shared_expert_intermediate_size", "qkv_bias")
+from onepath.models.fields import (DENSE_MODEL_TYPES, FAMILY_DEFAULTS, IMPLEMENTED, MOE_MODEL_TYPES, refusals,
+                                   unclassified)
+
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(slots=True)
@@ -36,6 +41,11 @@ class ModelConfig:
     pad_token_id: int | None = None
     torch_dtype: str = "float32"
     hidden_act: str = "silu"
+    # sliding-window attention (Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE; Mistral reads sliding_window alone):
+    # which layers it windows is `attention_window`'s rule, as transformers derives layer_types
+    use_sliding_window: bool = False
+    max_window_layers: int = 28
+    layer_types: list[str] | None = None
     # mixture of experts (Qwen3-MoE, Qwen2-MoE), as transformers' Qwen3MoeConfig / Qwen2MoeConfig
     num_experts: int = 0
     num_experts_per_tok: int = 1
@@ -67,6 +77,59 @@ class ModelConfig:
         self.mlp_only_layers = list(self.mlp_only_layers or [])
         if self.is_moe:
             self._check_moe()
+        self._check_rope()
+        self._check_window()
+
+    def _check_rope(self):
+        params = self.rope_scaling or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported: use one of {SUPPORTED_ROPE_TYPES}")
+        partial = params.get("partial_rotary_factor", self.extra.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported: "
+                             f"{self.model_type} rotates the whole head, remove it from config.json")
+
+    def _check_window(self):
+        if self.layer_types is not None:
+            self.layer_types = list(self.layer_types)
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"layer_types holds {unknown}: onepath's {self.model_type} implements {LAYER_TYPES}")
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_hidden_layers "
+                                 f"{self.num_hidden_layers}: give one per layer")
+        windowed = [i for i in range(self.num_hidden_layers) if self.is_sliding_layer(i)]
+        if windowed and (self.window_size is None or self.window_size <= 0):
+            raise ValueError(
+                f"layers {windowed} are sliding_attention but the window is {self.window_size!r} "
+                f"(use_sliding_window {self.use_sliding_window}, sliding_window {self.sliding_window!r}): set "
+                "use_sliding_window true and sliding_window > 0, or mark them full_attention in layer_types")
+
+    @property
+    def window_size(self) -> int | None:
+        """The window every sliding layer uses, as transformers reads it: Mistral's sliding_window as is,
+        the Qwen families' only under use_sliding_window."""
+        if self.model_type == "llama" or (self.model_type != "mistral" and not self.use_sliding_window):
+            return None
+        return self.sliding_window
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` attends through the window: layer_types where the family defines it,
+        else transformers' default rule for the family."""
+        if self.layer_types is not None and self.model_type in ("qwen2", "qwen3", "qwen2_moe"):
+            return self.layer_types[layer] == "sliding_attention"
+        if self.window_size is None:
+            return False
+        if self.model_type in ("qwen2", "qwen3"):
+            return layer >= self.max_window_layers
+        if self.model_type == "qwen2_moe":
+            return layer % 2 == 0 and layer < self.max_window_layers
+        return True  # mistral, qwen3_moe: every layer
+
+    def attention_window(self, layer: int) -> int | None:
+        """Keys a query of layer `layer` sees, itself included (positions p - window + 1 .. p); None: all of 0..p."""
+        return self.window_size if self.is_sliding_layer(layer) else None
 
     def _check_moe(self):
         for name in ("num_experts", "moe_intermediate_size", "decoder_sparse_step"):
@@ -113,8 +176,20 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
-        known = {f.name for f in fields(cls)} - {"extra"}
-        kwargs = {k: v for k, v in raw.items() if k in known}
+        """From a config.json: the fields its family reads (fields.IMPLEMENTED) become ModelConfig's, the
+        rest go to `extra`; a field set to a value onepath does not implement is refused."""
+        model_type = raw.get("model_type", "llama")
+        if model_type not in IMPLEMENTED:
+            raise ValueError(f"model_type {model_type!r} is not supported: use one of {tuple(IMPLEMENTED)}")
+        refused = refusals(raw)
+        if refused:
+            raise ValueError("config.json: " + "; ".join(refused))
+        ignored = unclassified(model_type, raw)
+        if ignored:
+            warnings.warn(f"config.json fields {ignored} are not {model_type} fields transformers reads: ignored, "
+                          "as transformers ignores them", stacklevel=2)
+        known = ({f.name for f in fields(cls)} - {"extra"}) & (set(IMPLEMENTED[model_type]) | GENERATION)
+        kwargs = {**FAMILY_DEFAULTS[model_type], **{k: v for k, v in raw.items() if k in known}}
         if "num_local_experts" in raw and "num_experts" not in raw:
             # transformers 5 writes Qwen3-MoE's num_experts under this name (its attribute_map)
             kwargs["num_experts"] = raw["num_local_experts"]
@@ -137,9 +212,9 @@ class ModelConfig:
         return cls(**kwargs, extra=extra)
 
     def to_dict(self) -> dict:
-        family = {"qwen3_moe": MOE_FIELDS, "qwen2_moe": MOE_FIELDS + QWEN2_MOE_FIELDS}.get(self.model_type, ())
-        skip = {"extra", *MOE_FIELDS, *QWEN2_MOE_FIELDS} - set(family)
-        out = {k: v for k, v in asdict(self).items() if k not in skip}
+        """config.json: the family's own fields (a family's file carries no other's) and `extra`."""
+        keep = set(IMPLEMENTED[self.model_type]) | GENERATION
+        out = {k: v for k, v in asdict(self).items() if k in keep}
         out.update(self.extra)
         out.setdefault("architectures", [ARCHITECTURES[self.model_type]])
         return out
@@ -161,6 +236,8 @@ class ModelConfig:
             raise ValueError(f"{path}: {e}") from None
 
 
+# ModelConfig fields every family's config.json carries that do not change the forward
+GENERATION = {"bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype"}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM"}

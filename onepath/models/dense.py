@@ -1,7 +1,8 @@
 """Dense decoder of the Llama / Qwen2 / Qwen3 family, written once against `ops`.
 
 GQA, RoPE (all scaling types of rope_scaling.py), RMSNorm, SwiGLU, optional QK-norm (Qwen3) and
-attention bias (Qwen2), tied or untied embeddings. Parameter names are Hugging Face's, so a
+attention bias (Qwen2), sliding-window attention per layer (ModelConfig.attention_window), tied or
+untied embeddings. Parameter names are Hugging Face's, so a
 checkpoint's state dict loads as is. The engine and the trainer run this same module; the
 ExecutionSpec inside `ops` is the only switch between numerics.
 """
@@ -30,14 +31,10 @@ class Linear(nn.Module):
 
 class StackedLinear(nn.Module):
     """One GEMM for the Linear layers that read the same input (q/k/v, gate/up): their weights stacked
-    along N, their outputs side by side (`sizes` columns each). On CUDA a column's bits do not depend
-    on N (consistent: each output element's K chain is the same in every tile config,
-    tests/gpu/test_matmul.py), and both sides run this same site, so it is a speed-up only: fewer,
-    larger launches. The layers keep their parameters (HF names, optimizer, gradients): the trainer
-    stacks them at each forward (`torch.cat`, differentiable); the engine calls `share_storage()` once,
-    after which the layers' weights are views of one stacked tensor that a forward without autograd
-    reads as is (with autograd it stacks them anew: the gradients reach the views), and
-    `update_weights` copying into the views writes it."""
+    along N, their outputs side by side (`sizes` columns each). A speed-up only: on CUDA a column's bits
+    do not depend on N, and both sides run this site. The layers keep their parameters; the trainer
+    stacks them at each forward (differentiable), the engine's `share_storage()` makes them views of
+    one stacked tensor (docs/models.md)."""
 
     def __init__(self, ops: Ops, parts: list[Linear]):
         super().__init__()
@@ -76,14 +73,7 @@ def stack_projections(ops: Ops, sizes: list[int]) -> bool:
     unquantised linears, and for block-FP8 weights whose blocks each lie within one layer (every size a
     multiple of the block's rows), so the stacked weight's codes and scales are the layers' own and each
     token's activation codes do not depend on N. Not NVFP4: its global scale is the whole tensor's amax."""
-    linear, device = ops.spec.op("linear"), ops.spec.device
-    if device != "cuda":
-        return False
-    if linear.weight is None:
-        return linear.act is None
-    w = linear.weight
-    return (w.format == "fp8_e4m3" and w.scale_domain == "per_block" and all(n % w.block[0] == 0 for n in sizes)
-            and (linear.act is None or linear.act.format == "fp8_e4m3"))
+    return ops.can_stack(sizes)
 
 
 class RMSNorm(nn.Module):
@@ -101,7 +91,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, ops: Ops, config: ModelConfig, dtype):
+    def __init__(self, ops: Ops, config: ModelConfig, dtype, layer: int):
         super().__init__()
         self.ops = ops
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -113,7 +103,7 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(ops, self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(ops, self.head_dim, config.rms_norm_eps, dtype)
-        self.sliding_window = config.sliding_window if config.model_type == "mistral" else None
+        self.sliding_window = config.attention_window(layer)
         self.scale = self.head_dim ** -0.5
         if stack_projections(ops, [self.heads * self.head_dim] + [self.kv_heads * self.head_dim] * 2):
             self.qkv_proj = StackedLinear(ops, [self.q_proj, self.k_proj, self.v_proj])
@@ -168,9 +158,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, ops: Ops, config: ModelConfig, dtype, mlp: nn.Module):
+    def __init__(self, ops: Ops, config: ModelConfig, dtype, mlp: nn.Module, layer: int):
         super().__init__()
-        self.self_attn = Attention(ops, config, dtype)
+        self.self_attn = Attention(ops, config, dtype, layer)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps, dtype)
@@ -185,7 +175,7 @@ class Backbone(nn.Module):
     def __init__(self, ops: Ops, config: ModelConfig, dtype, make_mlp):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(ops, config, dtype, make_mlp(i))
+        self.layers = nn.ModuleList(DecoderLayer(ops, config, dtype, make_mlp(i), i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -205,7 +195,7 @@ class DenseDecoder(nn.Module):
         cos, sin = cos_sin_table(config, max_positions or config.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        if cos.device.type != "meta":  # built under torch.device("meta"): shapes only (bench/profile_decode.py --bound)
+        if cos.device.type != "meta":  # built under torch.device("meta"): shapes only, nothing to move
             self.to(ops.spec.device)
 
     def share_projection_storage(self) -> None:

@@ -13,6 +13,7 @@ from onepath.numerics.quant import FP8Tensor
 from onepath.numerics.spec import QuantSpec
 
 SCALE_BYTES = 4  # one FP32 scale per token and head
+BLOCK_SIZE = 16  # tokens per paged-cache block: the default of every engine, trainer and tool
 
 
 class KVCache:
@@ -36,8 +37,7 @@ class KVCache:
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int) -> "KVCache":
         """The cache `model`'s spec asks for (its dtype, its attention.kv quantisation), on its device."""
-        spec = model.ops.spec
-        return cls(model.config, num_blocks, block_size, spec.dtype, model.device, kv=spec.op("attention").kv)
+        return cls(model.config, num_blocks, block_size, model.ops.spec.dtype, model.device, kv=model.ops.kv_quant)
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv: QuantSpec | None = None) -> int:

@@ -1,43 +1,11 @@
 """Mixture-of-experts decoder of the Qwen3-MoE / Qwen2-MoE family, written once against `ops`.
 
-Attention, norms, embeddings and the residual structure are dense.py's; a sparse layer's MLP is a
-SparseMoeBlock, with transformers' parameter names (mlp.gate.weight, mlp.experts.gate_up_proj
-[E, 2I, H], mlp.experts.down_proj [E, H, I]; Qwen2-MoE adds mlp.shared_expert.* and
-mlp.shared_expert_gate.weight). Checkpoints load from the hub layout (mlp.experts.{i}.gate_proj...)
-or the fused one and are written in the hub layout.
-
-router   scores by the LM head's GEMM (FP32 output at every batch size), softmax in FP32 with a
-         fixed-order sum, top-k by ops.topk (ties: the larger expert index wins; slots in descending
-         order), renormalised over the k slots in slot order when norm_topk_prob.
-experts  SwiGLU MLPs through ops.linear and ops.silu_mul, the down projection with FP32 output
-         (ops.expert_down), in one of two layouts:
-           contiguous (the trainer, prefill): the (token, slot) pairs packed by expert, one GEMM each;
-           masked (the engine's decode steps): each expert's pairs in chunks of a fixed capacity,
-           zero-padded, one GEMM per chunk; the buffer holds the most chunks T * k pairs can fill.
-         Consistent on CUDA, each projection is instead one grouped GEMM over all experts' rows
-         (ops.grouped_linear; masked: the chunks of an expert are its group), whose rows have the
-         dense GEMM's bits. A pair's output has the same bits in both and computed alone: the
-         consistent GEMM's row result depends on the row only (tests/models/test_moe_layouts.py,
-         tests/gpu/test_grouped_matmul_gpu.py). Baseline on CUDA (BF16, aligned shapes) runs the stock
-         grouped GEMM instead, torch._grouped_mm, with no such row guarantee.
-combine  on the token, in FP32, over the slots in slot order, plus the gated shared expert (its down
-         projection FP32 too); rounded once to the model dtype.
-expert parallelism (MoeDecoder.expert_parallel): rank r of an EP group of size ep holds only experts
-         [r * E/ep, (r+1) * E/ep); attention, router and shared expert are replicated. A token is
-         routed on its own rank; its (token, slot) rows go to their experts' owners by all_to_all, the
-         owner runs them in either layout, the FP32 rows come back by the reverse all_to_all, and
-         the combine above runs on the token's rank. The all-to-alls only move data, so a token's
-         bits do not depend on the EP degree: the engine and the trainer may use different ones.
-CUDA graphs (MoeDecoder.capturable): where both expert projections are grouped launches, a sparse
-         layer reads no value on the host and its every shape follows T: the dispatch counts experts on
-         the device, the masked buffer is sized for any routing, the grouped GEMMs read the counts from
-         device memory (grids bounded by the buffer's rows; torch._grouped_mm from SM90 on). Captured at
-         one routing, a graph replays any other with the eager bits (consistent; tests/models/
-         test_moe_graphs.py, tests/gpu/test_moe_gpu.py). The per-expert loops (CPU, quantised experts)
-         and expert parallelism read sizes on the host: their decode steps run eagerly.
-
-No routing replay: the trainer recomputes the routing, and it is the rollout's, because every step
-above gives both sides the same bits.
+Attention, norms and embeddings are dense.py's; a sparse layer's MLP is a SparseMoeBlock with
+transformers' parameter names. Each step keeps a token's bits independent of its batch, the phase,
+the expert layout (contiguous for the trainer and prefill, masked for decode) and the EP degree:
+routing in FP32 with ties to the larger expert, expert outputs in FP32, combined on the token in slot
+order and rounded once. So the trainer recomputes the rollout's routing (no routing replay). The
+design, layout by layout: docs/models.md.
 """
 from __future__ import annotations
 
@@ -54,7 +22,6 @@ from onepath.models.config import ModelConfig
 from onepath.models.dense import MLP, DenseDecoder, Linear
 from onepath.models.kv_cache import KVCache
 from onepath.ops import Ops
-from onepath.ops.linear import grouped_on_device
 
 CAPACITY = 16           # rows per expert chunk of the masked layout
 MASKED_MAX_TOKENS = 64  # forwards of at most this many tokens (decode steps) run the masked layout
@@ -235,7 +202,7 @@ class Experts(nn.Module):
     def counts_on_device(self) -> bool:
         """Whether both projections are grouped launches that read the expert counts on the device: then
         a forward makes no host sync and its shapes follow T only (a CUDA graph can hold it)."""
-        return all(grouped_on_device(self.ops.spec, w) for w in (self.gate_up_proj, self.down_proj))
+        return all(self.ops.grouped_on_device(w) for w in (self.gate_up_proj, self.down_proj))
 
     def keep(self, local: range) -> None:
         """Drop every expert outside `local` (an EP rank's own)."""

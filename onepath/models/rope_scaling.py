@@ -12,8 +12,6 @@ import torch
 
 from onepath.models.config import ModelConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
-
 
 def rope_parameters(config: ModelConfig) -> dict:
     """config.rope_scaling standardised as transformers does: rope_type, rope_theta and, where used,
@@ -37,12 +35,6 @@ def inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """
     params = rope_parameters(config)
     rope_type = params["rope_type"]
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_scaling type {rope_type!r} is not supported: use one of {SUPPORTED_ROPE_TYPES}")
-    partial = params.get("partial_rotary_factor", config.extra.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor {partial} is not supported: "
-                         f"{config.model_type} rotates the whole head, remove it from config.json")
     base, dim = params["rope_theta"], config.head_dim
     if rope_type == "yarn":
         return _yarn(config, params, base, dim)

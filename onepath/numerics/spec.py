@@ -13,7 +13,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 OPS = ("embedding", "linear", "rmsnorm", "rope", "silu_mul", "attention", "lm_head", "logprobs", "topk", "sampling")
 # The tensors an operator may store quantised: a GEMM's weight and input activation, attention's K/V cache.
 QUANT_ROLES = {"linear": ("weight", "act"), "lm_head": ("weight", "act"), "attention": ("kv",)}
-# How a MoE expert's router coefficient enters (unused until MoE lands): on the expert's FP32
+# How a MoE expert's router coefficient enters (no model reads it yet): on the expert's FP32
 # down-proj output before the experts are summed, or folded into the down-proj input before it is
 # quantised (then it moves the activation scales).
 ROUTER_PLACEMENTS = ("down_proj_output", "down_proj_input")

@@ -1,6 +1,8 @@
 """One interface per operator; the ExecutionSpec picks the backend (consistent or baseline).
 
-Models call `Ops` methods only, so the spec is the single switch between the two sides' numerics.
+Models call `Ops` methods only, so the spec is the single switch between the two sides' numerics. Each operator
+is one module, ops/<op>.py: its reference, its consistent CPU path and its (mode, device) table of backends;
+its CUDA kernels are ops/cuda/<op>*.py, its tests tests/ops/test_<op>*.py, its notes docs/ops/<op>.md.
 """
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ from onepath.ops import logprobs as _logprobs
 from onepath.ops import rmsnorm as _rmsnorm
 from onepath.ops import rope as _rope
 from onepath.ops import sampling as _sampling
+from onepath.ops import sigmoid as _sigmoid
 from onepath.ops import silu_mul as _silu_mul
+from onepath.ops import softmax as _softmax
 from onepath.ops import topk as _topk
 from onepath.ops.attention import AttentionMetadata
-from onepath.ops.autograd import apply_kernel
-from onepath.ops.pinned import pinned_unary
 
 
 class Ops:
@@ -49,6 +51,26 @@ class Ops:
         kernel; baseline BF16, torch._grouped_mm)."""
         return _linear.grouped_kernel(self.spec)
 
+    def grouped_on_device(self, weight) -> bool:
+        """True where grouped_linear over `weight` [G, N, K] reads the counts on the device only (no host
+        sync: a CUDA graph can hold it)."""
+        return _linear.grouped_on_device(self.spec, weight)
+
+    def can_stack(self, sizes: list[int]) -> bool:
+        """Whether linears sharing an input (output sizes `sizes`) may run as one GEMM over their stacked
+        weights, each keeping its own bits (ops/linear.can_stack)."""
+        return _linear.can_stack(self.spec, sizes)
+
+    @property
+    def kv_tile(self) -> int:
+        """The attention's KV tile (absolute positions summed together): chunked prefill aligns to it."""
+        return self.spec.op("attention").kv_tile
+
+    @property
+    def kv_quant(self):
+        """The KV cache's QuantSpec (FP8_KV) or None for a cache in the model's dtype."""
+        return self.spec.op("attention").kv
+
     def grouped_linear(self, x, weight, counts):
         """x's rows packed by expert (counts[e] rows each) through ops.linear against weight[e]."""
         return _linear.grouped_linear(self.spec, x, weight, counts)
@@ -58,20 +80,12 @@ class Ops:
         return _linear.grouped_linear(self.spec, x, weight, counts, out_dtype=torch.float32)
 
     def softmax(self, x):
-        """FP32 softmax over the last dim (the router's expert probabilities). consistent: the
-        log-probs' fixed-order recipe (exp on fixed-shape pieces, the sum as a fixed tree)."""
-        def consistent(x):
-            _, total, e = _logprobs.consistent_softmax_parts(x.float())
-            return e / total.unsqueeze(-1)
-
-        reference = lambda x: torch.softmax(x.float(), dim=-1)
-        return apply_kernel(consistent if self.spec.mode == "consistent" else reference, reference, x)
+        """FP32 softmax over the last dim (the router's expert probabilities)."""
+        return _softmax.softmax(self.spec, x)
 
     def sigmoid(self, x):
-        """FP32 sigmoid (Qwen2-MoE's shared-expert gate). consistent: on fixed-shape pieces."""
-        reference = lambda x: torch.sigmoid(x.float())
-        kernel = (lambda x: pinned_unary(torch.sigmoid, x.float())) if self.spec.mode == "consistent" else reference
-        return apply_kernel(kernel, reference, x)
+        """FP32 sigmoid (Qwen2-MoE's shared-expert gate)."""
+        return _sigmoid.sigmoid(self.spec, x)
 
     def rmsnorm(self, x, weight, eps):
         return _rmsnorm.rmsnorm(self.spec, x, weight, eps)

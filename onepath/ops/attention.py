@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from onepath.numerics.quant import FP8Tensor, quantize_fp8
-from onepath.numerics.spec import ExecutionSpec, QuantSpec
+from onepath.numerics.spec import ExecutionSpec, OpSpec, QuantSpec
 from onepath.ops.autograd import apply_kernel
 from onepath.ops.host import to_device
 from onepath.ops.pinned import pinned_unary, row_chunks, tiled_sum, tree_sum
@@ -63,24 +63,41 @@ BASELINE_KV_TILE = 32
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping, kv: QuantSpec | None = None):
     """This step's K/V [T, Hkv, D] into their slots; quantised by `kv` (the spec's attention.kv) when
-    the cache is FP8. On CUDA both take one launch: a plain cache's copy (ops/cuda/elementwise.write_kv), an
-    FP8 cache's quantisation by the same rule (ops/cuda/quant.write_kv_fp8)."""
+    the cache is FP8. On CUDA both take one launch (ops/cuda/attention_kv.py: write_kv, write_kv_fp8)."""
     if isinstance(k_cache, FP8Tensor) != (kv is not None):
         raise TypeError(f"KV cache of {type(k_cache).__name__} with the spec's attention.kv {kv}: build the "
                         "cache from the model's spec (KVCache.for_model) so its format follows the spec")
-    if kv is None and k_cache.is_cuda:
-        from onepath.ops.cuda.elementwise import write_kv as triton_write_kv
-        return triton_write_kv(k_cache, v_cache, k.detach(), v.detach(), slot_mapping)
-    if kv is not None and k_cache.codes.is_cuda:
-        from onepath.ops.cuda.quant import write_kv_fp8
-        return write_kv_fp8(k_cache, v_cache, k.detach(), v.detach(), slot_mapping, kv)
+    cuda = (k_cache if kv is None else k_cache.codes).is_cuda
+    KV_WRITES[kv is not None, cuda](k_cache, v_cache, k.detach(), v.detach(), slot_mapping, kv)
+
+
+def write_kv_cpu(k_cache, v_cache, k, v, slot_mapping, kv):
     for cache, x in ((k_cache, k), (v_cache, v)):
         if kv is None:
-            cache.view(-1, *cache.shape[2:])[slot_mapping] = x.detach().to(cache.dtype)
+            cache.view(-1, *cache.shape[2:])[slot_mapping] = x.to(cache.dtype)
             continue
-        fp8 = quantize_fp8(x.detach(), kv)
+        fp8 = quantize_fp8(x, kv)
         cache.codes.view(-1, *cache.codes.shape[2:])[slot_mapping] = fp8.codes
         cache.scales.view(-1, *cache.scales.shape[2:])[slot_mapping] = fp8.scales
+
+
+def write_kv_cuda(k_cache, v_cache, k, v, slot_mapping, kv):
+    from onepath.ops.cuda.attention_kv import write_kv as triton_write_kv
+    triton_write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def write_kv_fp8_cuda(k_cache, v_cache, k, v, slot_mapping, kv):
+    from onepath.ops.cuda.attention_kv import write_kv_fp8
+    write_kv_fp8(k_cache, v_cache, k, v, slot_mapping, kv)
+
+
+# (FP8 cache, on CUDA) -> the K/V write (k_cache, v_cache, k, v, slot_mapping, kv)
+KV_WRITES = {
+    (False, False): write_kv_cpu,
+    (True, False): write_kv_cpu,
+    (False, True): write_kv_cuda,
+    (True, True): write_kv_fp8_cuda,
+}
 
 
 def cache_shape(cache) -> torch.Size:
@@ -244,8 +261,8 @@ def _paged_decode(q, k_cache, v_cache, positions, query_seq, block_tables, max_c
                   kv_tile=BASELINE_KV_TILE):
     """Single-token queries on CUDA: the paged kernel as flash-decoding runs it, with the number of KV
     splits chosen from the batch (enough programs for two per SM), a shape-dependent choice."""
+    from onepath.ops.cuda import sm_count
     from onepath.ops.cuda.attention import paged_attention
-    from onepath.ops.cuda.linear import sm_count
     programs = q.shape[0] * cache_shape(k_cache)[2]
     sms = sm_count(q.device)
     splits = max(1, min(-(-max_context // kv_tile), -(-2 * sms // programs)))
@@ -284,16 +301,38 @@ def attention(spec: ExecutionSpec, q, k, v, k_cache, v_cache, meta: AttentionMet
     (FP8Tensors when the spec quantises the KV cache)."""
     o = spec.op("attention")
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping, o.kv)
-    if spec.mode == "consistent" and spec.device == "cuda":
-        from onepath.ops.cuda.attention import paged_attention
-        kernel = lambda q, k, v: paged_attention(q, k_cache, v_cache, meta.positions, meta.query_seq, meta.block_tables,
-                                                 scale, sliding_window, o.kv_tile, o.kv_split,
-                                                 max_context=max(meta.context_lens), derived=meta.derived,
-                                                 block_m=o.q_rows)
-    elif spec.mode == "consistent":
-        kernel = lambda q, k, v: consistent(q, k_cache, v_cache, meta, scale, sliding_window, o.kv_tile, o.row_chunk)
-    elif spec.device == "cuda" and meta.num_seqs == q.shape[0]:
-        kernel = lambda q, k, v: baseline_decode(q, k_cache, v_cache, meta, scale, sliding_window)
-    else:
-        kernel = lambda q, k, v: baseline(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+    kernel = KERNELS[spec.mode, spec.device](o, k_cache, v_cache, meta, scale, sliding_window)
     return apply_kernel(kernel, lambda q, k, v: reference(q, k, v, meta, scale, sliding_window), q, k, v)
+
+
+def cuda_consistent(o: OpSpec, k_cache, v_cache, meta: AttentionMetadata, scale, window):
+    from onepath.ops.cuda.attention import paged_attention
+    return lambda q, k, v: paged_attention(q, k_cache, v_cache, meta.positions, meta.query_seq, meta.block_tables,
+                                           scale, window, o.kv_tile, o.kv_split, max_context=max(meta.context_lens),
+                                           derived=meta.derived, block_m=o.q_rows)
+
+
+def cpu_consistent(o: OpSpec, k_cache, v_cache, meta: AttentionMetadata, scale, window):
+    return lambda q, k, v: consistent(q, k_cache, v_cache, meta, scale, window, o.kv_tile, o.row_chunk)
+
+
+def cuda_baseline(o: OpSpec, k_cache, v_cache, meta: AttentionMetadata, scale, window):
+    """A decode step (one query per sequence) in one paged launch, any other batch by `baseline`."""
+    def kernel(q, k, v):
+        if meta.num_seqs == q.shape[0]:
+            return baseline_decode(q, k_cache, v_cache, meta, scale, window)
+        return baseline(q, k, v, k_cache, v_cache, meta, scale, window)
+    return kernel
+
+
+def cpu_baseline(o: OpSpec, k_cache, v_cache, meta: AttentionMetadata, scale, window):
+    return lambda q, k, v: baseline(q, k, v, k_cache, v_cache, meta, scale, window)
+
+
+# (mode, device) -> kernel factory (op spec, caches, meta, scale, window) -> kernel(q, k, v)
+KERNELS = {
+    ("consistent", "cuda"): cuda_consistent,
+    ("consistent", "cpu"): cpu_consistent,
+    ("baseline", "cuda"): cuda_baseline,
+    ("baseline", "cpu"): cpu_baseline,
+}

@@ -38,8 +38,3 @@ def apply_kernel(kernel: Callable, reference: Callable, *inputs: torch.Tensor):
     if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
         return _KernelFunction.apply(kernel, reference, *inputs)
     return kernel(*inputs)
-
-
-def capturing(x: torch.Tensor) -> bool:
-    """True while x's device is recording a CUDA graph: host-side checks (a sync) must not run then."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()

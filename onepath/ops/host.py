@@ -1,4 +1,4 @@
-"""Host values onto the device without waiting for the device.
+"""Host and device: host values onto the device without waiting for the device, and whether a graph is recording.
 
 `torch.tensor(values, device="cuda")` and a plain `.to("cuda")` copy from pageable memory and then
 synchronise the stream: the host waits for every kernel queued before it, and the GPU then idles while
@@ -22,3 +22,8 @@ def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.T
         raise RuntimeError("to_device inside a CUDA graph capture: the graph would replay this step's host "
                            "values forever; stage the values into a static buffer instead")
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def capturing(x: torch.Tensor) -> bool:
+    """True while x's device is recording a CUDA graph: host-side checks (a sync) must not run then."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -1,18 +1,16 @@
-"""linear: y = x W^T + b, accumulated in FP32.
+"""linear: y = x W^T + b, accumulated in FP32; the dense layers, the LM head, the MoE router and experts.
 
-consistent (CPU): the GEMM runs on fixed [row_chunk, K] pieces. torch's CPU GEMM picks a kernel
-by M (M = 1, 2..15, >= 16 give a row different bits), so one fixed M per launch is what makes a
-row's bits independent of the batch, of its position in it, and of the phase.
-consistent (CUDA): the Triton persistent GEMM of ops/cuda/linear.py (one ascending MMA chain over K, no split-K).
-baseline: one F.linear over all rows (the library's M-dependent choice; cuBLAS on the GPU).
-The LM head returns FP32 logits: the consistent GEMM rounds its FP32 accumulator to FP32 once;
-the baseline rounds to the weights' dtype first, as the stock engines do.
-Quantised (the op's weight/act QuantSpecs set): ops/quant_linear.py's forward, on both sides; the
-backward stays this file's reference on the unquantised operands (straight-through).
-grouped_linear (the MoE experts, rows packed by expert): on consistent CUDA, unquantised, one launch
-of ops/cuda/linear_grouped.py, whose rows have the dense kernel's bits; on baseline CUDA, BF16 and
-unquantised, the stock one, torch._grouped_mm (its rows may depend on the batch: the baseline's are
-allowed to); elsewhere linear() per group. Both grouped paths differentiate the per-group F.linear.
+Backends, from KERNELS by (mode, device):
+- consistent CPU: the GEMM on fixed [row_chunk, K] pieces (torch's CPU GEMM picks a kernel by M, so one fixed M
+  per launch keeps a row's bits independent of its batch, its position and the phase);
+- consistent CUDA: the persistent GEMM of ops/cuda/linear.py (one ascending MMA chain over K, no split-K);
+- baseline: one F.linear over all rows (the library's M-dependent choice; cuBLAS on the GPU).
+The LM head returns FP32 logits: the consistent GEMM rounds its FP32 accumulator to FP32 once; the baseline
+rounds to the weights' dtype first, as the stock engines do. A quantised op (its weight/act QuantSpecs set)
+runs ops/linear_quant.py's forward on both sides instead. Backward: `reference` on the unquantised operands
+(straight-through). grouped_linear (the MoE experts, rows packed by expert) picks from GROUPED: our grouped
+kernel on consistent CUDA (each row the dense kernel's bits), torch._grouped_mm on baseline CUDA BF16, else
+linear() per group. Design notes and measurements: docs/ops/linear.md.
 """
 from __future__ import annotations
 
@@ -24,8 +22,8 @@ import torch.nn.functional as F
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops.autograd import apply_kernel
 from onepath.ops.host import to_device
+from onepath.ops.linear_quant import is_quantised, quant_linear
 from onepath.ops.pinned import row_chunks
-from onepath.ops.quant_linear import quant_linear
 
 
 def reference(x, weight, bias=None):
@@ -38,28 +36,59 @@ def consistent(x, weight, bias=None, rows: int = 16):
     return out.reshape(*shape[:-1], weight.shape[0])
 
 
+def cpu_consistent(spec: ExecutionSpec, op: str, out_dtype: torch.dtype) -> Callable:
+    rows = spec.op(op).row_chunk
+    return lambda x, w, b=None: consistent(x, w, b, rows=rows).to(out_dtype)
+
+
+def cuda_consistent(spec: ExecutionSpec, op: str, out_dtype: torch.dtype) -> Callable:
+    from onepath.ops.cuda.linear import matmul
+
+    def kernel(x, w, b=None):
+        return matmul(x.reshape(-1, x.shape[-1]), w, b, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
+    return kernel
+
+
+def library(spec: ExecutionSpec, op: str, out_dtype: torch.dtype) -> Callable:
+    return lambda x, w, b=None: reference(x, w, b).to(out_dtype)
+
+
+def quantised(spec: ExecutionSpec, op: str, out_dtype: torch.dtype) -> Callable:
+    return lambda x, w, b=None: quant_linear(spec, x, w, b, out_dtype, op)
+
+
+# (mode, device) -> kernel factory (spec, op, out_dtype) -> kernel(x, w, b=None); a quantised op takes `quantised`
+KERNELS = {
+    ("consistent", "cpu"): cpu_consistent,
+    ("consistent", "cuda"): cuda_consistent,
+    ("baseline", "cpu"): library,
+    ("baseline", "cuda"): library,
+}
+
+
 def linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            op: str = "linear", out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """out_dtype: FP32 for the LM head by default, else x's dtype; one rounding of the FP32 accumulator."""
     out_dtype = out_dtype or (torch.float32 if op == "lm_head" else x.dtype)
-    if spec.op(op).weight is not None or spec.op(op).act is not None:
-        def kernel(x, w, b=None):
-            return quant_linear(spec, x, w, b, out_dtype, op)
-    elif spec.mode == "consistent" and spec.device == "cuda":
-        from onepath.ops.cuda.linear import matmul
-
-        def kernel(x, w, b=None):
-            return matmul(x.reshape(-1, x.shape[-1]), w, b, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
-    elif spec.mode == "consistent":
-        rows = spec.op(op).row_chunk
-
-        def kernel(x, w, b=None):
-            return consistent(x, w, b, rows=rows).to(out_dtype)
-    else:
-        def kernel(x, w, b=None):
-            return reference(x, w, b).to(out_dtype)
+    make = quantised if is_quantised(spec.op(op)) else KERNELS[spec.mode, spec.device]
+    kernel = make(spec, op, out_dtype)
     inputs = (x, weight) if bias is None else (x, weight, bias)
     return apply_kernel(kernel, lambda *t: reference(*t).to(out_dtype), *inputs)
+
+
+def can_stack(spec: ExecutionSpec, sizes: list[int], op: str = "linear") -> bool:
+    """Whether layers sharing an input (output sizes `sizes`) may run as one GEMM over their stacked weights with
+    each layer's bits: on CUDA, unquantised, or block-FP8 weights whose blocks each lie within one layer (every
+    size a multiple of the block's rows), so the stacked codes and scales are the layers' own and each token's
+    activation codes do not depend on N. Not NVFP4: its global scale is the whole tensor's amax."""
+    linear_op = spec.op(op)
+    if spec.device != "cuda":
+        return False
+    if linear_op.weight is None:
+        return linear_op.act is None
+    w = linear_op.weight
+    return (w.format == "fp8_e4m3" and w.scale_domain == "per_block" and all(n % w.block[0] == 0 for n in sizes)
+            and (linear_op.act is None or linear_op.act.format == "fp8_e4m3"))
 
 
 def host_counts(counts: list[int] | torch.Tensor) -> list[int]:
@@ -83,8 +112,7 @@ def grouped_reference(x, weight, counts: list[int] | torch.Tensor):
 def grouped_kernel(spec: ExecutionSpec, op: str = "linear") -> bool:
     """True where grouped_linear is one grouped-GEMM launch rather than a linear() per group: our
     kernel on consistent CUDA, torch._grouped_mm (where this torch has it) on baseline CUDA BF16."""
-    quantised = spec.op(op).weight is not None or spec.op(op).act is not None
-    if quantised or spec.device != "cuda":
+    if is_quantised(spec.op(op)) or (spec.mode, spec.device) not in GROUPED:
         return False
     return spec.mode == "consistent" or (spec.op(op).dtype == "bfloat16" and hasattr(torch, "_grouped_mm"))
 
@@ -124,14 +152,26 @@ def grouped_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, c
     no host sync; the per-group loop reads it on the host. Such counts may sum to less than M (a fixed-size
     buffer): the rows past them are left unwritten by the grouped launches, zero by the loop."""
     out_dtype = out_dtype or x.dtype
-    stock = spec.mode == "baseline"
-    if not grouped_kernel(spec, op) or (stock and not stock_grouped_fits(x, weight)):
+    make = GROUPED.get((spec.mode, spec.device)) if grouped_kernel(spec, op) else None
+    if make is None or (make is stock_grouped_kernel and not stock_grouped_fits(x, weight)):
         return per_group(lambda part, g: linear(spec, part, weight[g], op=op, out_dtype=out_dtype),
                          x, counts, weight.shape[1], out_dtype)
-    reference = lambda x, w: grouped_reference(x, w, counts).to(out_dtype)
-    if stock:
-        # BF16 out, then cast: the rounding the baseline's linear() per group gives the FP32 down projection
-        return apply_kernel(lambda x, w: stock_grouped(x, w, counts).to(out_dtype), reference, x, weight)
+    return apply_kernel(make(counts, out_dtype), lambda x, w: grouped_reference(x, w, counts).to(out_dtype), x, weight)
+
+
+def grouped_cuda_kernel(counts, out_dtype: torch.dtype) -> Callable:
     from onepath.ops.cuda.linear_grouped import grouped_matmul
 
-    return apply_kernel(lambda x, w: grouped_matmul(x, w, counts, out_dtype=out_dtype), reference, x, weight)
+    return lambda x, w: grouped_matmul(x, w, counts, out_dtype=out_dtype)
+
+
+def stock_grouped_kernel(counts, out_dtype: torch.dtype) -> Callable:
+    # BF16 out, then cast: the rounding the baseline's linear() per group gives the FP32 down projection
+    return lambda x, w: stock_grouped(x, w, counts).to(out_dtype)
+
+
+# (mode, device) -> grouped kernel factory (counts, out_dtype) -> kernel(x, w); elsewhere linear() per group
+GROUPED = {
+    ("consistent", "cuda"): grouped_cuda_kernel,
+    ("baseline", "cuda"): stock_grouped_kernel,
+}

@@ -4,8 +4,10 @@ The distribution is softmax(logits / temperature) restricted to `keep` (top-k / 
 renormalised. The engine's sampler and the trainer call this same function, so a token's
 log-prob is computed by one formula on both sides.
 
-consistent: exp/log on fixed-shape pieces, the vocabulary sum as a fixed tree; no step depends
-on the number of rows. baseline: torch.log_softmax.
+Backends, from KERNELS (token_logprobs) and PROBS (probs) by (mode, device): consistent CPU: exp/log on
+fixed-shape pieces, the vocabulary sum as a fixed tree, no step depending on the number of rows; consistent CUDA:
+the Triton kernels of ops/cuda/logprobs.py (the same recipe, chunked by a fixed BLOCK_V); baseline:
+torch.log_softmax / torch.softmax. Backward: `reference`. Design notes and measurements: docs/ops/logprobs.md.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops.autograd import apply_kernel
 from onepath.ops.pinned import pinned_unary, tree_sum
+from onepath.ops.softmax import consistent_softmax_parts
 from onepath.ops.topk import sort_descending
 
 
@@ -30,13 +33,6 @@ def reference(logits, tokens, temperature, keep):
     safe = logp if keep is None else logp.masked_fill(~keep, 0.0)
     entropy = -(safe.exp() * safe).sum(-1)
     return token_lp, entropy
-
-
-def consistent_softmax_parts(x):
-    """(x - max, sum of exp, exp) of each row, by the fixed-order recipe."""
-    shifted = x - x.amax(dim=-1, keepdim=True)
-    e = pinned_unary(torch.exp, shifted)
-    return shifted, tree_sum(e), e
 
 
 def consistent(logits, tokens, temperature, keep):
@@ -62,22 +58,50 @@ def token_logprobs(spec: ExecutionSpec, logits: torch.Tensor, tokens: torch.Tens
             row = int((~picked).nonzero()[0])
             raise ValueError(f"token {int(tokens[row])} of row {row} lies outside its top-k/top-p set: "
                              "the trainer must use the sampling parameters the engine sampled with")
-    kernel = consistent if spec.mode == "consistent" else reference
-    if spec.mode == "consistent" and spec.device == "cuda":
-        from onepath.ops.cuda.logprobs import token_logprobs as kernel
+    kernel = KERNELS[spec.mode, spec.device]()
     return apply_kernel(lambda lg: kernel(lg, tokens, temperature, keep),
                         lambda lg: reference(lg, tokens, temperature, keep), logits)
 
 
-def probs(spec: ExecutionSpec, logits, temperature, keep=None) -> torch.Tensor:
-    if spec.mode == "consistent" and spec.device == "cuda":
-        from onepath.ops.cuda.logprobs import probs as triton_probs
-        return triton_probs(logits, temperature, keep)
-    x = _scaled(logits, temperature, keep)
-    if spec.mode != "consistent":
-        return torch.softmax(x, dim=-1)
-    _, total, e = consistent_softmax_parts(x)
+def cuda_token_logprobs():
+    from onepath.ops.cuda.logprobs import token_logprobs
+    return token_logprobs
+
+
+# (mode, device) -> kernel factory () -> kernel(logits, tokens, temperature, keep) -> (logprob, entropy)
+KERNELS = {
+    ("consistent", "cpu"): lambda: consistent,
+    ("consistent", "cuda"): cuda_token_logprobs,
+    ("baseline", "cpu"): lambda: reference,
+    ("baseline", "cuda"): lambda: reference,
+}
+
+
+def consistent_probs(logits, temperature, keep):
+    _, total, e = consistent_softmax_parts(_scaled(logits, temperature, keep))
     return e / total[:, None]
+
+
+def reference_probs(logits, temperature, keep):
+    return torch.softmax(_scaled(logits, temperature, keep), dim=-1)
+
+
+def cuda_probs(logits, temperature, keep):
+    from onepath.ops.cuda.logprobs import probs as triton_probs
+    return triton_probs(logits, temperature, keep)
+
+
+# (mode, device) -> probs(logits, temperature, keep) [N, V] FP32
+PROBS = {
+    ("consistent", "cpu"): consistent_probs,
+    ("consistent", "cuda"): cuda_probs,
+    ("baseline", "cpu"): reference_probs,
+    ("baseline", "cuda"): reference_probs,
+}
+
+
+def probs(spec: ExecutionSpec, logits, temperature, keep=None) -> torch.Tensor:
+    return PROBS[spec.mode, spec.device](logits, temperature, keep)
 
 
 # top-p's running mass counts in units of 2^-52: exact integers for every float32 probability >= 2^-29
@@ -100,7 +124,7 @@ def sampling_mask(spec: ExecutionSpec, logits: torch.Tensor, temperature: torch.
         # The running mass in integer units of 2^-52 (a float32 probability times 2^52 is exact; below 2^-29
         # the fraction is dropped, the same way in every row): an integer sum is the same whatever the scan's
         # association, and torch.cumsum's CUDA scan associates a float row's sums by the tensor's shape
-        # (tests/gpu/test_logprobs_gpu.py shows a row's float prefix sums move with its batch).
+        # (tests/ops/test_logprobs_gpu.py shows a row's float prefix sums move with its batch).
         fixed = (probs(spec, logits, temperature, keep).gather(-1, order).double() * MASS_UNITS).long()
         mass_before = torch.cumsum(fixed, dim=-1) - fixed
         # rows without top-p keep everything: a running sum can reach 1.0 before the tail ends

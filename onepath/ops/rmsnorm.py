@@ -1,9 +1,9 @@
 """rmsnorm: y = w * x / sqrt(mean(x^2) + eps), in FP32, rounded once to the input dtype.
 
-consistent: the sum of squares is a fixed tree over the hidden size (elementwise adds only);
-rsqrt runs on fixed-shape pieces. baseline: the stock `x.pow(2).mean(-1)` reduction. On CUDA both
-modes run the fused Triton kernel: a speed-up that is not about consistency goes to both.
-The order of the final products follows Hugging Face (normalise, cast, then scale by w).
+Backends, from KERNELS by (mode, device): consistent CPU: the sum of squares is a fixed tree over the hidden size
+(elementwise adds only), rsqrt on fixed-shape pieces; baseline CPU: the stock `x.pow(2).mean(-1)` reduction; CUDA,
+both modes: the fused Triton kernel of ops/cuda/rmsnorm.py (a speed-up that is not about consistency goes to both).
+The order of the final products follows Hugging Face (normalise, cast, then scale by w). Backward: `reference`.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops.autograd import apply_kernel
 from onepath.ops.pinned import pinned_unary, tree_sum
-from onepath.ops.quant_linear import attach_quantized, fused_act_rule
+from onepath.ops.linear_quant import attach_quantized, fused_act_rule
 
 
 def reference(x, weight, eps):
@@ -28,16 +28,53 @@ def consistent(x, weight, eps):
     return weight * (xf * inv.unsqueeze(-1)).to(x.dtype)
 
 
-def rmsnorm(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    kernel = consistent if spec.mode == "consistent" else reference
-    if spec.device == "cuda":
-        from onepath.ops.cuda.rmsnorm import BLOCK_H
-        from onepath.ops.cuda.rmsnorm import rmsnorm as triton_rmsnorm
-        act = fused_act_rule(spec, BLOCK_H)
+def cuda(spec: ExecutionSpec, eps: float):
+    from onepath.ops.cuda.rmsnorm import BLOCK_H
+    from onepath.ops.cuda.rmsnorm import rmsnorm as triton_rmsnorm
+    act = fused_act_rule(spec, BLOCK_H)  # here, not in the kernel: autograd's forward runs with grad off
 
-        def kernel(x, w, eps):
-            return triton_rmsnorm(x, w, eps) if act is None else attach_quantized(*triton_rmsnorm(x, w, eps, act))
-    return apply_kernel(lambda x, w: kernel(x, w, eps), lambda x, w: reference(x, w, eps), x, weight)
+    def kernel(x, w):
+        return triton_rmsnorm(x, w, eps) if act is None else attach_quantized(*triton_rmsnorm(x, w, eps, act))
+    return kernel
+
+
+def cuda_residual(spec: ExecutionSpec, eps: float):
+    from onepath.ops.cuda.rmsnorm import BLOCK_H, rmsnorm_residual
+    act = fused_act_rule(spec, BLOCK_H)
+
+    def kernel(x, r, w):
+        if act is None:
+            return rmsnorm_residual(x, r, w, eps)
+        normed, s, quantized = rmsnorm_residual(x, r, w, eps, act)
+        return attach_quantized(normed, quantized), s
+    return kernel
+
+
+def cpu_residual(spec: ExecutionSpec, eps: float):
+    def kernel(x, r, w):
+        s = x + r
+        return rmsnorm(spec, s, w, eps), s
+    return kernel
+
+
+# (mode, device) -> kernel factory (spec, eps) -> kernel(x, w); ADD_KERNELS: the same for add_rmsnorm's (x, r, w)
+KERNELS = {
+    ("consistent", "cpu"): lambda spec, eps: lambda x, w: consistent(x, w, eps),
+    ("baseline", "cpu"): lambda spec, eps: lambda x, w: reference(x, w, eps),
+    ("consistent", "cuda"): cuda,
+    ("baseline", "cuda"): cuda,
+}
+ADD_KERNELS = {
+    ("consistent", "cpu"): cpu_residual,
+    ("baseline", "cpu"): cpu_residual,
+    ("consistent", "cuda"): cuda_residual,
+    ("baseline", "cuda"): cuda_residual,
+}
+
+
+def rmsnorm(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    kernel = KERNELS[spec.mode, spec.device](spec, eps)
+    return apply_kernel(kernel, lambda x, w: reference(x, w, eps), x, weight)
 
 
 def add_rmsnorm(spec: ExecutionSpec, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -53,17 +90,4 @@ def add_rmsnorm(spec: ExecutionSpec, x: torch.Tensor, residual: torch.Tensor, we
         s = x + r
         return reference(s, w, eps), s
 
-    if spec.device == "cuda":
-        from onepath.ops.cuda.rmsnorm import BLOCK_H, rmsnorm_residual
-        act = fused_act_rule(spec, BLOCK_H)
-
-        def kernel(x, r, w):
-            if act is None:
-                return rmsnorm_residual(x, r, w, eps)
-            normed, s, quantized = rmsnorm_residual(x, r, w, eps, act)
-            return attach_quantized(normed, quantized), s
-    else:
-        def kernel(x, r, w):
-            s = x + r
-            return rmsnorm(spec, s, w, eps), s
-    return apply_kernel(kernel, reference_pair, x, residual, weight)
+    return apply_kernel(ADD_KERNELS[spec.mode, spec.device](spec, eps), reference_pair, x, residual, weight)

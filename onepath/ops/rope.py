@@ -1,9 +1,10 @@
 """rope: rotary position embedding (neox / Hugging Face `rotate_half` layout).
 
-Elementwise products with a cos/sin table indexed by absolute position: exact and
-position-free on every backend, so one implementation serves both modes (the fused Triton kernel on CUDA).
-`qk_norm_rope` is Qwen3's QK-norm then RoPE over q's and k's heads side by side: rmsnorm() then rope()
-on each, on CUDA in one launch with their bits.
+Elementwise products with a cos/sin table indexed by absolute position: exact and position-free on every
+backend, so one implementation serves both modes; KERNELS by (mode, device): `reference` on the CPU, the fused
+Triton kernel of ops/cuda/rope.py on CUDA (the reference's bits). `qk_norm_rope` is Qwen3's QK-norm then RoPE over
+q's and k's heads side by side: rmsnorm() then rope() on each, on CUDA in one launch with their bits
+(ops/cuda/rmsnorm.qk_norm_rope). Backward: `reference`.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import rmsnorm as _rmsnorm
-from onepath.ops.autograd import apply_kernel, capturing
+from onepath.ops.autograd import apply_kernel
+from onepath.ops.host import capturing
 
 
 def reference(x, cos, sin):
@@ -27,28 +29,58 @@ def rope(spec: ExecutionSpec, x: torch.Tensor, positions: torch.Tensor, cos_tabl
     if positions.numel() and not capturing(positions) and int(positions.max()) >= cos_table.shape[0]:
         raise ValueError(f"position {int(positions.max())} >= the RoPE table's {cos_table.shape[0]} positions: "
                          "raise max_model_len / max_position_embeddings")
-    if spec.device == "cuda":
-        from onepath.ops.cuda.elementwise import rope as triton_rope
-        kernel = lambda x: triton_rope(x, positions, cos_table, sin_table)
-    else:
-        kernel = lambda x: reference(x, cos_table[positions], sin_table[positions])
+    kernel = KERNELS[spec.mode, spec.device](positions, cos_table, sin_table)
     return apply_kernel(kernel, lambda x: reference(x, cos_table[positions], sin_table[positions]), x)
+
+
+def cuda(positions, cos_table, sin_table):
+    from onepath.ops.cuda.rope import rope as triton_rope
+    return lambda x: triton_rope(x, positions, cos_table, sin_table)
+
+
+def cpu(positions, cos_table, sin_table):
+    return lambda x: reference(x, cos_table[positions], sin_table[positions])
+
+
+# (mode, device) -> kernel factory (positions, cos_table, sin_table) -> kernel(x)
+KERNELS = {
+    ("consistent", "cpu"): cpu,
+    ("baseline", "cpu"): cpu,
+    ("consistent", "cuda"): cuda,
+    ("baseline", "cuda"): cuda,
+}
 
 
 def qk_norm_rope(spec: ExecutionSpec, x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int,
                  eps: float, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D], q's heads then k's (Qwen3's QK-norm): each part RMS-normalised by its weight, then
     RoPE -> [T, heads, D]: the bits of rmsnorm() then rope() on each part, on CUDA in one launch."""
-    def per_part(norm, rotate):
-        return lambda x, wq, wk: torch.cat([rotate(norm(part, w)) for part, w in
-                                            ((x[:, :q_heads], wq), (x[:, q_heads:], wk))], dim=1)
-
-    unfused = per_part(lambda part, w: _rmsnorm.reference(part, w, eps),
-                       lambda part: reference(part, cos_table[positions], sin_table[positions]))
-    if spec.device == "cuda":
-        from onepath.ops.cuda.rmsnorm import qk_norm_rope as triton_qk_norm_rope
-        kernel = lambda x, wq, wk: triton_qk_norm_rope(x, wq, wk, q_heads, eps, positions, cos_table, sin_table)
-    else:
-        kernel = per_part(lambda part, w: _rmsnorm.rmsnorm(spec, part, w, eps),
-                          lambda part: rope(spec, part, positions, cos_table, sin_table))
+    unfused = by_part(q_heads, lambda part, w: _rmsnorm.reference(part, w, eps),
+                      lambda part: reference(part, cos_table[positions], sin_table[positions]))
+    kernel = QK_NORM_ROPE_KERNELS[spec.mode, spec.device](spec, q_heads, eps, positions, cos_table, sin_table)
     return apply_kernel(kernel, unfused, x, q_weight, k_weight)
+
+
+def by_part(q_heads: int, norm, rotate):
+    """(x, wq, wk) -> rotate(norm(part, w)) of q's heads and of k's, side by side."""
+    return lambda x, wq, wk: torch.cat([rotate(norm(part, w)) for part, w in
+                                        ((x[:, :q_heads], wq), (x[:, q_heads:], wk))], dim=1)
+
+
+def qk_norm_rope_cuda(spec, q_heads, eps, positions, cos_table, sin_table):
+    from onepath.ops.cuda.rmsnorm import qk_norm_rope as triton_qk_norm_rope
+    return lambda x, wq, wk: triton_qk_norm_rope(x, wq, wk, q_heads, eps, positions, cos_table, sin_table)
+
+
+def qk_norm_rope_cpu(spec, q_heads, eps, positions, cos_table, sin_table):
+    return by_part(q_heads, lambda part, w: _rmsnorm.rmsnorm(spec, part, w, eps),
+                   lambda part: rope(spec, part, positions, cos_table, sin_table))
+
+
+# (mode, device) -> kernel factory -> kernel(x, q_weight, k_weight): one launch on CUDA, the two ops elsewhere
+QK_NORM_ROPE_KERNELS = {
+    ("consistent", "cpu"): qk_norm_rope_cpu,
+    ("baseline", "cpu"): qk_norm_rope_cpu,
+    ("consistent", "cuda"): qk_norm_rope_cuda,
+    ("baseline", "cuda"): qk_norm_rope_cuda,
+}

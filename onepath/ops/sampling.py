@@ -17,34 +17,21 @@ from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import logprobs as LP
 from onepath.ops.host import to_device
 from onepath.ops.pinned import pinned_unary
-
-MASK64 = (1 << 64) - 1
-GOLDEN, MIX1, MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-
-
-def _mix(z: int) -> int:
-    z = (z + GOLDEN) & MASK64
-    z = ((z ^ (z >> 30)) * MIX1) & MASK64
-    z = ((z ^ (z >> 27)) * MIX2) & MASK64
-    return z ^ (z >> 31)
+from onepath.ops.splitmix import GOLDEN, MASK64, MIX1, MIX2, mix, signed64
 
 
 def request_key(seed: int, request_id: int) -> int:
     """The part of every sample_key of one request that does not depend on the position."""
-    return _mix(_mix(seed & MASK64) ^ (request_id & MASK64))
+    return mix(mix(seed & MASK64) ^ (request_id & MASK64))
 
 
 def position_key(request: int, position: int) -> int:
     """sample_key from its request_key: one mix per sampled token."""
-    return _mix(request ^ (position & MASK64)) >> 1
+    return mix(request ^ (position & MASK64)) >> 1
 
 
 def sample_key(seed: int, request_id: int, position: int) -> int:
     return position_key(request_key(seed, request_id), position)
-
-
-def _signed(c: int) -> int:
-    return c - (1 << 64) if c >= 1 << 63 else c
 
 
 def _shift_right(z: torch.Tensor, s: int) -> torch.Tensor:
@@ -54,9 +41,9 @@ def _shift_right(z: torch.Tensor, s: int) -> torch.Tensor:
 
 def uniform_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """U[0, 1) float64 [N, vocab] for keys [N]: splitmix64(key + (i + 1) * golden) in wrapping int64 arithmetic."""
-    z = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device) * _signed(GOLDEN) + keys[:, None]
-    z = (z ^ _shift_right(z, 30)) * _signed(MIX1)
-    z = (z ^ _shift_right(z, 27)) * _signed(MIX2)
+    z = torch.arange(1, vocab + 1, dtype=torch.int64, device=keys.device) * signed64(GOLDEN) + keys[:, None]
+    z = (z ^ _shift_right(z, 30)) * signed64(MIX1)
+    z = (z ^ _shift_right(z, 27)) * signed64(MIX2)
     z = z ^ _shift_right(z, 31)
     return _shift_right(z, 11).double() * 2.0 ** -53
 
@@ -67,21 +54,45 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
     """probs [N, V] (zeros outside the allowed set), one key per row -> token ids [N] on probs' device."""
+    return RACES["cuda" if probs.is_cuda else "cpu"](probs, to_device(keys, torch.int64, probs.device))
+
+
+def torch_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     vocab = probs.shape[-1]
-    key_tensor = to_device(keys, torch.int64, probs.device)
-    if probs.is_cuda:
-        from onepath.ops.cuda.sampling import sample as fused_race
-        return fused_race(probs, key_tensor)
-    race = probs.double() / exponential_noise(key_tensor, vocab)
+    race = probs.double() / exponential_noise(keys, vocab)
     return vocab - 1 - torch.argmax(race.flip(-1), dim=-1)
+
+
+def cuda_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    from onepath.ops.cuda.sampling import sample as fused_race
+    return fused_race(probs, keys)
+
+
+# device -> the race (probs, keys tensor) -> tokens: exact sampling, the same tokens in both modes
+RACES = {"cpu": torch_race, "cuda": cuda_race}
 
 
 def sample_with_logprobs(spec: ExecutionSpec, logits: torch.Tensor, temperature: torch.Tensor, keys: list[int],
                          keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, V], temperature [N], one key per row, keep [N, V] bool or None -> (tokens [N] int64,
     logprobs [N] FP32): a draw from softmax(logits / temperature) restricted to keep, and its log-prob."""
-    if spec.mode == "consistent" and spec.device == "cuda":
-        from onepath.ops.cuda.sampling import sample_with_logprobs as fused
-        return fused(logits, temperature, to_device(keys, torch.int64, logits.device), keep)
+    return SAMPLERS[spec.mode, spec.device](spec, logits, temperature, keys, keep)
+
+
+def unfused(spec: ExecutionSpec, logits, temperature, keys, keep):
     tokens = sample(LP.probs(spec, logits, temperature, keep), keys)
     return tokens, LP.token_logprobs(spec, logits, tokens, temperature, keep)[0]
+
+
+def fused(spec: ExecutionSpec, logits, temperature, keys, keep):
+    from onepath.ops.cuda.sampling import sample_with_logprobs as fused_sampler
+    return fused_sampler(logits, temperature, to_device(keys, torch.int64, logits.device), keep)
+
+
+# (mode, device) -> sampler (spec, logits, temperature, keys, keep) -> (tokens, logprobs)
+SAMPLERS = {
+    ("consistent", "cpu"): unfused,
+    ("consistent", "cuda"): fused,
+    ("baseline", "cpu"): unfused,
+    ("baseline", "cuda"): unfused,
+}

@@ -2,7 +2,8 @@
 
 consistent: each score becomes one 64-bit key, order-preserving float bits in the high half and
 the position in the low half, so no two keys tie and the selection is a pure function of the row.
-baseline: torch.topk (ties broken however the library does it).
+baseline: torch.topk (ties broken however the library does it). The same torch code on both devices
+(KERNELS and SORTS by (mode, device)).
 """
 from __future__ import annotations
 
@@ -26,14 +27,41 @@ def key_position(key: torch.Tensor) -> torch.Tensor:
 def topk(spec: ExecutionSpec, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not 1 <= k <= x.shape[-1]:
         raise ValueError(f"top-k k = {k} must be in [1, {x.shape[-1]}]")
-    if spec.mode != "consistent":
-        return torch.topk(x, k, dim=-1)
+    return KERNELS[spec.mode, spec.device](x, k)
+
+
+def keyed_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     indices = key_position(torch.topk(order_key(x), k, dim=-1).values)
     return x.gather(-1, indices), indices
 
 
+def library_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.topk(x, k, dim=-1)
+
+
 def sort_descending(spec: ExecutionSpec, x: torch.Tensor) -> torch.Tensor:
     """Indices of x's last dim from largest to smallest, ties by the larger position first (consistent)."""
-    if spec.mode != "consistent":
-        return torch.sort(x, dim=-1, descending=True).indices
+    return SORTS[spec.mode, spec.device](x)
+
+
+def keyed_sort(x: torch.Tensor) -> torch.Tensor:
     return key_position(torch.sort(order_key(x), dim=-1, descending=True).values)
+
+
+def library_sort(x: torch.Tensor) -> torch.Tensor:
+    return torch.sort(x, dim=-1, descending=True).indices
+
+
+# (mode, device) -> topk(x, k) -> (values, indices); SORTS: sort_descending(x) -> indices
+KERNELS = {
+    ("consistent", "cpu"): keyed_topk,
+    ("consistent", "cuda"): keyed_topk,
+    ("baseline", "cpu"): library_topk,
+    ("baseline", "cuda"): library_topk,
+}
+SORTS = {
+    ("consistent", "cpu"): keyed_sort,
+    ("consistent", "cuda"): keyed_sort,
+    ("baseline", "cpu"): library_sort,
+    ("baseline", "cuda"): library_sort,
+}

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from onepath.train.data import prompt_text
+from onepath.tasks.rows import prompt_text
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(len(SPECIAL_TOKENS))

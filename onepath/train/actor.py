@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from onepath.engine.sampling_params import SamplingParams
+from onepath.engine.sampling_params import SamplingParams, sampling_tensors
 from onepath.models.batch import ForwardBatch
 from onepath.models.moe import RoutingRecorder
 from onepath.models.dense import DenseDecoder
@@ -50,6 +50,10 @@ class Responses:
 
 
 class Actor:
+    """One process's trainer: the optimizer steps the whole model (or FP32 copies of it). The parallel
+    actors (train/parallel.py) change where the trained tensors live through the hooks below:
+    reduce_gradients, clip, publish, to_full / to_local."""
+
     def __init__(self, model: DenseDecoder, block_size: int, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0,
                  max_grad_norm: float = 1.0, warmup_steps: int = 0, recompute: bool = False,
                  master_dtype: torch.dtype | None = None):
@@ -58,18 +62,26 @@ class Actor:
         once, into the model's weights: the forward, and so the contract, sees the model's dtype only."""
         self.model, self.ops, self.block_size = model, model.ops, block_size
         self.recompute = recompute
+        self.names = [name for name, _ in model.named_parameters()]
         params = list(model.parameters())
         self.master = None
         if master_dtype is not None and any(p.dtype != master_dtype for p in params):
             self.master = [torch.nn.Parameter(p.detach().to(master_dtype).clone()) for p in params]
-        trained = self.master if self.master is not None else params
-        self.optimizer = torch.optim.AdamW(trained, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
-        # Adam's first steps move every weight by about lr whatever the gradient's size: ramp lr up
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0)
+        self.hyper = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, warmup_steps=warmup_steps)
+        self.trained = dict(zip(self.names, self.master if self.master is not None else params))
+        self.optimizer, self.schedule = self.make_optimizer(list(self.trained.values()))
         self.max_grad_norm = max_grad_norm
         # with a list here, each forward appends its sequences' MoE routing [prompt + completion - 1, layers, k]
         self.routing: list[torch.Tensor] | None = None
+
+    def make_optimizer(self, params: list[torch.Tensor]):
+        h = self.hyper
+        optimizer = torch.optim.AdamW(params, lr=h["lr"], betas=h["betas"], weight_decay=h["weight_decay"])
+        warmup = h["warmup_steps"]
+        # Adam's first steps move every weight by about lr whatever the gradient's size: ramp lr up
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        return optimizer, schedule
 
     def logprobs(self, r: Responses, max_tokens: int | None = None,
                  head_rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,9 +139,7 @@ class Actor:
         distribution, the LM head run in chunks of head_rows rows."""
         device = hidden.device
         tokens = torch.tensor(tokens, dtype=torch.long, device=device)
-        temperature = torch.tensor([p.temperature for p in row_params], dtype=torch.float32, device=device)
-        top_k = torch.tensor([p.top_k for p in row_params], dtype=torch.long, device=device)
-        top_p = torch.tensor([p.top_p for p in row_params], dtype=torch.float32, device=device)
+        temperature, top_k, top_p = sampling_tensors(row_params, device)
         lps, entropies = [], []
         for a in range(0, len(rows), head_rows):
             b = min(a + head_rows, len(rows))
@@ -163,6 +173,7 @@ class Actor:
         forward = forward or self.logprobs
         timer = timer or (lambda name: nullcontext())
         self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         lps, entropies, totals = [], [], {}
         for rows in self.micro_batches(r, micro_batch_tokens):  # consecutive rows, in order
             with timer(forward_phase):
@@ -180,28 +191,93 @@ class Actor:
         """Scale the gradients by grad_scale (when not 1), clip them, take one AdamW step; the norm before
         clipping. With master weights the gradients move onto them first, and the stepped masters are
         rounded into the model's weights."""
-        trained = list(self.model.parameters())
-        if self.master is not None:
-            for p, m in zip(trained, self.master):
-                m.grad = None if p.grad is None else p.grad.to(m.dtype)
-                p.grad = None
-            trained = self.master
+        self.reduce_gradients()
+        trained = self.gradients_onto_trained()
         if grad_scale != 1.0:
             for p in trained:
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trained, self.max_grad_norm)
+        grad_norm = self.clip(trained)
         self.optimizer.step()
         self.schedule.step()
-        if self.master is not None:
-            with torch.no_grad():
-                for p, m in zip(self.model.parameters(), self.master):
-                    p.copy_(m)
+        self.publish()
         return float(grad_norm)
+
+    def reduce_gradients(self) -> None:
+        """Sum the gradients over the ranks that share the step's batch: none on one process."""
+
+    def gradients_onto_trained(self) -> list[torch.Tensor]:
+        """The tensors the optimizer steps, holding this step's gradients."""
+        if self.master is None:
+            return list(self.model.parameters())
+        for p, m in zip(self.model.parameters(), self.master):
+            m.grad = None if p.grad is None else p.grad.to(m.dtype)
+            p.grad = None
+        return self.master
+
+    def clip(self, trained: list[torch.Tensor]) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(trained, self.max_grad_norm)
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """The stepped tensors into the model's weights (master weights rounded once)."""
+        if self.master is not None:
+            for p, m in zip(self.model.parameters(), self.master):
+                p.copy_(m)
+
+    @property
+    def has_master(self) -> bool:
+        return self.master is not None
+
+    # Checkpoints hold full tensors per parameter name, whatever the layout that wrote them.
+    def to_full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of trained tensor `name` (or of its optimizer state) -> the full tensor."""
+        return tensor
+
+    def to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The full tensor of `name` -> this rank's part."""
+        return full
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The model's weights in the Hugging Face layout, whole."""
+        return self.model.hf_state_dict()
+
+    def optimizer_state(self) -> dict:
+        """AdamW's state as full tensors per parameter name, the learning rate, the schedule."""
+        per_name = {}
+        for name, p in self.trained.items():
+            state = self.optimizer.state.get(p)
+            if state:
+                per_name[name] = {k: v.detach().cpu().clone() if k == "step" else self.to_full(name, v).detach().cpu()
+                                  for k, v in sorted(state.items())}
+        return {"params": per_name, "lr": [g["lr"] for g in self.optimizer.param_groups],
+                "schedule": self.schedule.state_dict()}
+
+    def load_optimizer_state(self, saved: dict) -> None:
+        for name, p in self.trained.items():
+            if name in saved["params"]:
+                self.optimizer.state[p] = {
+                    k: v.clone() if k == "step" else self.to_local(name, v).to(device=p.device, dtype=p.dtype).clone()
+                    for k, v in saved["params"][name].items()}
+        for group, lr in zip(self.optimizer.param_groups, saved["lr"]):
+            group["lr"] = lr
+        self.schedule.load_state_dict(saved["schedule"])
+
+    def master_state(self) -> dict[str, torch.Tensor] | None:
+        if self.master is None:
+            return None
+        return {name: self.to_full(name, t).detach().cpu() for name, t in self.trained.items()}
+
+    @torch.no_grad()
+    def load_master_state(self, saved: dict[str, torch.Tensor]) -> None:
+        for name, t in self.trained.items():
+            t.copy_(self.to_local(name, saved[name]))
+        self.publish()
 
     def update(self, loss: torch.Tensor) -> float:
         """One AdamW step on a loss whose graph is already built (the whole batch in one backward)."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         loss.backward()
         return self.step()
 

@@ -2,7 +2,7 @@
 
     step_N/config.json, model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json
     step_N/trainer_state.json   step, sampler cursor, ExecutionSpec hash, config hash, config, model config
-    step_N/trainer_state.pt     AdamW state, LR schedule, RNG states (torch CPU, Python random, CUDA)
+    step_N/trainer_state.pt     AdamW state (full tensors per parameter name: any layout resumes it), LR schedule, RNG
 
 The whole directory is written under a temporary name and renamed into place, so a run killed at
 any moment leaves only complete step_N directories; a leftover `.step_N.tmp-*` is never read.
@@ -21,22 +21,24 @@ from pathlib import Path
 import torch
 
 from onepath.config import RunConfig
-from onepath.models.checkpoint import _move_into_place, save_checkpoint
+from onepath.models.checkpoint import atomic_directory, save_checkpoint
+from onepath.train.data import read_jsonl
 
 STATE_JSON = "trainer_state.json"
 STATE_PT = "trainer_state.pt"
 STEP_DIR = re.compile(r"step_(\d+)")
 LEFTOVER = re.compile(r"\.+(step_\d+|metrics\.jsonl)\..*(tmp|old)-")
-# Settings a resumed run may change: how far to go, what to keep, where the run lives and where it
-# logs, the engine's capacity knobs, which move no bit in consistent mode (batch invariance and phase
-# consistency are the contract), and activation recomputation, which moves no bit of the forward or
-# the gradients. train.micro_batch_tokens is not among them: it changes the gradients' summation order.
+# Settings a resumed run may change: how far to go, what to keep, where the run lives and logs, the
+# engine's capacity knobs (batch invariance and phase consistency: no bit moves), activation
+# recomputation (no bit of the forward or the gradients moves) and, by design, the parallel layouts
+# (the state is held as full tensors per name; a layout moves no forward bit, only the gradients'
+# summation order). train.micro_batch_tokens is not among them: it changes that order within a rank.
 MAY_CHANGE = frozenset({
     "out", "mode", "train.steps", "train.save_every", "train.keep_last", "train.log_every",
     "train.val_every", "train.val_temperature", "data.val_path", "train.recompute",
     "logger.wandb", "logger.project", "logger.name",
     "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.num_blocks", "rollout.prefill_chunk_size",
-    "rollout.gpu_memory_utilization", "rollout.cuda_graphs"})
+    "rollout.gpu_memory_utilization", "rollout.cuda_graphs", "parallel.rollout", "parallel.trainer"})
 
 
 def complete_steps(run_dir: Path) -> list[int]:
@@ -58,16 +60,11 @@ def latest(run_dir: Path) -> Path | None:
 
 def save(run_dir: Path, step: int, weights: dict, setup, state: dict, tensors: dict, keep_last: int) -> Path:
     """Write step_N atomically (temporary directory, then rename), then delete all but the last keep_last."""
-    tmp = run_dir / f".step_{step}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
+    path = run_dir / f"step_{step}"
+    with atomic_directory(path) as tmp:
         save_checkpoint(tmp, weights, setup.model_config, setup.tokenizer, setup.tokenizer_config)
         torch.save(tensors, tmp / STATE_PT)
         (tmp / STATE_JSON).write_text(json.dumps(state, indent=2) + "\n")
-        path = run_dir / f"step_{step}"
-        _move_into_place(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for old in complete_steps(run_dir)[:-keep_last]:
         _remove(run_dir / f"step_{old}")
     return path
@@ -156,19 +153,7 @@ def rewind_metrics(run_dir: Path, step: int) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    lines = path.read_text().splitlines()
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if number == len(lines):
-                break  # the line a kill cut short
-            raise ValueError(f"{path}:{number}: not a JSON line ({e.msg}): fix or delete the line") from None
-        if record.get("step", 0) <= step:
-            records.append(record)
+    records = [record for _, record in read_jsonl(path, cut_short_last=True) if record.get("step", 0) <= step]
     tmp = path.with_name(f".metrics.jsonl.tmp-{uuid.uuid4().hex[:8]}")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
     os.replace(tmp, path)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from onepath.tasks.rows import prompt_text
+
 SUPPORTED = (".parquet", ".jsonl", ".json")
 
 
@@ -40,17 +42,26 @@ def _read_json(path: Path):
             return json.loads(text), None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
-    rows, lines = [], []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    numbered = read_jsonl(path)
+    return [row for _, row in numbered], [number for number, _ in numbered]
+
+
+def read_jsonl(path: Path, cut_short_last: bool = False) -> list[tuple[int, object]]:
+    """(line number, value) of every non-blank line of a JSON-lines file. cut_short_last: a last line that
+    does not parse (what a run killed mid-write leaves) is dropped instead of refused."""
+    lines = Path(path).read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            records.append((number, json.loads(line)))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: malformed JSON on line {lineno} ({e.msg}): "
-                             f"{line[:80]!r}; fix or delete the line") from None
-        lines.append(lineno)
-    return rows, lines
+            if cut_short_last and number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON line ({e.msg}): {line[:80]!r}; "
+                             "fix or delete the line") from None
+    return records
 
 
 def _validate(row, where: str):
@@ -69,17 +80,6 @@ def _validate(row, where: str):
         raise ValueError(f"{where} has a missing or empty prompt ({prompt!r}): give it a "
                          "non-empty string or a list of {'role', 'content'} messages, "
                          "or drop the row")
-
-
-def prompt_text(row: dict) -> str:
-    """The prompt as one string: a chat list's contents concatenated, roles dropped.
-
-    v1 applies no chat template; a model that needs one gets its prompts pre-rendered.
-    """
-    prompt = row["prompt"]
-    if isinstance(prompt, str):
-        return prompt
-    return "".join(message["content"] for message in prompt)
 
 
 def reward_kwargs(row: dict) -> dict:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from onepath.train.data import read_jsonl
+
 # (metric, header, width): the console row; every metric still goes to metrics.jsonl and TensorBoard.
 CONSOLE_COLUMNS = (
     ("step", "step", 6),
@@ -105,16 +107,7 @@ def read_metrics(path) -> list[dict]:
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not a JSON line ({e.msg}); "
-                             "a run killed mid-write leaves a partial last line, delete it") from None
-    return records
+    return [record for _, record in read_jsonl(path)]
 
 
 class Timer:

@@ -3,6 +3,9 @@
 One update per step (step batch = mini-batch), so the trainer's weights are the weights that
 sampled, and in consistent mode every diff metric is exactly 0 before every update.
 
+The same loop runs on one process or on N started by torchrun, the rollout and trainer layouts
+chosen by RunConfig.parallel (train/parallel.py; docs/training.md).
+
 Old log-probs (train.old_logprob): the update's own forward runs with grad on every step; on a
 verified step its detached values are the old log-probs and are diffed against the rollout's (no
 second forward), on other steps the rollout's log-probs are the old ones. In consistent mode the two
@@ -28,8 +31,10 @@ import hashlib
 import json
 import random
 import resource
+import tempfile
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -37,11 +42,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from onepath.config import RunConfig, dump_yaml
-from onepath.consistency.diff import rollout_diff
+from onepath.config import RunConfig, dump_yaml, engine_settings, sampling_params
+from onepath.numerics.diff import rollout_diff
 from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
-from onepath.engine.scheduler import SchedulerConfig
 from onepath.models import build_decoder
 from onepath.models.checkpoint import load_config, load_state_dict, load_tokenizer, load_tokenizer_config, save_checkpoint
 from onepath.models.config import ModelConfig
@@ -52,11 +56,12 @@ from onepath.ops import Ops
 from onepath.tasks import arithmetic
 from onepath.tasks.calculator import CalculatorEnv
 from onepath.train import checkpoint
-from onepath.train.actor import Actor, Responses
+from onepath.train.actor import Responses
 from onepath.train.data import PromptSampler, load_rows, prompt_text, reward_kwargs
 from onepath.train.episodes import episode_metrics, episode_responses, masked_logprobs, run_episodes
 from onepath.train.grpo import group_advantages, policy_loss, rollout_correction
 from onepath.train.metrics import MetricsLogger, Timer, require_wandb
+from onepath.train.parallel import ACTORS, World, generate_in_lockstep, sync_weights
 from onepath.train.rewards import get_reward, overlong_penalty
 from onepath.train.warm_start import warm_start
 
@@ -83,7 +88,19 @@ def build_model(model_config: ModelConfig, spec: ExecutionSpec, max_positions: i
     return model
 
 
-def prepare(cfg: RunConfig, out: Path, progress: bool = True) -> Setup:
+def prepare(cfg: RunConfig, out: Path, progress: bool = True, world: World = World()) -> Setup:
+    """On several processes rank 0 prepares first (it writes the data files and the warm start);
+    the others then read its warm start and write their copy of the embedded data aside."""
+    if world.size > 1 and not world.first:
+        world.barrier()
+        with tempfile.TemporaryDirectory() as scratch:
+            return _prepare(cfg, out, False, Path(scratch))
+    setup = _prepare(cfg, out, progress, out / "data")
+    world.barrier()
+    return setup
+
+
+def _prepare(cfg: RunConfig, out: Path, progress: bool, data_dir: Path) -> Setup:
     if cfg.logger.wandb:
         require_wandb()  # before the warm start, not after it
     torch.manual_seed(cfg.train.seed)
@@ -92,7 +109,7 @@ def prepare(cfg: RunConfig, out: Path, progress: bool = True) -> Setup:
         train_rows = load_rows(cfg.data.train_path)
         test_rows = load_rows(cfg.data.val_path) if cfg.data.val_path else []
     else:
-        train_path, test_path = arithmetic.write_dataset(out / "data", cfg.data.seed, cfg.data.n_train, cfg.data.n_test,
+        train_path, test_path = arithmetic.write_dataset(data_dir, cfg.data.seed, cfg.data.n_train, cfg.data.n_test,
                                                          max_operand=cfg.data.max_operand)
         train_rows, test_rows = load_rows(train_path), (load_rows(test_path) if cfg.data.n_test else [])
     if cfg.model.path:
@@ -150,10 +167,17 @@ def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos
 
 class GRPOTrainer:
     """`resume`: continue from the latest complete run_dir/step_N (weights into policy and engine,
-    optimizer, LR schedule, RNG, sampler cursor, step); with none there, start at step 1."""
+    optimizer, LR schedule, RNG, sampler cursor, step); with none there, start at step 1.
 
-    def __init__(self, cfg: RunConfig, mode: str, setup: Setup, run_dir: Path, resume: bool = False):
-        self.cfg, self.setup, self.run_dir = cfg, setup, run_dir
+    `world`: this process's rank and the layouts (train/parallel.py); every rank runs this same loop.
+    Rollout ranks sample their share of the prompts, every rank then holds every response; trainer
+    ranks train on theirs and every rank then holds every log-prob, so the diff and the metrics are
+    computed over all valid tokens in the batch's order, exactly as on one process. Rank 0 alone
+    writes metrics, checkpoints and the run files."""
+
+    def __init__(self, cfg: RunConfig, mode: str, setup: Setup, run_dir: Path, resume: bool = False,
+                 world: World = World()):
+        self.cfg, self.setup, self.run_dir, self.world = cfg, setup, run_dir, world
         self.spec = ExecutionSpec.default(mode, cfg.device, quant=cfg.quant)
         found = checkpoint.latest(run_dir)
         if found is not None and not resume:
@@ -165,87 +189,120 @@ class GRPOTrainer:
             checkpoint.check_compatible(found, saved[0], self.spec, setup.model_config.to_dict(), cfg)
             self.start, init_state = saved[0]["step"], load_state_dict(found)
         elif resume:
-            tqdm.write(f"[{mode}] --resume: no complete step_N checkpoint in {run_dir}, starting at step 1")
-        max_len = cfg.rollout.max_model_len
-        self.policy = build_model(setup.model_config, self.spec, max_len, init_state)
-        engine_model = build_model(setup.model_config, self.spec, max_len, init_state)
-        check_same_spec(engine_model.ops.spec, self.policy.ops.spec)
-        r = cfg.rollout
+            self.say(f"[{mode}] --resume: no complete step_N checkpoint in {run_dir}, starting at step 1")
+        max_len, r, t = cfg.rollout.max_model_len, cfg.rollout, cfg.train
         # MoE: the engine records its routing, the trainer compares it with its own (moe/routing_agreement)
         self.routing_check = setup.model_config.is_moe and r.env is None
-        self.engine = LLMEngine(engine_model, num_blocks=r.num_blocks, block_size=r.block_size,
-                                scheduler=SchedulerConfig(r.max_num_seqs, r.max_num_batched_tokens, max_len,
-                                                          r.prefill_chunk_size),
-                                eos_token_ids=setup.eos_token_ids, tokenizer=setup.tokenizer,
-                                gpu_memory_utilization=r.gpu_memory_utilization, cuda_graphs=r.cuda_graphs,
-                                record_routing=self.routing_check)
-        t = cfg.train
-        self.actor = Actor(self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm, t.lr_warmup_steps,
-                           recompute=t.recompute, master_dtype=DTYPES[t.master_dtype] if t.master_dtype else None)
+        self.engine = self.policy = self.actor = None
+        if world.has_engine:
+            engine_model = build_model(setup.model_config, self.spec, max_len, init_state)
+            settings = engine_settings(cfg)
+            if world.rollout == "ep":
+                # an EP forward's all-to-alls take their split sizes from the host: no CUDA graphs around them
+                engine_model.expert_parallel()
+                settings["cuda_graphs"] = False
+            self.engine = LLMEngine(engine_model, **settings, eos_token_ids=setup.eos_token_ids,
+                                    tokenizer=setup.tokenizer, record_routing=self.routing_check)
+        if world.trains:
+            self.policy = build_model(setup.model_config, self.spec, max_len, init_state)
+            self.actor = ACTORS[world.trainer](
+                self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm, t.lr_warmup_steps,
+                recompute=t.recompute, master_dtype=DTYPES[t.master_dtype] if t.master_dtype else None)
+        if self.engine is not None and self.policy is not None:
+            check_same_spec(self.engine.model.ops.spec, self.policy.ops.spec)
+        # every rank walks the same weight names in the sync (a rank with neither side walks none)
+        holder = self.policy if self.policy is not None else self.engine.model if self.engine is not None else None
+        self.names = [name for name, _ in holder.named_parameters()] if holder is not None else []
         self.sampler = PromptSampler(setup.train_rows, seed=t.seed)
         self.env = CalculatorEnv(setup.tokenizer, setup.eos_token_ids) if r.env == "calculator" else None
         # on CUDA a phase ends when its kernels do, not when they are queued
         self.timer = Timer(sync=torch.cuda.synchronize if cfg.device == "cuda" else None)
         if saved is not None:
             self.restore(*saved)
-            tqdm.write(f"[{mode}] resumed from {found} (step {self.start} of {t.steps})")
+            self.say(f"[{mode}] resumed from {found} (step {self.start} of {t.steps})")
+
+    def say(self, line: str) -> None:
+        if self.world.first:
+            tqdm.write(line)
 
     def state(self, step: int) -> tuple[dict, dict]:
-        """Everything besides the weights that the next step depends on: (JSON part, tensor part).
-        The engine needs none: sampling seeds and request ids are functions of the step."""
+        """Everything besides the weights that the next step depends on: (JSON part, tensor part), in
+        a form no layout owns (full tensors per parameter name), so any layout may resume it. The
+        engine needs none: sampling seeds and request ids are functions of the step."""
         state = {"step": step, "spec_hash": self.spec.hash(), "spec": self.spec.to_dict(),
                  "config_hash": checkpoint.config_hash(self.cfg), "config": self.cfg.to_dict(),
                  "model_config": self.setup.model_config.to_dict(), "sampler": self.sampler.state_dict()}
-        tensors = {"optimizer": self.actor.optimizer.state_dict(), "schedule": self.actor.schedule.state_dict(),
-                   "rng": checkpoint.rng_state(self.cfg.device)}
-        if self.actor.master is not None:  # the weights the HF checkpoint holds are these, rounded
-            tensors["master"] = [m.detach().cpu() for m in self.actor.master]
+        tensors = {"optimizer": self.actor.optimizer_state(), "rng": checkpoint.rng_state(self.cfg.device)}
+        master = self.actor.master_state()
+        if master is not None:  # the weights the HF checkpoint holds are these, rounded
+            tensors["master"] = master
         return state, tensors
 
     def restore(self, state: dict, tensors: dict):
-        if self.actor.master is not None:
+        self.sampler.load_state_dict(state["sampler"])
+        checkpoint.set_rng_state(tensors["rng"])
+        if self.actor is None:
+            return
+        if self.actor.has_master:
             if "master" not in tensors:
                 raise ValueError("the checkpoint holds no master weights but train.master_dtype is set: resume "
                                  "with the run's own train.master_dtype")
-            with torch.no_grad():
-                for m, saved in zip(self.actor.master, tensors["master"]):
-                    m.copy_(saved)
-        self.actor.optimizer.load_state_dict(tensors["optimizer"])
-        self.actor.schedule.load_state_dict(tensors["schedule"])
-        self.sampler.load_state_dict(state["sampler"])
-        checkpoint.set_rng_state(tensors["rng"])
+            self.actor.load_master_state(tensors["master"])
+        self.actor.load_optimizer_state(tensors["optimizer"])
 
-    def save(self, step: int) -> Path:
-        return checkpoint.save(self.run_dir, step, self.policy.hf_state_dict(), self.setup, *self.state(step),
+    def save(self, step: int) -> Path | None:
+        """Every trainer rank gives its part (fsdp and ep gather), rank 0 writes step_N."""
+        if self.actor is None:
+            return None
+        weights, (state, tensors) = self.actor.full_weights(), self.state(step)
+        if not self.world.first:
+            return None
+        return checkpoint.save(self.run_dir, step, weights, self.setup, state, tensors,
                                keep_last=self.cfg.train.keep_last)
 
     def params(self, step: int) -> SamplingParams:
-        r = self.cfg.rollout
         # a multi-turn policy calls the calculator by ending its turn with "="
         stop = (self.setup.tokenizer.token_to_id("="),) if self.env is not None else ()
-        return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens,
-                              stop_token_ids=tuple(t for t in stop if t is not None), seed=r.seed * 1_000_003 + step)
+        return sampling_params(self.cfg, self.cfg.rollout.seed * 1_000_003 + step,
+                               stop_token_ids=tuple(t for t in stop if t is not None))
 
     def prompts(self, rows, n: int) -> list[list[int]]:
         return [self.setup.tokenizer.encode(prompt_text(row)).ids for row in rows for _ in range(n)]
 
     def generate(self, rows, params: SamplingParams, ids: list[int], n: int, what: str):
-        outputs = self.engine.generate(self.prompts(rows, n), params, request_ids=ids)
+        """Every output, in order, on every rank; each rollout rank samples its share of the prompts."""
+        prompts = self.prompts(rows, n)
+        mine = self.world.rollout_share(len(prompts), n)
+        local = []
+        if self.engine is not None:
+            generate = generate_in_lockstep if self.world.rollout == "ep" else LLMEngine.generate
+            local = generate(self.engine, [prompts[i] for i in mine], params, [ids[i] for i in mine])
+        if self.world.size == 1:
+            outputs = local
+        else:
+            rows_out = sorted((row for part in self.world.gather(list(zip(mine, local))) for row in part),
+                              key=lambda row: row[0])
+            outputs = [o for _, o in rows_out]
         failed = [o for o in outputs if o.error]
         if failed:
             raise RuntimeError(f"{len(failed)} {what} requests failed, first: {failed[0].error}")
         return outputs
 
+    def generated_tokens(self) -> int:
+        """Tokens the engines have generated so far, over every rank."""
+        own = self.engine.stats.generated_tokens if self.engine is not None else 0
+        return sum(self.world.gather(own))
+
     def rollout(self, rows, step) -> tuple[Responses, list[str], dict]:
         """Responses, the completion texts the reward reads, and rollout metrics."""
         n, params = self.cfg.rollout.n, self.params(step)
         ids = [step * 1_000_000 + i for i in range(len(rows) * n)]
-        stats = self.engine.stats
-        start_tokens, start_cached = stats.generated_tokens, stats.cached_tokens
+        start_tokens = self.generated_tokens()
         with self.timer("gen"):
             if self.env is None:
                 outputs = self.generate(rows, params, ids, n, "rollout")
             else:
+                start_cached = self.engine.stats.cached_tokens
                 episodes = run_episodes(self.engine, self.prompts(rows, n), self.env, params,
                                         self.cfg.rollout.max_turns, episode_ids=ids)
         if self.env is None:
@@ -257,8 +314,9 @@ class GRPOTrainer:
         else:
             responses = episode_responses(episodes, params)
             texts = [e.reward_info.get("answer", "") for e in episodes]
-            metrics = {**episode_metrics(episodes), "perf/prefix_cache_hit_tokens": stats.cached_tokens - start_cached}
-        metrics["generated_tokens"] = stats.generated_tokens - start_tokens
+            metrics = {**episode_metrics(episodes),
+                       "perf/prefix_cache_hit_tokens": self.engine.stats.cached_tokens - start_cached}
+        metrics["generated_tokens"] = self.generated_tokens() - start_tokens
         return responses, texts, metrics
 
     def decode(self, outputs) -> list[str]:
@@ -296,24 +354,14 @@ class GRPOTrainer:
             rewards = self.score(rows, texts, lengths.tolist(), self.cfg.rollout.n)
         advantages = group_advantages(rewards, self.cfg.rollout.n, t.norm_adv_by_std)
         verify = self.verifies(step)
-        device = self.policy.device
-        mask, rollout_logprobs = responses.mask.to(device), responses.rollout_logprobs.to(device)
-        advantages_on = advantages.to(device)
         valid_tokens = float(responses.mask.sum())
-
-        def loss_fn(rows, logprobs):
-            # a verified step's old log-probs are this forward's own values (detached): no second forward
-            old = logprobs.detach() if verify else rollout_logprobs[rows]
-            weights, keep, _ = rollout_correction(old, rollout_logprobs[rows], mask[rows], t.rollout_is,
-                                                  t.rollout_is_threshold, t.rollout_rs, t.rollout_rs_threshold)
-            return policy_loss(logprobs, old, advantages_on[rows], keep, t.clip_ratio, weights, count=valid_tokens)
-
-        forward = self.actor.logprobs if self.env is None else partial(masked_logprobs, self.actor)
-        self.actor.routing = [] if responses.routing is not None else None
-        logprobs, entropy, pg = self.actor.backward(responses, loss_fn, t.micro_batch_tokens, forward, self.timer,
-                                                    "old_logprob" if verify else "update")
-        routing = {} if self.actor.routing is None else routing_agreement(responses.routing, self.actor.routing)
-        self.actor.routing = None
+        share = self.world.trainer_share(len(responses.prompt_ids), self.cfg.rollout.n)
+        local = self.train_forward_backward(responses.select(share), advantages[share], valid_tokens, verify)
+        logprobs, entropy, pg, routing = self.gathered(share, local, responses)
+        device = self.policy.device if self.policy is not None else torch.device("cpu")
+        mask, rollout_logprobs = responses.mask.to(device), responses.rollout_logprobs.to(device)
+        logprobs, entropy = logprobs.to(device), entropy.to(device)
+        routing = {} if routing is None else routing_agreement(responses.routing, routing)
         with self.timer("old_logprob" if verify else "update"):
             old = logprobs if verify else rollout_logprobs
             metrics = rollout_diff(rollout_logprobs, old, mask) if verify else {}
@@ -322,10 +370,10 @@ class GRPOTrainer:
                                                       t.rollout_is_threshold, t.rollout_rs, t.rollout_rs_threshold)
             # the losses were token-means over every valid token; MIS leaves fewer in the mean
             scale = valid_tokens / max(float(keep.sum()), 1.0)
-            grad_norm = self.actor.step(grad_scale=scale)
+            grad_norm = self.actor.step(grad_scale=scale) if self.actor is not None else 0.0
             pg = {key: value * scale for key, value in pg.items()}
         with self.timer("sync"):
-            self.engine.update_weights(self.policy.named_parameters())
+            sync_weights(self.engine, self.actor, self.world, self.names)
         metrics.update(corrections)
         metrics.update(routing)
         metrics.update(pg)
@@ -339,16 +387,62 @@ class GRPOTrainer:
         })
         return metrics
 
+    def train_forward_backward(self, mine: Responses, advantages: torch.Tensor, valid_tokens: float,
+                               verify: bool) -> tuple:
+        """This rank's rows: forward and backward (gradients left for actor.step); (log-probs, entropies,
+        loss stats, routing) or None on a rank that does not train."""
+        if self.actor is None:
+            return None
+        t, device = self.cfg.train, self.policy.device
+        mask, rollout_logprobs = mine.mask.to(device), mine.rollout_logprobs.to(device)
+        advantages_on = advantages.to(device)
+
+        def loss_fn(rows, logprobs):
+            # a verified step's old log-probs are this forward's own values (detached): no second forward
+            old = logprobs.detach() if verify else rollout_logprobs[rows]
+            weights, keep, _ = rollout_correction(old, rollout_logprobs[rows], mask[rows], t.rollout_is,
+                                                  t.rollout_is_threshold, t.rollout_rs, t.rollout_rs_threshold)
+            return policy_loss(logprobs, old, advantages_on[rows], keep, t.clip_ratio, weights, count=valid_tokens)
+
+        forward = self.actor.logprobs if self.env is None else partial(masked_logprobs, self.actor)
+        self.actor.routing = [] if mine.routing is not None else None
+        logprobs, entropy, pg = self.actor.backward(mine, loss_fn, t.micro_batch_tokens, forward, self.timer,
+                                                    "old_logprob" if verify else "update")
+        routing, self.actor.routing = self.actor.routing, None
+        return logprobs, entropy, pg, routing
+
+    def gathered(self, share: list[int], local, responses: Responses):
+        """Every trainer rank's rows put back in the batch's order: log-probs and entropies [B, T], the
+        loss stats summed over the ranks, the trainer's routing per sequence (or None)."""
+        if self.world.size == 1:
+            return local
+        if local is not None:  # host copies: what crosses ranks as objects is device-free
+            lp, entropy, pg, routing = local
+            local = (lp.cpu(), entropy.cpu(), pg, None if routing is None else [x.cpu() for x in routing])
+        logprobs = torch.zeros(responses.mask.shape)
+        entropies = torch.zeros(responses.mask.shape)
+        routing, pg = ([None] * len(responses.prompt_ids) if responses.routing is not None else None), {}
+        for rows, part in self.world.gather((share, local)):
+            if part is None:
+                continue
+            logprobs[rows], entropies[rows] = part[0], part[1]
+            for key, value in part[2].items():
+                pg[key] = pg.get(key, 0.0) + value
+            if routing is not None:
+                for i, x in zip(rows, part[3]):
+                    routing[i] = x
+        return logprobs, entropies, pg, routing
+
     def validate(self, step: int) -> dict:
         """val/score: the mean reward of one sample per held-out row, under the weights this step trained."""
         r, t, rows = self.cfg.rollout, self.cfg.train, self.setup.test_rows
         start = time.perf_counter()
         temperature = r.temperature if t.val_temperature is None else t.val_temperature
-        params = SamplingParams(temperature=temperature, top_k=r.top_k, top_p=r.top_p, max_tokens=r.max_tokens,
-                                seed=self.params(step).seed)
+        params = sampling_params(self.cfg, self.params(step).seed, temperature=temperature)
         outputs = self.generate(rows, params, [-1 - i for i in range(len(rows))], 1, "evaluation")
         # the next rollout must find the prefix cache as the weight sync left it: empty
-        self.engine.block_manager.reset_prefix_cache()
+        if self.engine is not None:
+            self.engine.block_manager.reset_prefix_cache()
         rewards = self.score(rows, self.decode(outputs), [len(o.token_ids) for o in outputs], 1)
         length = sum(len(o.token_ids) for o in outputs) / len(outputs)
         return {"val/score": rewards.mean().item(), "val/response_length/mean": length,
@@ -373,22 +467,31 @@ class GRPOTrainer:
                 "config": {**self.cfg.to_dict(), "spec_hash": self.spec.hash()}}
 
     def run(self, progress: bool = True) -> list[dict]:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        dump_yaml(self.cfg, self.run_dir / "config.yaml")
-        (self.run_dir / "spec.json").write_text(json.dumps({"hash": self.spec.hash(), "spec": self.spec.to_dict()}, indent=2))
-        tqdm.write(f"[{self.spec.mode}] ExecutionSpec {self.spec.hash()} (engine and trainer)")
-        checkpoint.remove_leftovers(self.run_dir)
-        kept = checkpoint.rewind_metrics(self.run_dir, self.start)
-        history = [{k: v for k, v in r.items() if k != "step"} for r in kept]
+        """The steps from the one after the checkpoint to train.steps; each step's metrics (on rank 0
+        the run's, on the others the same but for the timings)."""
+        first = self.world.first
+        progress = progress and first
+        history = []
+        if first:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            dump_yaml(self.cfg, self.run_dir / "config.yaml")
+            (self.run_dir / "spec.json").write_text(json.dumps({"hash": self.spec.hash(), "spec": self.spec.to_dict()},
+                                                               indent=2))
+            tqdm.write(f"[{self.spec.mode}] ExecutionSpec {self.spec.hash()} (engine and trainer)")
+            checkpoint.remove_leftovers(self.run_dir)
+            kept = checkpoint.rewind_metrics(self.run_dir, self.start)
+            history = [{k: v for k, v in r.items() if k != "step"} for r in kept]
         t = self.cfg.train
-        with MetricsLogger(self.run_dir, console=progress, purge_step=self.start + 1 if self.start else None,
-                           wandb=self.wandb_settings(), console_every=t.log_every) as logger:
+        logger = MetricsLogger(self.run_dir, console=progress, purge_step=self.start + 1 if self.start else None,
+                               wandb=self.wandb_settings(), console_every=t.log_every) if first else nullcontext()
+        with logger:
             for step in tqdm(range(self.start + 1, t.steps + 1), desc=self.spec.mode, disable=not progress, leave=False,
                              initial=self.start, total=t.steps):
                 metrics = self.step(step)
                 if self.validates(step):
                     metrics.update(self.validate(step))
-                logger.log(step, metrics)
+                if first:
+                    logger.log(step, metrics)
                 history.append(metrics)
                 if step == t.steps or (t.save_every and step % t.save_every == 0):
                     self.save(step)

@@ -11,11 +11,11 @@ from tqdm import tqdm
 
 from onepath.models.batch import ForwardBatch
 from onepath.models.dense import DenseDecoder
-from onepath.models.kv_cache import KVCache
+from onepath.models.kv_cache import BLOCK_SIZE, KVCache
 
 
 def warm_start(model: DenseDecoder, examples: list[tuple[list[int], list[int]]], steps: int, batch_size: int,
-               lr: float, seed: int, block_size: int = 16, progress: bool = True) -> list[float]:
+               lr: float, seed: int, block_size: int = BLOCK_SIZE, progress: bool = True) -> list[float]:
     g = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))

@@ -10,7 +10,7 @@ Planted defects (Ops subclasses given through the gates' ops_factory hook, or a 
   C7 a wrong backward: linear's reference gradient scaled by 1.01 (forward values untouched);
   C8, C9 a stale weight: the engine's weight sync skips one parameter;
   C4's graph-vs-eager part: an engine asked for CUDA graphs that replays none (a CPU engine posing as CUDA).
-The same gates on the GPU, with their controls there: tests/gpu/test_gates_gpu.py.
+The same gates on the GPU, with their controls there: tests/consistency/test_gates_gpu.py.
 """
 import json
 
@@ -239,3 +239,15 @@ def test_cli_backend_flag_and_repro_dir(tmp_path, capsys):
     case = json.loads((tmp_path / "C3" / "case.json").read_text())
     assert case["op"] == "linear" and case["a"]["ops_class"] == ops
     assert (tmp_path / "C3" / "repro.py").is_file()
+
+
+def test_c0_knows_the_spec_entry_of_every_ops_method():
+    """C0 flags a call it cannot place in the ExecutionSpec: each Ops method a model calls (Qwen3's fused QK-norm
+    and RoPE on CUDA, the MoE router and experts) names its entry, or is a query that computes nothing. softmax and
+    sigmoid (the MoE router's and shared-expert gate's FP32 math) have no entry yet and stay flagged."""
+    import inspect
+
+    from onepath.consistency.gates.inventory import OP_SPEC, QUERIES
+    from onepath.numerics.spec import OPS
+    methods = {name for name, _ in inspect.getmembers(Ops) if not name.startswith("_")} - set(QUERIES)
+    assert sorted(m for m in methods if OP_SPEC.get(m, m) not in OPS) == ["sigmoid", "softmax"]

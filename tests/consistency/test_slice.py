@@ -64,7 +64,8 @@ def load_ours(path) -> DenseDecoder:
 
 def by_hand(full: DenseDecoder, start: int, count: int) -> DenseDecoder:
     """A DenseDecoder of `count` layers whose modules are copies of the full model's from `start` on."""
-    config = replace(full.config, num_hidden_layers=count)
+    layer_types = full.config.layer_types and full.config.layer_types[start:start + count]
+    config = replace(full.config, num_hidden_layers=count, layer_types=layer_types)
     model = consistent(config)
     with torch.no_grad():
         model.model.embed_tokens.load_state_dict(full.model.embed_tokens.state_dict())
@@ -92,10 +93,10 @@ def test_slice_equals_the_layers_it_cut(tmp_path, capsys, kind, sharded):
     assert "every kind of layer in the model is in the slice (1)" in printed
 
     full_cfg, cfg = load_config(full_path), load_config(out)
-    assert cfg == replace(full_cfg, num_hidden_layers=LAYERS,
-                                   extra={**full_cfg.extra, **({"layer_types": ["full_attention"] * LAYERS,
-                                                                "max_window_layers": LAYERS}
-                                                               if kind == "qwen3" else {})})
+    resliced = {"layer_types": ["full_attention"] * LAYERS, "max_window_layers": LAYERS} if kind == "qwen3" else {}
+    named = {k: v for k, v in resliced.items() if hasattr(full_cfg, k)}  # ModelConfig's fields; the rest in extra
+    assert cfg == replace(full_cfg, num_hidden_layers=LAYERS, **named,
+                          extra={**full_cfg.extra, **{k: v for k, v in resliced.items() if k not in named}})
     full_state, state = load_state_dict(full_path), load_state_dict(out)
     want = {}
     for key, t in full_state.items():

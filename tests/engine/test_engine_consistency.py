@@ -3,23 +3,13 @@ position in it, chunked prefill, or preemption. Each claim runs on the baseline 
 which must show a difference (negative control)."""
 import torch
 
-from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
-from onepath.engine.scheduler import SchedulerConfig
+from tests.engine.engines import chunking_runs, engine, same
 from tests.tiny import random_prompts, tiny_model
 
 PARAMS = [SamplingParams(max_tokens=24, seed=5),
           SamplingParams(max_tokens=24, temperature=0.7, top_k=9, seed=6),
           SamplingParams(max_tokens=24, temperature=1.3, top_p=0.8, seed=7)]
-
-
-def engine(model, **scheduler):
-    return LLMEngine(model, num_blocks=scheduler.pop("num_blocks", 128), block_size=16,
-                     scheduler=SchedulerConfig(max_model_len=128, **scheduler))
-
-
-def same(a, b) -> bool:
-    return a.token_ids == b.token_ids and torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
 
 
 def alone_vs_batches(mode: str) -> list[bool]:
@@ -53,26 +43,17 @@ def test_negative_control_baseline_depends_on_the_batch():
     assert not all(alone_vs_batches("baseline"))
 
 
-def chunking_runs(mode: str):
-    model = tiny_model(mode, seed=3)
-    gen = torch.Generator().manual_seed(5)
-    prompts = random_prompts(gen, 5, low=40, high=60)
-    ids = list(range(len(prompts)))
-    reference = engine(model).generate(prompts, PARAMS[0], request_ids=ids)
-    variants = [engine(model, prefill_chunk_size=c).generate(prompts, PARAMS[0], request_ids=ids) for c in (1, 7, 64)]
-    # a tiny cache forces preemption: the victims' tokens are recomputed by a fresh prefill
-    small = engine(model, num_blocks=9)
-    variants.append(small.generate(prompts, PARAMS[0], request_ids=ids))
-    assert small.scheduler.num_preemptions > 0
-    return [all(same(r, v) for r, v in zip(reference, out)) for out in variants]
+def chunks_agree(mode: str) -> list[bool]:
+    prompts = random_prompts(torch.Generator().manual_seed(5), 5, low=40, high=60)
+    return chunking_runs(tiny_model(mode, seed=3), prompts, PARAMS[0], chunks=(1, 7, 64), small_cache=9)
 
 
 def test_prefill_chunked_prefill_decode_and_preemption_agree():
-    assert all(chunking_runs("consistent"))
+    assert all(chunks_agree("consistent"))
 
 
 def test_negative_control_baseline_depends_on_chunking():
-    assert not all(chunking_runs("baseline"))
+    assert not all(chunks_agree("baseline"))
 
 
 def test_bad_requests_fail_alone_and_the_others_finish():

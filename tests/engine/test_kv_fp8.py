@@ -7,17 +7,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from onepath.consistency.diff import is_exact, rollout_diff
 from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.batch import ForwardBatch, SeqChunk
 from onepath.models.dense import DenseDecoder
 from onepath.models.kv_cache import KVCache
+from onepath.numerics.diff import is_exact, rollout_diff
 from onepath.numerics.quant import FP8Tensor
 from onepath.numerics.spec import FP8_KV, ExecutionSpec
 from onepath.ops import Ops
 from onepath.train.actor import Actor, Responses
+from tests.engine.engines import chunking_runs, engine, same
 from tests.tiny import random_prompts, tiny_config
 
 PARAMS = [SamplingParams(max_tokens=16, seed=5), SamplingParams(max_tokens=16, temperature=0.7, top_k=9, seed=6),
@@ -30,15 +31,6 @@ def fp8_model(quant: str | None = "fp8_kv", mode: str = "consistent", seed: int 
     model = DenseDecoder(tiny_config(**overrides), Ops(spec), max_positions=max_positions)
     model.init_weights(seed, std=std)
     return model
-
-
-def engine(model, **scheduler):
-    return LLMEngine(model, num_blocks=scheduler.pop("num_blocks", 64), block_size=16,
-                     scheduler=SchedulerConfig(max_model_len=128, **scheduler))
-
-
-def same(a, b) -> bool:
-    return a.token_ids == b.token_ids and torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
 
 
 def test_cache_is_fp8_codes_and_per_token_head_scales():
@@ -76,25 +68,18 @@ def test_request_alone_equals_inside_batches():
         assert same(alone, inside), trial
 
 
-def chunking_runs(mode: str) -> list[bool]:
-    model = fp8_model(mode=mode, seed=3)
+def chunks_agree(mode: str) -> list[bool]:
     prompts = random_prompts(torch.Generator().manual_seed(5), 4, low=30, high=45)
-    ids = list(range(len(prompts)))
-    whole = engine(model).generate(prompts, PARAMS[0], request_ids=ids)
-    small = engine(model, num_blocks=7)  # a tiny cache forces preemption and recompute by prefill
-    runs = [engine(model, prefill_chunk_size=c).generate(prompts, PARAMS[0], request_ids=ids) for c in (1, 7)]
-    runs.append(small.generate(prompts, PARAMS[0], request_ids=ids))
-    assert small.scheduler.num_preemptions > 0
-    return [all(same(a, b) for a, b in zip(whole, run)) for run in runs]
+    return chunking_runs(fp8_model(mode=mode, seed=3), prompts, PARAMS[0], chunks=(1, 7), small_cache=7)
 
 
 def test_whole_prefill_chunked_prefill_decode_and_preemption_agree():
-    assert all(chunking_runs("consistent"))
+    assert all(chunks_agree("consistent"))
 
 
 def test_negative_control_baseline_depends_on_chunking():
     """The baseline's whole prefill attends to the fresh K/V, its chunks to the dequantised cache."""
-    assert not all(chunking_runs("baseline"))
+    assert not all(chunks_agree("baseline"))
 
 
 @torch.no_grad()

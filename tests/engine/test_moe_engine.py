@@ -24,11 +24,11 @@ def test_negative_control_baseline_depends_on_the_batch():
 
 
 def test_prefill_chunked_prefill_decode_and_preemption_agree():
-    assert all(dense.chunking_runs("consistent"))
+    assert all(dense.chunks_agree("consistent"))
 
 
 def test_negative_control_baseline_depends_on_chunking():
-    assert not all(dense.chunking_runs("baseline"))
+    assert not all(dense.chunks_agree("baseline"))
 
 
 def test_a_generation_runs_both_expert_layouts(monkeypatch):

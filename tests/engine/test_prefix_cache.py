@@ -5,25 +5,15 @@ import pytest
 import torch
 
 from onepath.engine.block_manager import BlockManager
-from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import Scheduler, SchedulerConfig
 from onepath.engine.sequence import Sequence
+from tests.engine.engines import engine, same
 from tests.tiny import random_prompts, tiny_model
 
 PARAMS = [SamplingParams(max_tokens=12, seed=5),
           SamplingParams(max_tokens=12, temperature=0.7, top_k=9, seed=6),
           SamplingParams(max_tokens=12, temperature=1.3, top_p=0.8, seed=7)]
-
-
-def engine(model, enable_prefix_caching=True, **scheduler):
-    return LLMEngine(model, num_blocks=scheduler.pop("num_blocks", 128), block_size=16,
-                     scheduler=SchedulerConfig(max_model_len=128, **scheduler),
-                     enable_prefix_caching=enable_prefix_caching)
-
-
-def same(a, b) -> bool:
-    return a.token_ids == b.token_ids and torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
 
 
 def shared_prefix_prompts(seed=0) -> list[list[int]]:

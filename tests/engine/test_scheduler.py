@@ -255,39 +255,32 @@ def test_sequence_counts():
         Sequence(3, [], SamplingParams())
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(temperature=0), "temperature 0 "),
-    (dict(temperature=-1.0), "temperature -1.0 "),
-    (dict(temperature=math.nan), "temperature nan "),
-    (dict(top_k=-1), "top_k -1 "),
-    (dict(top_p=0.0), "top_p 0.0 "),
-    (dict(top_p=1.5), "top_p 1.5 "),
-    (dict(max_tokens=0), "max_tokens 0 "),
-    (dict(stop_token_ids=(3, -2)), r"stop_token_ids \(3, -2\) holds \[-2\]"),
-    (dict(stop_token_ids=7), "stop_token_ids 7 "),
-    (dict(ignore_eos=1), "ignore_eos 1 "),
-    (dict(seed=1.5), "seed 1.5 "),
+@pytest.mark.parametrize("settings,kwargs,message", [
+    (SamplingParams, dict(temperature=0), "temperature 0 "),
+    (SamplingParams, dict(temperature=-1.0), "temperature -1.0 "),
+    (SamplingParams, dict(temperature=math.nan), "temperature nan "),
+    (SamplingParams, dict(top_k=-1), "top_k -1 "),
+    (SamplingParams, dict(top_p=0.0), "top_p 0.0 "),
+    (SamplingParams, dict(top_p=1.5), "top_p 1.5 "),
+    (SamplingParams, dict(max_tokens=0), "max_tokens 0 "),
+    (SamplingParams, dict(stop_token_ids=(3, -2)), r"stop_token_ids \(3, -2\) holds \[-2\]"),
+    (SamplingParams, dict(stop_token_ids=7), "stop_token_ids 7 "),
+    (SamplingParams, dict(ignore_eos=1), "ignore_eos 1 "),
+    (SamplingParams, dict(seed=1.5), "seed 1.5 "),
+    (SchedulerConfig, dict(max_num_seqs=0), "max_num_seqs 0 "),
+    (SchedulerConfig, dict(max_num_batched_tokens=0), "max_num_batched_tokens 0 "),
+    (SchedulerConfig, dict(max_model_len=1), "max_model_len 1 "),
+    (SchedulerConfig, dict(prefill_chunk_size=0), "prefill_chunk_size 0 "),
 ])
-def test_sampling_params_errors_name_the_value(kwargs, message):
+def test_settings_errors_name_the_value(settings, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SamplingParams(**kwargs)
+        settings(**kwargs)
 
 
 def test_sampling_params_are_hashable_with_a_list_of_stop_ids():
     params = SamplingParams(stop_token_ids=[2, 3], top_k=50, top_p=0.9)
     assert params.stop_token_ids == (2, 3) and hash(params) == hash(SamplingParams(stop_token_ids=(2, 3), top_k=50,
                                                                                   top_p=0.9))
-
-
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(max_num_seqs=0), "max_num_seqs 0 "),
-    (dict(max_num_batched_tokens=0), "max_num_batched_tokens 0 "),
-    (dict(max_model_len=1), "max_model_len 1 "),
-    (dict(prefill_chunk_size=0), "prefill_chunk_size 0 "),
-])
-def test_scheduler_config_errors_name_the_value(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SchedulerConfig(**kwargs)
 
 
 def test_short_prefill_chunks_end_on_the_alignment():

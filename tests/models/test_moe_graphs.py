@@ -3,7 +3,7 @@ layout's buffer holds the most chunks T * k pairs can fill and the grouped GEMMs
 from a tensor: the shapes follow T only and nothing is read on the host. Its rows must keep the bits of
 the per-chunk loop, the contiguous layout and each pair alone, whatever the routing; the padded
 static-buffer decode of the engine's graphs (DecodeGraphs, run eagerly here) must equal eager decode;
-gradients through the buffer's unwritten tail stay those of the loop. Baseline negative controls. The GPU side (capture, replay) is tests/gpu/test_moe_gpu.py."""
+gradients through the buffer's unwritten tail stay those of the loop. Baseline negative controls. The GPU side (capture, replay) is tests/models/test_moe_gpu.py."""
 import dataclasses
 import itertools
 
@@ -150,9 +150,9 @@ def test_static_masked_layout_backward_through_the_stock_grouped_gemm(monkeypatc
     the per-expert loop's: the tail reaches neither values nor gradients."""
     from onepath.numerics.spec import ExecutionSpec
     from onepath.ops import silu_mul
-    from onepath.ops.cuda import elementwise
+    from onepath.ops.cuda import silu_mul as cuda_silu_mul
 
-    monkeypatch.setattr(elementwise, "silu_mul", silu_mul.reference)  # the fused Triton SwiGLU needs a GPU
+    monkeypatch.setattr(cuda_silu_mul, "silu_mul", silu_mul.reference)  # the fused Triton SwiGLU needs a GPU
     model = tiny_moe_model("baseline", dtype="bfloat16")
     loop = block_of(model).experts
     stock = Experts(Ops(ExecutionSpec.default("baseline", "cuda")), model.config, torch.bfloat16)

@@ -95,9 +95,9 @@ def test_baseline_cuda_experts_run_one_stock_grouped_gemm_per_projection(monkeyp
     from onepath.models.moe import Experts
     from onepath.numerics.spec import ExecutionSpec
     from onepath.ops import Ops, silu_mul
-    from onepath.ops.cuda import elementwise
+    from onepath.ops.cuda import silu_mul as cuda_silu_mul
 
-    monkeypatch.setattr(elementwise, "silu_mul", silu_mul.reference)  # the fused Triton SwiGLU needs a GPU
+    monkeypatch.setattr(cuda_silu_mul, "silu_mul", silu_mul.reference)  # the fused Triton SwiGLU needs a GPU
 
     model = tiny_moe_model("baseline", dtype="bfloat16")  # the CPU spec: F.linear per expert
     block = block_of(model)

@@ -104,17 +104,15 @@ def test_legacy_rope_scaling_json_matches_transformers():
     assert torch.equal(got_inv, ref_inv) and got_scaling == ref_scaling
 
 
-def test_unknown_type_names_it():
-    config = ModelConfig(**SMALL, hidden_size=64, num_attention_heads=4, rope_scaling={"rope_type": "su", "factor": 2})
+def test_unknown_type_is_refused_at_load_naming_it():
     with pytest.raises(ValueError, match="'su'.*llama3"):
-        inv_freq(config)
+        ModelConfig(**SMALL, hidden_size=64, num_attention_heads=4, rope_scaling={"rope_type": "su", "factor": 2})
 
 
-def test_partial_rotary_refused():
-    config = ModelConfig(**SMALL, hidden_size=64, num_attention_heads=4,
-                         rope_scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5})
+def test_partial_rotary_refused_at_load():
     with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
-        inv_freq(config)
+        ModelConfig(**SMALL, hidden_size=64, num_attention_heads=4,
+                    rope_scaling={"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5})
 
 
 @pytest.mark.parametrize("name,limit", [("dynamic", 128), ("longrope", 32)])

@@ -90,7 +90,7 @@ def test_write_kv_fp8_equals_torch_rule(dim, rule):
     (quantize, then index-put), adversarial rows included; slots not written keep their contents."""
     pytest.importorskip("triton")
     from onepath.numerics.quant import FP8Tensor
-    from onepath.ops.cuda.quant import write_kv_fp8
+    from onepath.ops.cuda.attention_kv import write_kv_fp8
 
     heads, blocks, block_size = 8, 40, 16
     x = _inputs(dim, rows=2 * 300 * heads).bfloat16().to(DEVICE).view(2, 300, heads, dim)

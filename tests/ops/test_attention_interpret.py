@@ -3,7 +3,7 @@ causal reference; a probe's bits alone == inside a batch; prefill == chunked pre
 token; the in-register and split-KV launches agree; sliding window; an FP8 KV cache reads as the cache of
 its dequantised values (check_fp8_kv). Each check runs in a subprocess
 because TRITON_INTERPRET must be set before triton is imported. The helpers build paged batches for
-tests/gpu/test_attention_gpu.py too."""
+tests/ops/test_attention_gpu.py too."""
 import copy
 import math
 from functools import partial
@@ -207,7 +207,7 @@ def check_decode_program():
     """The 16-row one-warp decode program keeps every phase's bits equal among its runs (both launches),
     and it is refused where it would not give the default program's bits. That it gives the 64-row
     program's bits is a property of Hopper's MMA layouts, proved on the H200 by
-    tests/gpu/test_attention_gpu.py: the interpreter's dots are numpy matmuls, whose summation order
+    tests/ops/test_attention_gpu.py: the interpreter's dots are numpy matmuls, whose summation order
     follows the operand shapes."""
     gen = torch.Generator().manual_seed(6)
     q, k, v = _seq(40, gen)
@@ -353,10 +353,10 @@ def test_kernel_builds_for_sm90(program):
     warps, for q_block) run on wgmma, 16 on mma.sync (Hopper's wgmma takes M >= 64): the spec's 16 rows on
     4 warps and the decode program's 16 rows on one. Over an FP8 cache the dequantised tiles pass `_opaque`,
     so the decode program's mma.sync operands get the BF16 cache's kWidth 2 (4 without it: other bits than
-    the 64-row program's, bench/results/attention-fp8-variants.json)."""
+    the 64-row program's, lab/results/attention-fp8-variants.json)."""
     import re
 
-    from bench.attention_sass import signature
+    from tests.attention_sass import signature
     from onepath.ops.cuda import attention as A
     from tests.interpret import SM90_SHARED_BYTES, build_sm90
 
@@ -398,10 +398,10 @@ def test_fp8_decode_program_fits_eight_per_sm():
     228 KiB of shared memory less the 1 KiB the driver reserves per block: 8 programs per SM, as many as
     its 255 registers allow. V is dequantised after the QK^T dot, into the dead K tile's buffer; dequantised
     with K it took 29 KB, 7 programs per SM, and decoded in 322 instead of 260 us at batch 256, context 1024
-    (bench/results/kernels-attention-decode-fp8.json, kernels-attention-decode-fp8-late-v.json). Control:
+    (bench/results/attention/kernels-attention-decode-fp8.json, kernels-attention-decode-fp8-late-v.json). Control:
     kv_tile 64 (twice the tiles) does not fit, so the bound is a real one."""
     from onepath.ops.cuda import attention as A
-    from bench.attention_sass import signature
+    from tests.attention_sass import signature
     from tests.interpret import build_sm90
 
     per_program = 228 * 1024 // 8 - 1024

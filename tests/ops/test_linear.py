@@ -63,7 +63,7 @@ def test_backward_refuses_weights_changed_after_forward(consistent, gen):
 
 # grouped_linear on baseline CUDA BF16: one stock torch._grouped_mm. The spec says CUDA; the tensors
 # are the CPU's, where torch 2.13's _grouped_mm runs too, so the dispatch and the values are checked here
-# (tests/gpu/test_moe_baseline_gpu.py runs it on the GPU).
+# (tests/models/test_moe_baseline_gpu.py runs it on the GPU).
 COUNTS = [3, 0, 17, 1, 9]  # groups of awkward sizes, an empty one included
 stock = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
 

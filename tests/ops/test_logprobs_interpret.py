@@ -1,26 +1,101 @@
 """onepath.ops.cuda.logprobs and the fused sampler run by Triton's CPU interpreter (TRITON_INTERPRET=1).
 
 The interpreter runs one program at a time, so the blocks are shrunk (BLOCK_V 256, race BLOCK 128 and
-SPAN 256; the same code, test_kernels_interpret.py runs the real sizes): V = 600 cuts a row into
+SPAN 256; the same code; _full_block_checks runs the real sizes first): V = 600 cuts a row into
 three chunks and three race spans, the last ones partial, and rows are masked so that whole chunks
 have no kept entry. Checked: a row's log-prob, entropy, probabilities and sampled token are the same
 bits alone and at random positions of batches of 1, 3, 64 and 257 rows; the fused sampler equals
 probs -> sample -> token_logprobs bit for bit; values are close to float64. Negative control: with a
 chunk that follows M (256 alone, 64 in a batch) the same rows get other bits. The bits of Hopper's
-exp/log and reduction trees are tests/gpu/test_logprobs_gpu.py's job.
+exp/log and reduction trees are tests/ops/test_logprobs_gpu.py's job.
 """
 from __future__ import annotations
 
-from tests.interpret import check_recorder, interpreted_checks, print_checks
+from tests.interpret import check_recorder, interpreted_checks, kernel_case_tools, patch_libdevice_log1p, print_checks
 
 CHECKS = ["rows_alone_equal_rows_in_batch", "fused_equals_unfused", "values", "masked_chunks",
-          "negative_control_chunk_follows_m"]
+          "negative_control_chunk_follows_m", "logprobs_values", "logprobs_rows_alone_equal_rows_in_batch",
+          "logprobs_keep_none_equals_all_kept", "probs_values", "probs_rows_alone_equal_rows_in_batch"]
 VOCAB = 600
 
 
+def _full_block_checks(record, gen) -> None:
+    """token_logprobs and probs at the kernels' real BLOCK_V (4096), before the blocks are shrunk."""
+    import math
+
+    import torch
+
+    from onepath.ops import logprobs as LP
+    from onepath.ops.cuda import logprobs
+
+    rand, close, _ = kernel_case_tools(gen)
+
+    # token_logprobs / probs: V = 5000 walks a full 4096 chunk and a masked tail.
+    def plain(lg, tok, temp, keep):
+        x = (lg.double() / temp.double()[:, None]).masked_fill(~keep, -math.inf)
+        logp = torch.log_softmax(x, dim=-1)
+        ent = -(logp.exp() * logp.masked_fill(~keep, 0.0)).sum(-1)
+        return logp.gather(-1, tok[:, None])[:, 0].float(), ent.float(), logp.exp().float()
+
+    def batch_of(n, vocab, dtype=torch.bfloat16):
+        lg = rand(n, vocab, dtype=dtype, scale=4)
+        temp = 0.5 + torch.rand(n, generator=gen)
+        keep = torch.rand(n, vocab, generator=gen) < 0.6
+        tok = torch.multinomial(keep.float(), 1, generator=gen)[:, 0]
+        return lg, tok, temp, keep
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for vocab in (33, 5000):
+            lg, tok, temp, keep = batch_of(4, vocab, dtype)
+            keep[1] = True
+            for k in (keep, None):
+                kk = torch.ones_like(keep) if k is None else k
+                want_lp, want_ent, want_p = plain(lg, tok, temp, kk)
+                lp, ent = logprobs.token_logprobs(lg, tok, temp, k)
+                ok, why = close(lp, want_lp, rtol=1e-5, atol=2e-5)
+                record("logprobs_values", ok, f"logprob {dtype} V={vocab} keep={k is not None}: {why}")
+                ok, why = close(ent, want_ent, rtol=1e-5, atol=2e-5)
+                record("logprobs_values", ok, f"entropy {dtype} V={vocab} keep={k is not None}: {why}")
+                ref_lp, ref_ent = LP.reference(lg, tok, temp, k)
+                ok, why = close((lp, ent), (ref_lp, ref_ent), rtol=1e-5, atol=2e-5)
+                record("logprobs_values", ok, f"vs reference {dtype} V={vocab} keep={k is not None}: {why}")
+                ok, why = close(logprobs.probs(lg, temp, k), want_p, rtol=1e-5, atol=1e-7)
+                record("probs_values", ok, f"{dtype} V={vocab} keep={k is not None}: {why}")
+            outside = tok.clone()
+            outside[0] = int((~keep[0]).nonzero()[0])
+            record("logprobs_values", logprobs.token_logprobs(lg, outside, temp, keep)[0][0].item() == -math.inf,
+                   "a token outside keep must get -inf")
+
+    vocab = 5000
+    p_lg, p_tok, p_temp, p_keep = batch_of(1, vocab)
+    alone = logprobs.token_logprobs(p_lg, p_tok, p_temp, p_keep)
+    alone_p = logprobs.probs(p_lg, p_temp, p_keep)
+    for m in (1, 2, 7):
+        lg, tok, temp, keep = batch_of(m, vocab)
+        at = int(torch.randint(m, (1,), generator=gen))
+        lg[at], tok[at], temp[at], keep[at] = p_lg[0], p_tok[0], p_temp[0], p_keep[0]
+        lp, ent = logprobs.token_logprobs(lg, tok, temp, keep)
+        same = torch.equal(lp[at], alone[0][0]) and torch.equal(ent[at], alone[1][0])
+        record("logprobs_rows_alone_equal_rows_in_batch", same, f"M={m} pos={at}")
+        record("probs_rows_alone_equal_rows_in_batch", torch.equal(logprobs.probs(lg, temp, keep)[at], alone_p[0]),
+               f"M={m} pos={at}")
+    # A row with no filter: alone with keep=None, in a batch whose other rows carry top-k/top-p masks.
+    none_lp, none_ent = logprobs.token_logprobs(p_lg, p_tok, p_temp, None)
+    none_p = logprobs.probs(p_lg, p_temp, None)
+    for m in (1, 3):
+        lg, tok, temp, keep = batch_of(m, vocab)
+        at = m - 1
+        lg[at], tok[at], temp[at], keep[at] = p_lg[0], p_tok[0], p_temp[0], True
+        lp, ent = logprobs.token_logprobs(lg, tok, temp, keep)
+        same = torch.equal(lp[at], none_lp[0]) and torch.equal(ent[at], none_ent[0])
+        same = same and torch.equal(logprobs.probs(lg, temp, keep)[at], none_p[0])
+        record("logprobs_keep_none_equals_all_kept", same, f"M={m}")
+
+
 def _run_checks() -> dict:
-    from tests.ops.test_kernels_interpret import _patch_libdevice_log1p
-    _patch_libdevice_log1p()
+    from tests.interpret import patch_bf16_rounding
+    patch_bf16_rounding()
+    patch_libdevice_log1p()
     import math
 
     import torch
@@ -29,9 +104,10 @@ def _run_checks() -> dict:
     from onepath.ops.cuda import sampling as SA
     from onepath.ops.sampling import sample_key
 
-    LP.BLOCK_V, SA.BLOCK, SA.SPAN = 256, 128, 256
     gen = torch.Generator().manual_seed(0)
     results, record = check_recorder()
+    _full_block_checks(record, gen)
+    LP.BLOCK_V, SA.BLOCK, SA.SPAN = 256, 128, 256
 
     def batch(n, dtype=torch.float32):
         logits = (torch.randn(n, VOCAB, generator=gen) * 3).to(dtype)

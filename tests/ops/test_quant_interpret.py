@@ -1,6 +1,6 @@
 """onepath.ops.cuda.quant (the Triton block-FP8 activation quantiser) run by Triton's CPU interpreter
-(TRITON_INTERPRET=1): the same codes and scales as onepath.numerics.quant's torch rule, bit for bit; and
-write_kv_fp8 (FP8_KV, per token and head, into cache slots) the same cache as quantising in torch.
+(TRITON_INTERPRET=1): the same codes and scales as onepath.numerics.quant's torch rule, bit for bit (the FP8
+K/V write by the same rule: tests/ops/test_attention_kv_interpret.py).
 
 The interpreter must be on before the kernel is decorated, so the checks run in a subprocess: this
 file, run as a script, prints one JSON line of results that the tests below assert on. Triton 3.6's
@@ -14,34 +14,14 @@ conversion the codes differ.
 """
 from __future__ import annotations
 
-from tests.interpret import check_recorder, interpreted_checks, print_checks
+from tests.interpret import check_recorder, fp8_spread, interpreted_checks, patch_fp8_rounding, print_checks, same_fp8
 
 CHECKS = ["random_equal_torch", "adversarial_equal_torch", "rows_alone_equal_rows_in_batch", "strided_input",
-          "other_group_size", "rejects_other_rules", "interpreter_cast_is_not_rne", "write_kv_fp8_equals_torch",
-          "write_kv_fp8_other_rule_differs", "scales_stored_by_column"]
-
-
-def _patch_fp8_rounding():
-    """Returns the interpreter's own conversion, and installs torch's RNE one for FP32 -> float8e4nv."""
-    import numpy as np
-    import torch
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    convert = interpreter._convert_float
-
-    def convert_rne(data, src, dst, rounding_mode):
-        if src == tl.float32 and dst == tl.float8e4nv:
-            wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
-            return wide.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(np.shape(data))
-        return convert(data, src, dst, rounding_mode)
-
-    interpreter._convert_float = convert_rne
-    return convert
+          "other_group_size", "rejects_other_rules", "interpreter_cast_is_not_rne", "scales_stored_by_column"]
 
 
 def _run_checks() -> dict:
-    interpreter_convert = _patch_fp8_rounding()
+    interpreter_convert = patch_fp8_rounding()
     import math
     from dataclasses import replace
 
@@ -49,7 +29,7 @@ def _run_checks() -> dict:
     from triton.runtime import interpreter
 
     from onepath.numerics import quant as torch_quant
-    from onepath.numerics.spec import FP8_ACT, FP8_KV, FP8_WEIGHT
+    from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
     from onepath.ops.cuda import quant as triton_quant
 
     gen = torch.Generator().manual_seed(0)
@@ -58,16 +38,10 @@ def _run_checks() -> dict:
              "ue8m0_div": replace(FP8_ACT, scale_dtype="ue8m0", scale_apply="divide")}
     results, record = check_recorder()
 
-    def same(a, b):
-        return (a.codes.shape == b.codes.shape and a.scales.shape == b.scales.shape
-                and torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8))
-                and torch.equal(a.scales.view(torch.int32), b.scales.view(torch.int32)))
+    same = same_fp8
 
     def spread(*shape, dtype=torch.float32):
-        """randn with one power-of-two magnitude per 128-group: scales far apart."""
-        k = shape[-1]
-        mag = torch.randint(-30, 30, (*shape[:-1], -(-k // 128)), generator=gen).repeat_interleave(128, -1)[..., :k]
-        return (torch.randn(*shape, generator=gen) * torch.exp2(mag.float())).to(dtype)
+        return fp8_spread(gen, *shape, dtype=dtype)
 
     # K = 300: two full groups and a ragged 44; 257 and 129: a tail of one; 1 x 1; leading dims.
     for shape in [(1, 1), (3, 129), (5, 300), (2, 3, 257)]:
@@ -133,37 +107,6 @@ def _run_checks() -> dict:
             record("rejects_other_rules", False, f"{bad.block} accepted")
         except ValueError as e:
             record("rejects_other_rules", "numerics.quant" in str(e), str(e))
-
-    # write_kv_fp8: per token and head (FP8_KV), k and v strided views of a stacked projection, scattered
-    # slots, one head poisoned by inf / NaN, one all zero; the caches equal torch's quantise-then-index-put
-    for heads, dim in ((3, 24), (2, 128)):
-        # FP8_KV (ue8m0 scales, amax ceiling 448 * 2^7) and FP32 scales without a ceiling, by division
-        for rule in (FP8_KV, replace(FP8_KV, scale_dtype="fp32", amax_ceil=None, scale_apply="divide")):
-            tokens, blocks, block_size = 6, 4, 4
-            stacked = spread(tokens, 3 * heads * dim, dtype=torch.bfloat16)
-            k = stacked[:, heads * dim:2 * heads * dim].view(tokens, heads, dim)
-            v = stacked[:, 2 * heads * dim:].view(tokens, heads, dim)
-            stacked[1, heads * dim + 5], stacked[2, 2 * heads * dim] = math.inf, math.nan
-            stacked[3, heads * dim:heads * dim + dim] = 0.0
-            slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
-
-            def cache():
-                return torch_quant.FP8Tensor(torch.zeros(blocks, block_size, heads, dim).to(torch.float8_e4m3fn),
-                                             torch.full((blocks, block_size, heads, 1), -1.0), (1, dim))
-
-            got_k, got_v, want_k, want_v = cache(), cache(), cache(), cache()
-            triton_quant.write_kv_fp8(got_k, got_v, k, v, slots, rule)
-            for c, x in ((want_k, k), (want_v, v)):
-                fp8 = torch_quant.quantize_fp8(x, rule)
-                c.codes.view(-1, heads, dim)[slots] = fp8.codes
-                c.scales.view(-1, heads, 1)[slots] = fp8.scales
-            record("write_kv_fp8_equals_torch", same(got_k, want_k) and same(got_v, want_v)
-                   and int(got_k.scales.isnan().sum() + got_v.scales.isnan().sum()) == 2, f"Hkv {heads} D {dim}")
-            if rule is FP8_KV:  # control: the kernel under the other rule does not match this one's cache
-                other_k, other_v = cache(), cache()
-                triton_quant.write_kv_fp8(other_k, other_v, k, v, slots,
-                                          replace(FP8_KV, scale_dtype="fp32", amax_ceil=None))
-                record("write_kv_fp8_other_rule_differs", not same(other_k, want_k), f"Hkv {heads} D {dim}")
 
     # negative control: the interpreter's own FP32 -> fp8 conversion is not RNE; the check sees it
     ours = interpreter._convert_float

@@ -2,14 +2,16 @@
 
 It must be exactly what the engine computed with three calls (probs -> sample -> token_logprobs),
 and a row's token and log-prob must not depend on its batch. The Triton path's bits are checked by
-tests/ops/test_logprobs_interpret.py (interpreter) and tests/gpu/test_logprobs_gpu.py.
+tests/ops/test_logprobs_interpret.py (interpreter) and tests/ops/test_logprobs_gpu.py.
 """
+import itertools
+
 import pytest
 import torch
 
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import Ops
-from onepath.ops.sampling import sample_key
+from onepath.ops.sampling import exponential_noise, sample, sample_key
 
 
 def _batch(gen, rows, vocab=500):
@@ -52,3 +54,76 @@ def test_sample_with_logprobs_rows_alone_equal_rows_in_batch(consistent, gen):
         p = ops.probs(logits, temperature, keep)
         stream_moved |= m > 1 and not torch.equal(draw(p)[at:at + 1], draw(p[at:at + 1]))
     assert stream_moved
+
+
+def _probs(gen, rows, vocab):
+    p = torch.rand(rows, vocab, generator=gen) ** 4
+    p[torch.rand(rows, vocab, generator=gen) < 0.5] = 0.0
+    p[:, 0] += 1e-3
+    return p / p.sum(-1, keepdim=True)
+
+
+def test_sample_same_key_same_token(gen):
+    p = _probs(gen, 6, 500)
+    keys = [sample_key(7, r, 11) for r in range(6)]
+    assert torch.equal(sample(p, keys), sample(p, keys))
+
+
+def test_sample_row_independent_of_batch_with_negative_control(gen):
+    vocab = 300
+    probe = _probs(gen, 1, vocab)
+    key = sample_key(3, 42, 9)
+    alone = sample(probe, [key])
+    multinomial = lambda p: torch.multinomial(p, 1, generator=torch.Generator().manual_seed(3))[:, 0]
+    stream_moved = False
+    for m in (2, 5, 16, 31):
+        p = _probs(gen, m, vocab)
+        at = int(torch.randint(0, m, (1,), generator=gen))
+        p[at] = probe[0]
+        keys = [sample_key(3, r, 9) for r in range(m)]
+        keys[at] = key
+        assert torch.equal(sample(p, keys)[at:at + 1], alone), f"m {m} row {at}"
+        # control: one batch-wide stream, the stock engine's way, hands the probe another draw
+        stream_moved |= not torch.equal(multinomial(p)[at:at + 1], multinomial(probe))
+    assert stream_moved
+
+
+def test_sample_frequencies_match_probs():
+    p = torch.tensor([0.5, 0.0, 0.25, 0.15, 0.0, 0.07, 0.03])
+    draws = 4000
+    tokens = sample(p.expand(draws, -1), [sample_key(0, r, 5) for r in range(draws)])
+    counts = torch.bincount(tokens, minlength=p.numel()).double()
+    assert counts[p == 0].sum() == 0
+    support = p > 0
+    expected = draws * p.double()[support]
+    chi2 = ((counts[support] - expected) ** 2 / expected).sum()
+    # 4 degrees of freedom: P(chi2 > 25) ~ 5e-5 for an exact sampler
+    assert chi2 < 25.0, f"chi2 {chi2:.1f}, counts {counts.tolist()}"
+
+
+def test_zero_probability_tokens_never_drawn(gen):
+    rows, vocab = 2000, 64
+    p = torch.zeros(rows, vocab)
+    p[:, 5], p[:, 60], p[:, 61] = 1e-30, 0.7, 0.3
+    p[::7] = 0.0
+    p[::7, 33] = 1.0                                    # a single allowed token is always drawn
+    tokens = sample(p, [sample_key(1, r, 0) for r in range(rows)])
+    assert torch.isin(tokens, torch.tensor([5, 60, 61, 33])).all()
+    assert (tokens[::7] == 33).all()
+    assert (p.gather(-1, tokens[:, None]) > 0).all()
+
+
+def test_sample_key_depends_on_seed_request_and_position():
+    grid = list(itertools.product(range(6), range(6), range(6)))
+    keys = [sample_key(*triple) for triple in grid]
+    assert len(set(keys)) == len(grid)
+    assert all(0 <= key < 2 ** 63 for key in keys)   # fits a signed 64-bit tensor
+    # the noise each key feeds the race differs too
+    noise = {tuple(row) for row in exponential_noise(torch.tensor(keys), 4).tolist()}
+    assert len(noise) == len(grid)
+
+
+def test_keys_differing_in_high_bits_give_different_noise():
+    key = sample_key(1, 2, 3)
+    noise = exponential_noise(torch.tensor([key, key ^ (1 << 40)]), 8)
+    assert not torch.equal(noise[0], noise[1])

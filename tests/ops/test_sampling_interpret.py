@@ -11,15 +11,51 @@ expected winner is computed with numpy's too.
 """
 from __future__ import annotations
 
-from tests.interpret import check_recorder, interpreted_checks, print_checks
+from tests.interpret import check_recorder, interpreted_checks, patch_libdevice_log1p, print_checks
 
-CHECKS = ["race_equals_torch_race", "planted_near_ties", "bound_below_exponential"]
+CHECKS = ["race_equals_torch_race", "planted_near_ties", "bound_below_exponential", "sample_equals_torch_race",
+          "sample_rows_alone_equal_rows_in_batch", "sample_sparse_row_equals_torch_race"]
+
+
+def _race_checks(record, gen) -> None:
+    """sample() on given probabilities: V = 40000 spans three programs (SPAN 16384) and a masked tail."""
+    import torch
+
+    from onepath.ops import sampling as SA
+    from onepath.ops.cuda import sampling
+
+    # sampling: V = 40000 spans three programs (SPAN 16384) and a masked tail; zeros outside a top-k set.
+    vocab = 40000
+    keys = [SA.sample_key(3, r, 17) for r in range(6)]
+    probs = torch.softmax(torch.randn(6, vocab, generator=gen) * 3, -1)
+    probs[2, 100:] = 0.0
+    probs[2] /= probs[2].sum()
+    key_tensor = torch.tensor(keys)
+    fused = sampling.sample(probs, key_tensor)
+    record("sample_equals_torch_race", torch.equal(fused, SA.sample(probs, keys)), f"{fused} vs {SA.sample(probs, keys)}")
+    record("sample_equals_torch_race", int(fused[2]) < 100, "a token with probability 0 was drawn")
+    for m in (1, 4):
+        at = m - 1
+        batch = torch.softmax(torch.randn(m, vocab, generator=gen), -1)
+        batch[at] = probs[4]
+        batch_keys = torch.tensor([SA.sample_key(5, r, 1) for r in range(m)])
+        batch_keys[at] = keys[4]
+        record("sample_rows_alone_equal_rows_in_batch", int(sampling.sample(batch, batch_keys)[at]) == int(fused[4]),
+               f"M={m}")
+    # four equal probabilities in three spans: the winner is the torch race's (the noise breaks the tie)
+    flat = torch.zeros(1, vocab)
+    flat[0, [5, 20000, 33000, 39999]] = 0.25
+    race = flat.double() / SA.exponential_noise(torch.tensor(keys[:1]), vocab)
+    want = int(torch.nonzero(race[0] == race[0].max()).max())
+    record("sample_sparse_row_equals_torch_race", int(sampling.sample(flat, torch.tensor(keys[:1]))[0]) == want,
+           "fused race winner differs from the torch race on a sparse row")
 
 
 def _run_checks() -> dict:
     global SA   # bound_kernel below is interpreted in this module's globals
-    from tests.ops.test_kernels_interpret import _patch_libdevice_log1p
-    _patch_libdevice_log1p()
+    from tests.interpret import patch_bf16_rounding
+    patch_bf16_rounding()
+    patch_libdevice_log1p()
     import numpy as np
     import torch
     import triton
@@ -31,6 +67,7 @@ def _run_checks() -> dict:
 
     gen = torch.Generator().manual_seed(0)
     results, record = check_recorder()
+    _race_checks(record, gen)
 
     vocab = 40000   # three spans of SPAN = 16384, the last partial
     keys = torch.tensor([ref.sample_key(9, r, 3) for r in range(8)])

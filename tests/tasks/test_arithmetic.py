@@ -6,7 +6,8 @@ import pytest
 from onepath.tasks.arithmetic import (ALPHABET, BOS_ID, EOS_ID, PAD_ID, build_tokenizer,
                                       make_problems, sft_text, tokenizer_config,
                                       train_test_split, write_dataset)
-from onepath.train.data import load_rows, prompt_text
+from onepath.tasks.rows import prompt_text
+from onepath.train.data import load_rows
 
 
 def test_tokenizer_round_trip_random_strings():

@@ -66,7 +66,7 @@ def test_bad_extension_missing_file_malformed_line(tmp_path):
         load_rows(tmp_path / "nowhere.jsonl")
     path = tmp_path / "f.jsonl"
     path.write_text(json.dumps(_row(0)) + "\n" + json.dumps(_row(1)) + "\n{\"prompt\": oops\n")
-    with pytest.raises(ValueError, match=r"f.jsonl: malformed JSON on line 3"):
+    with pytest.raises(ValueError, match=r"f.jsonl:3: not a JSON line"):
         load_rows(path)
     path.write_text("")
     with pytest.raises(ValueError, match="no rows"):

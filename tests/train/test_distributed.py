@@ -1,70 +1,126 @@
-"""Several processes (gloo on the CPU): every pairing of rollout layout (dp replicas, single) and trainer
-layout (fsdp shards, single) keeps diff = 0 over RL steps with weight sync; baseline differs. The MoE
-model adds expert parallelism (ep) on either side, at 2 and 4 processes."""
+"""`onepath train` on several processes (torchrun, gloo on the CPU): every pairing of rollout layout
+and trainer layout keeps diff = 0 on every step, with the weight sync between steps; baseline differs;
+a checkpoint written in one layout resumes in another. Dense: rollout dp | single x trainer fsdp |
+single; MoE adds ep on either side. Each case is a real launch: `python -m torch.distributed.run
+--standalone --nproc-per-node K -m onepath train ...`."""
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
+from safetensors.torch import load_file
 
-from onepath.train.distributed import all_exact, run
+from onepath.config import load_run_config
+from onepath.numerics.diff import DIFF_METRICS
+from onepath.train.parallel import world_for
 
-
-def test_every_layout_pairing_keeps_diff_exactly_zero(tmp_path):
-    progress = tmp_path / "steps.jsonl"
-    results = run(world=2, device="cpu", mode="consistent", steps=2, prompts_per_step=4, progress=str(progress))
-    assert len(results) == 4
-    for name, history in results.items():
-        trainers = [r for step in history for r in step["ranks"] if r["trains"]]
-        assert trainers and all(r["rollout_corr/valid_tokens"] > 0 for r in trainers), name
-    assert all_exact(results), results
-    # every step was also written as it ended, the same report
-    lines = [json.loads(line) for line in progress.read_text().splitlines()]
-    assert [(line["pairing"], line["step"]) for line in lines] == [(name, s) for name in results for s in range(2)]
-    assert all(line["ranks"] == results[line["pairing"]][line["step"]]["ranks"] for line in lines)
+TINY = ["--warm_start.steps", "0", "--train.steps", "2", "--train.prompts_per_step", "4", "--rollout.n", "2",
+        "--data.n_train", "40", "--data.n_test", "4", "--quiet"]
+MOE = ["--model.model_type", "qwen3_moe", "--model.num_experts", "4", "--model.num_experts_per_tok", "2",
+       "--model.moe_intermediate_size", "32"]
+DENSE_PAIRS = [(r, t) for r in ("dp", "single") for t in ("fsdp", "single")]
+MOE_PAIRS = [(r, t) for r in ("ep", "dp", "single") for t in ("ep", "fsdp", "single")]
 
 
-def test_negative_control_baseline_layouts_differ():
-    results = run(world=2, device="cpu", mode="baseline", steps=1, prompts_per_step=4)
-    assert not all_exact(results)
+def train(processes: int, out: Path, *args: str) -> list[dict]:
+    """One launch; the run's metrics.jsonl (a mode's, with --mode both: out/consistent, out/baseline)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] if processes > 1 else []
+    done = subprocess.run([sys.executable, *launcher, "-m", "onepath", "train", *TINY, "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return metrics(out) if "both" not in args else []
 
 
-# MoE: expert parallelism (ep) on either side; the engine and the trainer at different EP degrees
-MOE_LAYOUTS = [("ep", "single"), ("single", "single"), ("single", "ep"), ("ep", "ep"), ("dp", "ep"), ("ep", "fsdp")]
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_moe_expert_parallel_layouts_keep_diff_exactly_zero():
-    results = run(world=2, device="cpu", mode="consistent", steps=2, prompts_per_step=4, model="moe",
-                  layouts=MOE_LAYOUTS, keep_weights=True)
-    assert len(results) == len(MOE_LAYOUTS)
-    for name, history in results.items():
-        trainers = [r for step in history for r in step["ranks"] if r["trains"]]
-        assert trainers and all(r["rollout_corr/valid_tokens"] > 0 for r in trainers), name
-    # diff = 0 before every update, the second step's rollout on weights synced into the engines
-    assert all_exact(results), results
-    # the ep engines took different numbers of steps: a finished rank served its experts to the other
-    assert any(len({r["engine_steps"] for r in step["ranks"]}) > 1 for step in results["rollout=ep,trainer=ep"])
-    # the trained weights depend on the trainer's layout only: bitwise the same under every rollout layout
-    digests = lambda name: [step["ranks"][0]["weights"] for step in results[name]]
-    assert digests("rollout=ep,trainer=single") == digests("rollout=single,trainer=single")
-    assert digests("rollout=single,trainer=ep") == digests("rollout=ep,trainer=ep") == digests("rollout=dp,trainer=ep")
-    # the ep trainer takes the fsdp trainer's steps (the same data-parallel loss), up to the order of the
-    # gradient sums: replicated gradients all-reduced, expert gradients summed by the all-to-all's backward
-    final = lambda name: torch.from_numpy(results[name][-1]["ranks"][0]["weights_vector"])
-    torch.testing.assert_close(final("rollout=ep,trainer=ep"), final("rollout=ep,trainer=fsdp"), rtol=0, atol=1e-6)
-    assert len(set(digests("rollout=ep,trainer=ep"))) == 2  # each step moved the weights
+def exact(history: list[dict]) -> bool:
+    assert history and all(m["rollout_corr/valid_tokens"] > 0 for m in history)
+    return all(m[k] == 0.0 for m in history for k in DIFF_METRICS)
 
 
-def test_moe_negative_control_baseline_expert_parallel_differs():
-    results = run(world=2, device="cpu", mode="baseline", steps=1, prompts_per_step=4, model="moe",
-                  layouts=[("ep", "ep")])
-    assert not all_exact(results)
+def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run / f"step_{step}" / "model.safetensors")
 
 
-def test_moe_four_processes_engines_at_ep_4_keep_diff_exactly_zero():
-    results = run(world=4, device="cpu", mode="consistent", steps=2, prompts_per_step=4, model="moe",
-                  layouts=[("ep", "single"), ("single", "single"), ("ep", "ep")])
-    assert all_exact(results), results
-    trainers = [r for step in results["rollout=ep,trainer=ep"] for r in step["ranks"]]
-    assert len(trainers) == 8 and all(r["rollout_corr/valid_tokens"] > 0 for r in trainers)
-    # four engines at EP 4 sample what one engine samples: one trainer ends with the same weights
-    digests = lambda name: [step["ranks"][0]["weights"] for step in results[name]]
-    assert digests("rollout=ep,trainer=single") == digests("rollout=single,trainer=single")
+def layout(rollout: str, trainer: str) -> list[str]:
+    return ["--parallel.rollout", rollout, "--parallel.trainer", trainer]
+
+
+def test_dense_two_processes_dp_fsdp_keeps_diff_zero_and_baseline_differs(tmp_path, reward):
+    train(2, tmp_path, "--mode", "both", "--train.reward", reward, *layout("dp", "fsdp"))
+    consistent, baseline = metrics(tmp_path / "consistent"), metrics(tmp_path / "baseline")
+    assert len(consistent) == 2 and exact(consistent)
+    assert any(m["training/rollout_probs_diff_max"] > 0 for m in baseline)  # negative control
+    # the run's files come from rank 0 alone, once
+    assert (tmp_path / "summary.json").is_file() and (tmp_path / "report.png").is_file()
+    assert sorted(p.name for p in (tmp_path / "consistent").glob("step_*")) == ["step_2"]
+
+
+def test_moe_four_processes_ep_engines_and_ep_trainer_keep_diff_zero(tmp_path, reward):
+    history = train(4, tmp_path, "--train.reward", reward, *MOE, *layout("ep", "ep"))
+    assert len(history) == 2 and exact(history)
+    # the engines' routing, gathered from four ranks, is the trainers' in every slot
+    assert all(m["moe/routing_agreement"] == 1.0 and m["moe/routing_compared_tokens"] > 0 for m in history)
+
+
+def test_checkpoint_resumes_across_a_change_of_layout(tmp_path, reward):
+    """fsdp on 2 ranks writes step_1; resumed on 2 ranks fsdp it is the uninterrupted run, bit for bit;
+    on 1 process and on 4 ranks fsdp the first step after the restore still has diff = 0 and lands
+    where the uninterrupted run does up to the gradients' summation order (the optimizer state came
+    through: without it the step would move the weights by about lr)."""
+    args = ["--train.reward", reward, "--train.save_every", "1", *layout("dp", "fsdp")]
+    train(2, tmp_path / "whole", *args)
+    train(2, tmp_path / "split", *args, "--train.steps", "1")
+    for name, processes, extra in (("same", 2, []), ("one", 1, layout("single", "single")), ("four", 4, [])):
+        run = tmp_path / name
+        shutil.copytree(tmp_path / "split" / "step_1", run / "step_1")
+        history = train(processes, run, *args, *extra, "--resume")
+        assert [m["step"] for m in history] == [2] and exact(history), name
+    whole, first = weights(tmp_path / "whole", 2), weights(tmp_path / "whole", 1)
+    assert all(torch.equal(weights(tmp_path / "same", 2)[k], whole[k]) for k in whole)
+    moved = max((whole[k] - first[k]).abs().max() for k in whole)
+    for name in ("one", "four"):
+        got = weights(tmp_path / name, 2)
+        assert max((got[k] - whole[k]).abs().max() for k in whole) < moved / 1000, name
+
+
+def test_a_layout_the_model_cannot_take_is_refused_at_start():
+    with pytest.raises(ValueError, match=r"parallel.trainer = 'ep' splits the experts.*dense"):
+        load_run_config(None, layout("dp", "ep"))
+    with pytest.raises(ValueError, match=r"parallel.rollout = 'tp' is not a rollout layout"):
+        load_run_config(None, layout("tp", "fsdp"))
+    cfg = load_run_config(None, [*MOE, *layout("ep", "fsdp")])
+    with pytest.raises(ValueError, match=r"on 3 processes: 4 experts do not split evenly"):
+        world_for(cfg, 0, 3)
+    assert world_for(cfg, 1, 2).rollout_share(8, 2) == [2, 3, 6, 7]  # whole groups, group g on rank g % 2
+    with pytest.raises(ValueError, match=r"set train.micro_batch_tokens \(= 64\) to null"):
+        world_for(load_run_config(None, [*MOE, *layout("ep", "ep"), "--train.micro_batch_tokens", "64"]), 0, 2)
+    with pytest.raises(ValueError, match=r"rollout.env = 'calculator' runs its episodes on one process"):
+        world_for(load_run_config(None, ["--rollout.env", "calculator", *layout("dp", "single")]), 0, 2)
+    assert world_for(cfg, 0, 1).rollout == "single"  # one process: every layout is single
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, pairs", [("dense", DENSE_PAIRS), ("moe", MOE_PAIRS)])
+def test_every_layout_pair_keeps_diff_zero_on_two_processes(tmp_path, reward, model, pairs):
+    """The trained weights depend on the trainer's layout only: bitwise the same under every rollout layout."""
+    final = {}
+    for rollout, trainer in pairs:
+        run = tmp_path / f"{rollout}-{trainer}"
+        history = train(2, run, "--train.reward", reward, *(MOE if model == "moe" else []), *layout(rollout, trainer))
+        assert exact(history), (rollout, trainer)
+        final[rollout, trainer] = weights(run, 2)
+    for rollout, trainer in pairs:
+        reference = final[pairs[0][0], trainer]
+        assert all(torch.equal(final[rollout, trainer][k], reference[k]) for k in reference), (rollout, trainer)
+
+
+@pytest.mark.slow
+def test_moe_baseline_expert_parallel_differs(tmp_path, reward):
+    history = train(2, tmp_path, "--mode", "baseline", "--train.reward", reward, *MOE, *layout("ep", "ep"))
+    assert any(m["training/rollout_probs_diff_max"] > 0 for m in history)

@@ -4,7 +4,7 @@ served from the prefix cache, and an episode's tokens do not depend on its batch
 import pytest
 import torch
 
-from onepath.consistency.diff import is_exact, rollout_diff
+from onepath.numerics.diff import is_exact, rollout_diff
 from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig

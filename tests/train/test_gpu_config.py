@@ -3,7 +3,7 @@ from pathlib import Path
 
 import onepath
 from onepath.config import load_run_config
-from onepath.consistency.diff import is_exact
+from onepath.numerics.diff import is_exact
 from onepath.train.trainer import GRPOTrainer, prepare
 
 GPU = Path(onepath.__file__).parent / "configs" / "qwen3-0.6b-gpu.yaml"

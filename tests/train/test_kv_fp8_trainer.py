@@ -4,7 +4,7 @@ update + in-place sync, and the straight-through backward trains. Negative contr
 setting: the engine quantises its KV cache, the trainer does not; that shows a diff."""
 import torch
 
-from onepath.consistency.diff import is_exact
+from onepath.numerics.diff import is_exact
 from onepath.engine.sampling_params import SamplingParams
 from tests.engine.test_kv_fp8 import fp8_model
 from tests.train.test_trainer_consistency import engine_vs_trainer

@@ -5,7 +5,7 @@ masters are part of the checkpoint, so a resumed run continues them."""
 import pytest
 import torch
 
-from onepath.consistency.diff import is_exact
+from onepath.numerics.diff import is_exact
 from onepath.train import checkpoint
 from onepath.train.actor import Actor
 from onepath.train import trainer as trainer_module
@@ -55,12 +55,13 @@ def test_masters_are_checkpointed_and_a_resumed_run_continues_them(tmp_path, rew
     split = GRPOTrainer(tiny_cfg(tmp_path, 2, reward, *extra), "consistent", setup, tmp_path / "split")
     split.run(progress=False)
     _, tensors = checkpoint.load(checkpoint.latest(tmp_path / "split"))
-    assert all(torch.equal(saved, m) for saved, m in zip(tensors["master"], split.actor.master))
-    assert not all(torch.equal(m.float().double(), m) for m in tensors["master"])  # wider than the weights
+    masters = [tensors["master"][name] for name in split.actor.names]  # full tensors by parameter name
+    assert all(torch.equal(saved, m) for saved, m in zip(masters, split.actor.master))
+    assert not all(torch.equal(m.float().double(), m) for m in masters)  # wider than the weights
     if not restore_masters:
         restore = GRPOTrainer.restore
-        monkeypatch.setattr(GRPOTrainer, "restore", lambda self, state, t: restore(self, state, {**t, "master": [
-            p.detach().double() for p in self.policy.parameters()]}))
+        monkeypatch.setattr(GRPOTrainer, "restore", lambda self, state, t: restore(self, state, {**t, "master": {
+            name: p.detach().double() for name, p in self.policy.named_parameters()}}))
     resumed = GRPOTrainer(tiny_cfg(tmp_path, 3, reward, *extra), "consistent", setup, tmp_path / "split", resume=True)
     history = resumed.run(progress=False)
     assert is_exact(history[-1])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from onepath.consistency.diff import is_exact
+from onepath.numerics.diff import is_exact
 from onepath.models.checkpoint import load_state_dict, save_checkpoint
 from onepath.cli import main as cli_main
 from onepath.engine.llm_engine import LLMEngine

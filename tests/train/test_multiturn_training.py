@@ -4,7 +4,7 @@ reports a diff (negative control)."""
 import pytest
 
 from onepath.config import load_run_config
-from onepath.consistency.diff import is_exact
+from onepath.numerics.diff import is_exact
 from onepath.train.trainer import GRPOTrainer, prepare
 
 

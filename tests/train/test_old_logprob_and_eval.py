@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from onepath.config import load_run_config
-from onepath.consistency.diff import DIFF_METRICS, is_exact
+from onepath.numerics.diff import DIFF_METRICS, is_exact
 from onepath.engine.llm_engine import LLMEngine
 from onepath.train.data import load_rows, prompt_text, reward_kwargs
 from onepath.train.metrics import read_metrics

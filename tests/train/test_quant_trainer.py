@@ -4,7 +4,7 @@ quantised weights, the trainer re-quantises at each forward: a stale engine cach
 the unquantised spec, same weights and tokens: a diff."""
 import pytest
 
-from onepath.consistency.diff import is_exact
+from onepath.numerics.diff import is_exact
 from onepath.engine.sampling_params import SamplingParams
 from onepath.models.dense import DenseDecoder
 from onepath.numerics.spec import ExecutionSpec

@@ -14,7 +14,7 @@ import torch
 
 from onepath.cli import main
 from onepath.config import load_run_config
-from onepath.consistency.diff import is_exact
+from onepath.numerics.diff import is_exact
 from onepath.models.checkpoint import load_state_dict
 from onepath.numerics.spec import ExecutionSpec, OpSpec
 from onepath.train import checkpoint
@@ -144,8 +144,9 @@ def skip(part: str):
     """GRPOTrainer.restore that leaves one part of the trainer state fresh (negative control)."""
     def restore(self, state, tensors):
         if part != "optimizer":
-            self.actor.optimizer.load_state_dict(tensors["optimizer"])
-        self.actor.schedule.load_state_dict(tensors["schedule"])
+            self.actor.load_optimizer_state(tensors["optimizer"])
+        else:
+            self.actor.schedule.load_state_dict(tensors["optimizer"]["schedule"])
         if part != "sampler":
             self.sampler.load_state_dict(state["sampler"])
         checkpoint.set_rng_state(tensors["rng"])

@@ -3,7 +3,7 @@ The baseline backend, same weights and tokens, must differ (negative control).""
 import torch
 
 from onepath.config import load_run_config
-from onepath.consistency.diff import is_exact, rollout_diff
+from onepath.numerics.diff import is_exact, rollout_diff
 from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from onepath.config import LoggerSection, ModelSection, RolloutSection, TrainSection, load_run_config
-from onepath.consistency.diff import is_exact
+from onepath.numerics.diff import is_exact
 from onepath.engine.sampling_params import SamplingParams
 from onepath.train.actor import Actor, Responses
 from onepath.train.checkpoint import config_hash

@@ -10,7 +10,6 @@ from typing import Callable
 import torch
 
 from onepath.consistency.bisect import BisectReport, Side, bisect, compare_site, load_spec
-from onepath.consistency.diff import is_exact, rollout_diff
 from onepath.consistency.recorder import Layout, check_same_sites, trace
 from onepath.engine.llm_engine import LLMEngine, RequestOutput
 from onepath.engine.sampling_params import SamplingParams
@@ -19,6 +18,8 @@ from onepath.models.checkpoint import load_config, load_state_dict, load_tokeniz
 from onepath.models.config import ModelConfig
 from onepath.models import build_decoder
 from onepath.models.dense import DenseDecoder
+from onepath.models.kv_cache import BLOCK_SIZE
+from onepath.numerics.diff import is_exact, rollout_diff
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import Ops
 from onepath.train.actor import Actor, Responses
@@ -68,7 +69,7 @@ class GateContext:
     label: str = ""
     seed: int = 0
     max_model_len: int = 256
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     lr: float = 1e-2
     workload: Workload = field(default_factory=Workload)
     repro_dir: Path | None = None                # where C3..C6 write bisect's repro of a divergence

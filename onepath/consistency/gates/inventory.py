@@ -11,7 +11,10 @@ from onepath.numerics.spec import ExecutionSpec, OPS
 
 # Ops methods and the ExecutionSpec entry that states their numerics
 OP_SPEC = {"token_logprobs": "logprobs", "probs": "logprobs", "sampling_mask": "topk", "sample": "sampling",
-           "sample_with_logprobs": "sampling", "add_rmsnorm": "rmsnorm"}
+           "sample_with_logprobs": "sampling", "add_rmsnorm": "rmsnorm", "qk_norm_rope": "rope", "router": "lm_head",
+           "expert_down": "linear", "grouped_linear": "linear", "grouped_expert_down": "linear"}
+# Ops members that answer a question about the backend and compute nothing
+QUERIES = ("can_stack", "grouped_experts", "grouped_on_device", "kv_quant", "kv_tile")
 
 
 def gate_c0(ctx: GateContext) -> GateResult:

@@ -31,20 +31,17 @@ loop, one software pipeline, and folds each finished split into its running stat
 begins) and split-KV (grid [query blocks, Hkv, splits]; one split per program writes FP32 partials, then
 `_merge_splits_kernel` merges a row's splits in the same order with the same `_merge`). Split-KV fills
 the SMs when few queries cover long contexts (decode); the choice is speed only, and
-tests/gpu/test_attention_gpu.py proves both launches give the same bits.
+tests/ops/test_attention_gpu.py proves both launches give the same bits.
 
 Two program shapes, same bits: the 64-row program (4 warps, Hopper's wgmma) and the decode program
 (DECODE_BLOCK_M = 16 rows, one warp, mma.sync). wgmma gives each of its 4 warps 16 whole rows with the
 accumulator layout mma.sync gives one warp holding 16 rows: a row meets the same MMA chain and the same
 in-thread and in-quad order of its max and sum in both, so its bits do not depend on which program
-holds it (tests/gpu/test_attention_gpu.py; a 16-row program of TWO warps splits the key columns between
+holds it (tests/ops/test_attention_gpu.py; a 16-row program of TWO warps splits the key columns between
 them and gives other bits: the test's negative control). A decode program wastes 14 of its 16 rows
-instead of 62 of 64, and ran 1.6x faster at batch 256 (bench/results/kernels-attention-warps.json); a
-launch of one query per sequence takes it, any other the 64-row one. Over an FP8 cache too, because each
-dequantised tile passes `_opaque`: without it the one-warp program gave other bits on 190 of 700 tokens
-(Triton sized its mma.sync operands by the 8-bit loads behind them), with it none, and it decodes 1.44x
-faster than the 64-row program at batch 256 and context 1024 (bench/attention_fp8_variants.py,
-bench/results/attention-fp8-variants.json).
+instead of 62 of 64; a launch of one query per sequence takes it, any other the 64-row one. Over an FP8 cache
+too, because each dequantised tile passes `_opaque` (Triton sizes mma.sync operands by the 8-bit loads behind
+them otherwise). Timings and the diagnosis: docs/ops/attention.md.
 
 FP8 KV cache (FP8_KV constexpr): the caches are FP8Tensors (float8_e4m3fn codes, FP32 scales per token
 and head). Each K/V tile is loaded as codes and scales and dequantised in registers as ops/attention.py's
@@ -52,8 +49,7 @@ and head). Each K/V tile is loaded as codes and scales and dequantised in regist
 reading a cache of q's dtype that holds the dequantised values. The kernel only reads; write_kv quantises.
 Caches written by FP8_KV's rule (power-of-two scales, at most 2^7: `pow2_kv`) and read by BF16 queries take
 FP8_KV = KV_FP8_POW2: `_e4m3_pow2_to_bf16` forms the same BF16 values in fewer instructions (4 per pair of
-codes instead of 6; 1,326 instead of 1,560 per tile in the decode program's sm_90 build,
-bench/results/attention-sass-tile.json).
+codes instead of 6).
 """
 from __future__ import annotations
 
@@ -63,8 +59,7 @@ import triton.language as tl
 
 from onepath.numerics.quant import FP8Tensor
 from onepath.numerics.spec import KV_AMAX_CEIL
-from onepath.ops.cuda import interpreting
-from onepath.ops.cuda.linear import sm_count
+from onepath.ops.cuda import interpreting, sm_count
 
 # Rows (query tokens x group heads) per program: one shape for every launch, so every dot is the same.
 # The spec may set another (OpSpec.q_rows): fewer rows waste less of a decode program (one token, its
@@ -75,10 +70,7 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 # The decode program: rows, warps, pipeline stages (its bits are the 64-row program's, see above).
 DECODE_BLOCK_M, DECODE_NUM_WARPS, DECODE_NUM_STAGES = 16, 1, 2
-# Over an FP8 cache two stages ran fastest too, once V was dequantised after the QK^T dot (250 vs 260 us with
-# three at batch 256, context 1024; bench/results/kernels-attention-decode-fp8-late-v.json), and the in-register
-# launch beat split-KV at contexts 200-4096 there: FP8 keeps the BF16 launch rule (less its deep decode, below,
-# untimed over FP8). Speed only.
+# Over an FP8 cache the same stages and launch rule (less the deep decode, below); speed only (docs/ops/attention.md).
 # split-KV launch when the in-register grid would give fewer than this many programs per SM.
 SPLIT_BELOW_PROGRAMS_PER_SM = 4
 # FP8 cache tiles pass `_opaque` after their dequantisation, so the one-warp program keeps the 64-row
@@ -90,26 +82,14 @@ OPAQUE_FP8_TILES = True
 UNMASKED_INTERIOR = True
 # Programs read each tile's block-table entries with one unmasked inline-asm ld.global.nc (`_load_entries`;
 # entries clamped into the program's own blocks) instead of a masked tl.load; `table_load_asm` says which. The
-# same bits (tests/gpu/test_attention_gpu.py); off under the CPU interpreter, which runs no inline asm.
-# - The decode program over a BF16 cache: its sm_90 build issues 795 instead of 1007 instructions per tile and
-#   spills 88 instead of 144 bytes (python bench/attention_sass.py, bench/results/attention-sass-tile.json); 2-15%
-#   faster at batch 16-256 and context 200-4096 in both launches (251 against 266 us at batch 256, context 1024;
-#   bench/results/kernels-attention-table-asm.json).
-# - The 64-row program over a BF16 cache (prefill): its build keeps three K/V buffers at 3 stages instead of two
-#   and issues 300 instead of 322 instructions per interior tile; 0.86 instead of 0.72 of SDPA flash's speed
-#   at 4 x 4096, 1.04 instead of 0.80 at 1 x 8192 (bench/results/kernels-attention-prefill-table-asm.json).
-# - Over an FP8 cache, the decode program's split-KV launch only: 3-12% faster there at batch 16-256, context
-#   200-4096, but 0-9% slower in-register (bench/results/kernels-attention-fp8-table-asm.json). The 64-row
-#   program over FP8 is untimed and keeps tl.load.
+# same bits (tests/ops/test_attention_gpu.py); off under the CPU interpreter, which runs no inline asm.
+# Where it runs (the decode program, the 64-row one over BF16, FP8 split-KV only) follows the builds and timings of
+# docs/ops/attention.md.
 TABLE_LOAD_ASM = True
 # The BF16 decode program's grid at DEEP_DECODE_PROGRAMS_PER_SM programs per SM (both ends included) launches
-# in-register at DEEP_DECODE_NUM_STAGES stages (a second K/V buffer: 36,864 instead of 20,480 bytes of shared
-# memory in its sm_90 build, attention-sass-tile.json, so 6 programs fit an SM instead of 8 and one wave still
-# holds the grid) instead of split-KV or in-register at 2. At batch 64 (512 programs on 132 SMs) 8-16% less time
-# than the split-KV launch picked there before; at batch 80, 5-7% less at context 1024-4096, 3% more at 200. At
-# batch 48 (2.9 per SM) it was mixed (2% slower at context 4096) and split-KV stays; at batch 112 (6.8 per SM:
-# two waves at 3 stages) it took 1.4x as long (bench/results/kernels-attention-decode-stages.json). Speed only:
-# stages and launch move no bit (tests/gpu/test_attention_gpu.py::test_deep_decode_launch_equals_other_launches).
+# in-register at DEEP_DECODE_NUM_STAGES stages (a second K/V buffer, so fewer programs fit an SM and one wave still
+# holds the grid) instead of split-KV or in-register at 2 (docs/ops/attention.md). Speed only: stages and launch
+# move no bit (tests/ops/test_attention_gpu.py::test_deep_decode_launch_equals_other_launches).
 DEEP_DECODE_PROGRAMS_PER_SM, DEEP_DECODE_NUM_STAGES = (3, 5), 3
 # FP8_KV constexpr values: a cache of q's dtype; FP8 codes with FP32 scales; FP8 codes whose scales are powers
 # of two no larger than 2^7 (pow2_kv), read by BF16 queries, dequantised by _e4m3_pow2_to_bf16 with the factor
@@ -142,9 +122,9 @@ def _opaque(x, OPAQUE: tl.constexpr):
     """x unchanged, through an identity the compiler may not look through (an impure inline asm move).
     Triton sizes an mma.sync operand (kWidth) by the narrowest tensor loaded behind it: behind FP8 codes
     the one-warp program's dots get kWidth 4, which places each lane's products in other MMA slots than
-    the 64-row program's wgmma order and gave other bits on 190 of 700 tokens; behind the barrier the
-    dequantised tile counts as 32-bit and the dots get kWidth 2, the BF16 cache's layout, and the two
-    programs' bits agree (bench/attention_fp8_variants.py, bench/results/attention-fp8-variants.json).
+    the 64-row program's wgmma order and gave other bits; behind the barrier the dequantised tile counts
+    as 32-bit and the dots get kWidth 2, the BF16 cache's layout, and the two programs' bits agree
+    (docs/ops/attention.md).
     OPAQUE is off under the CPU interpreter, which runs no inline asm (the identity changes no value)."""
     if OPAQUE:
         return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1)
@@ -158,7 +138,7 @@ def _e4m3_pow2_to_bf16(codes, factor):
     and mantissa to bits 7..10 and 4..6, which reads as code * 2^-120 exactly (E4M3's exponent bias is 7, BF16's
     127; an E4M3 subnormal becomes the BF16 subnormal of the same ratio), then one BF16 multiply by the factor:
     the exact product rounded once to BF16, which is what the FP32 rule computes ((code * scale) is exact in
-    FP32, then .to(bf16)), bit for bit (tests/gpu/test_attention_gpu.py, every code and every such scale). The
+    FP32, then .to(bf16)), bit for bit (tests/ops/test_attention_gpu.py, every code and every such scale). The
     E4M3 NaN codes, which the quantiser never writes, read as +-480 * scale. Per pair of codes: a byte permute
     that copies each code's sign over the byte above it, a shift, a mask, a multiply. Impure: as a pure op
     Triton's layout passes moved it and the decode program issued 1,897 instructions per tile, spilling more,
@@ -248,10 +228,7 @@ def _attend_tile(q, j, m_i, l_i, acc, lo_key, last_key, pos, first_key, row_ok, 
     if FP8_KV:
         # V is dequantised only now, after the QK^T dot: the dequantised K tile's shared-memory buffer is
         # dead by then and V's takes its place, and the one-warp program fits 8 per SM (its registers' limit;
-        # tests/ops/test_attention_interpret.py). Before, 29 KB each allowed 7, 2.22 waves of programs at
-        # batch 256 (Nsight Compute, bench/results/ncu-attention-decode-fp8-before-late-v.txt). Three stages,
-        # context 1024: 260 us (bench/results/kernels-attention-decode-fp8-late-v.json), 322 before
-        # (kernels-attention-decode-fp8.json); the same bits (tests/gpu/test_attention_gpu.py).
+        # tests/ops/test_attention_interpret.py); the same bits (tests/ops/test_attention_gpu.py).
         v = _dequantize(v, v_scale, OPAQUE, FP8_KV, q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc
@@ -295,7 +272,7 @@ def _program_rows(q_ptr, pos_ptr, seq_ptr, starts_ptr, num_tokens, window, pid, 
                   KV_TILE: tl.constexpr, SPLIT_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
     """A program's rows (see the module docstring's program mapping) and what they read: each row's
     sequence, position, validity, window start, query head and token; the program's key range, tiles and
-    splits; the head dims and the rows' q. Shared with bench/attention_fp8_variants.py's kernel."""
+    splits; the head dims and the rows' q."""
     # Rows: the program holds positions [base, base + BLOCK_Q) of one sequence; position base + i takes
     # rows i * GROUP_PAD + (0..GROUP), so a query sits at the same rows of the same dot in every phase
     # and batch. BLOCK_Q divides KV_TILE (all of a program's rows end in the same tile) or is a multiple of
@@ -514,8 +491,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor | FP8Tensor, v_cache:
     per layer). q_block: positions per program of a block_m-row program (default min(block_m / group,
     kv_tile)); more than kv_tile lets a prefill program span several tiles and share each K/V tile among
     more queries. A row's dot, masks and reduction are the same at any row of the program, so it moves no
-    bit (the decode program keeps its own; tests/gpu/test_attention_gpu.py on the H200). It is opt-in: 128
-    rows spanning two tiles prefilled slower than 64 (bench/results/kernels-attention-prefill-q-block.json).
+    bit (the decode program keeps its own; tests/ops/test_attention_gpu.py on the H200). It is opt-in: 128
+    rows spanning two tiles prefilled slower than 64 (docs/ops/attention.md).
     table_asm: the program reads its block-table entries by inline asm (None: `table_load_asm`'s rule); no bit
     moves. FP8 caches dequantise by `_e4m3_pow2_to_bf16` where their rule allows it (`pow2_kv`); no bit moves.
     Returns [T, H, D] in q's dtype.

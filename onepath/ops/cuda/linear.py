@@ -11,7 +11,7 @@ the other rows or on the row's position. What keeps it:
 - the tile config (rows, columns, K step, warps; wgmma or, for 16- and 32-row tiles, mma.sync; the operands
   swapped, SWAP_TILES, back on wgmma, at decode M) may follow M
   (small tiles fill the 132 SMs at decode, large ones reach the tensor-core peak at prefill) only
-  because each output element's MMA chain over K is the same in every one; tests/gpu/test_matmul.py
+  because each output element's MMA chain over K is the same in every one; tests/ops/test_linear_gpu.py
   proves the candidates give equal bits, and a split-K sum does not;
 - where M is not a multiple of the row tile, the last row tile is moved back to end at M: its first rows
   are computed by two programs, to the same bits, and stored twice (from one whole tile up, no TMA box
@@ -26,18 +26,17 @@ descriptors with `TileConfig.tma` (same values, same dot; a config flag, so the 
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from onepath.ops.cuda import sm_count
+
 # The K step of a config unless it says otherwise (the grouped kernel's only one).
 BLOCK_K = 64
-# Programs of an interpreted (CPU) launch: small, so the persistent loop walks several tiles.
-INTERPRET_NUM_SMS = 3
-# Where M is at least a row tile but not a multiple of it, the last row tile ends at M (see _tile_offsets):
+# Where M is at least a row tile but not a multiple of it, the last row tile ends at M (see tile_offsets):
 # no TMA box or masked load reaches past M. Off: the last tile runs past M (the benchmark's comparison).
 LAST_ROWS_BACK = True
 
@@ -47,7 +46,7 @@ class TileConfig:
     """An output tile of block_m rows (tokens) x block_n columns (output features), walked over K in block_k
     steps. swap: the MMA takes the weight tile as its A operand and the tokens as its N (acc is [block_n,
     block_m], transposed once before the store), so a tile of few tokens still runs wgmma's m64 over 64 or more
-    features, as cuBLAS's decode kernels do (64x8 tiles at M = 1, bench/results/kernels-matmul-graph-paired.json)."""
+    features, as cuBLAS's decode kernels do (docs/ops/linear.md)."""
     block_m: int
     block_n: int
     num_warps: int
@@ -75,11 +74,8 @@ TILES_16BIT = (
     TileConfig(64, 64, num_warps=4, num_stages=4),
     TileConfig(64, 32, num_warps=4, num_stages=5),
 )
-# The dense matmul's own ladder, from CUDA-graph sweeps on the H200 (bench/results/kernels-matmul-sweep-graph*.json,
-# kernels-matmul-decode-sweep.json, kernels-matmul-ladder-*.json): TMA loads throughout (up to 1.6x over pointer
-# loads at M = 256..1024); 128-row tiles (see dense_candidates), 64-row ones with K steps of 128 or 256 (with 64-deep
-# steps the same tile took a median 1.38x as long at M = 64..256, up to 1.85x: the decode GEMM waits on its K
-# walk; k_step_summary in kernels-matmul-decode-sweep.json). Every config gave the same bits.
+# The dense GEMM's ladder: TMA loads throughout; 128-row tiles (see dense_candidates), 64-row ones with deep K steps
+# (the decode GEMM waits on its K walk). Chosen by CUDA-graph sweeps (docs/ops/linear.md); every config the same bits.
 DENSE_TILES = (
     TileConfig(128, 256, num_warps=8, num_stages=3, tma=True),
     TileConfig(128, 128, num_warps=4, num_stages=4, tma=True),
@@ -88,34 +84,17 @@ DENSE_TILES = (
     TileConfig(64, 32, num_warps=4, num_stages=4, tma=True, block_k=256),
 )
 # pick_config's model of a dense tile's time: the rounds of tiles the SMs run (the last one partly idle) times
-# a tile's outputs over its speed per output, relative to 128x256. Fitted to CUDA-graph sweeps at M = 32..512
-# over 13 shapes. Over the swept cases past 32 rows (`python bench/kernels_matmul.py --rank-picks` on the
-# kernels-matmul-ladder-*.json files, kernels-matmul-pick-model.json) the picked tile took 1.010x the best tile's
-# time (geometric mean; at worst 1.23x, 64x32 at M = 40), against 1.021x for the rule before it (the largest
-# tile still giving half the SMs one; at worst 1.28x, its 128-row tiles where N is wide). 128x128 at 0.8 to 0.9
-# fits those sweeps alike; 0.85 keeps it ahead of 64x128 at training M, where 64x128 ran the FP32-output LM head
-# 1.08x slower (kernels-matmul-sweep-large-tiles.json).
+# a tile's outputs over its speed per output, relative to 128x256; fitted to sweeps (docs/ops/linear.md).
 DENSE_SPEED = {(128, 256): 1.0, (128, 128): 0.85, (64, 128): 0.8, (64, 64): 0.5, (64, 32): 0.3}
-# A row tile whose TMA box of x reaches past M pays for the rows past M, more the more rows: on the H200 a 64x32
-# tile at M = 32 took 17.9 us against 8.6 with the box whole, the store masked alike (`python bench/kernels_matmul.py
-# --past-m`, kernels-matmul-past-m.json). From one tile up the last row tile ends at M (LAST_ROWS_BACK); below one,
-# 128-row tiles are candidates once M fills three quarters of one: at M = 96 and 112 they were the fastest on the
-# widest N, at M = 72 and 80 64-row ones (kernels-matmul-ladder-m96-256-stages.json, -m72-112-stages.json).
-# 128x128 tiles keep a fifth K step in flight up to DEEP_RING_M rows: llama's 4096x11008 at M = 96..128 took
-# 29.7 / 28.9 us against 32.3 / 33.0 with four (cuBLAS 25.2 / 26.0), the FP32 LM head at M = 1024 596 against
-# 626; past 1024 rows four were as fast or faster on the 13 swept shapes, up to 4% at M = 8192
-# (kernels-matmul-ladder-train-stages.json). Every depth gave the same bits.
+# A row tile whose TMA box of x reaches past M pays for the rows past M: from one tile up the last row tile ends at
+# M (LAST_ROWS_BACK); below one, 128-row tiles are candidates once M fills three quarters of one. 128x128 tiles keep
+# a fifth K step in flight up to DEEP_RING_M rows. Every depth gives the same bits (docs/ops/linear.md).
 DEEP_RING_M = 1024
 DEEP_RING_STAGES = 5
-# Up to SMALL_M rows (decode of a few sequences) the weight stream is all the work. There the tiles take the
-# operands swapped (TileConfig.swap): 16 tokens by 128 or 64 weight rows, the weight rows as wgmma's M, so one
-# warpgroup runs m64 MMAs over a tile whose token side is nearly all padding. On the H200 (CUDA graphs, `python
-# bench/kernels_matmul.py --decode-sweep --graph --ms 1 16 32 --configs ...`, kernels-matmul-decode-sweep-swap-all.json)
-# 16x64 was the fastest tile on every one of the 13 decode shapes at M = 1 and 16 with N up to 6144 (qwen3-1.7b's
-# down projection at M = 1: 11.2 us against 13.1 for the 16x16 tile it replaced; cuBLAS 9.2), 16x128 where N
-# gives it half the SMs (N = 11008 and up: 23.1 against 24.6 for 64x128 by pointer loads); at M = 32 a 32x128 tile
-# (two tokens' rows of wgmma no longer padding) where it gives half the SMs, else the swapped ones alike.
-# Every tile gave the same bits (tests/gpu/test_matmul.py).
+# Up to SMALL_M rows (decode of a few sequences) the weight stream is all the work: the tiles take the operands
+# swapped (TileConfig.swap), 16 tokens by 128 or 64 weight rows, the weight rows as wgmma's M; at M = 17..32 a 32x128
+# tile where it gives half the SMs a tile. Every tile gives the same bits (tests/ops/test_linear_gpu.py;
+# the sweeps in docs/ops/linear.md).
 SWAP_TILES = (
     TileConfig(16, 128, num_warps=4, num_stages=4, tma=True, block_k=128, swap=True),
     TileConfig(16, 64, num_warps=4, num_stages=4, tma=True, block_k=256, swap=True),
@@ -129,14 +108,6 @@ SMALL_TILES = (TileConfig(32, 128, num_warps=4, num_stages=4, tma=True, block_k=
 MAX_TILE_FP32_OUT = 128 * 128
 # fp32 inputs run the FMA path (ieee): one config for every M, so nothing to prove.
 TILE_FP32 = TileConfig(64, 64, num_warps=4, num_stages=2)
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    """The SMs a persistent launch spreads its programs over (INTERPRET_NUM_SMS off CUDA)."""
-    if device.type != "cuda":
-        return INTERPRET_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def stages_output(config: TileConfig, out_dtype: torch.dtype | None) -> bool:
@@ -192,7 +163,7 @@ def first_filling(configs, m: int, n: int, num_sms: int) -> TileConfig:
 
 
 @triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     num_pid_in_group = GROUP_M * num_pid_n
     first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
     group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
@@ -202,13 +173,13 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_offsets(tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def tile_offsets(tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   GROUP_M: tl.constexpr, EVEN_M: tl.constexpr, LAST_ROWS_BACK: tl.constexpr):
     """A tile's first row and column, its rows and columns, and the rows and columns to read.
     LAST_ROWS_BACK: where M is at least a tile but not a multiple of it, the last row tile starts at
     M - BLOCK_M instead of running past M, so every tile is whole. Its first rows are the previous tile's
     last ones, computed again to the same bits (a row's bits do not depend on its tile) and stored again."""
-    pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
     row0 = pid_m * BLOCK_M
     if LAST_ROWS_BACK and not EVEN_M:
         row0 = tl.maximum(tl.minimum(row0, M - BLOCK_M), 0)
@@ -216,8 +187,7 @@ def _tile_offsets(tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M: tl.constexpr, BL
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_n = col0 + tl.arange(0, BLOCK_N)
     # Rows past M are masked (no memory request): reading row 0 in their place made every
-    # program hammer one L2 line at decode (M=1 ran 4x slower than M=64). Columns past N read
-    # column 0; their results are never stored.
+    # program hammer one L2 line at decode. Columns past N read column 0; their results are never stored.
     rows = tl.where(offs_m < M, offs_m, 0)
     # EVEN_M (every tile full) drops the row mask: a row's values, so its bits, are the same either way.
     row_ok = (offs_m < M) | EVEN_M
@@ -242,7 +212,7 @@ def _matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
-        row0, col0, offs_m, offs_n, rows, row_ok, cols = _tile_offsets(
+        row0, col0, offs_m, offs_n, rows, row_ok, cols = tile_offsets(
             tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, EVEN_M, LAST_ROWS_BACK)
 
         # SWAP: the transposed tile, the weight rows as the MMA's M (see TileConfig.swap)
@@ -274,7 +244,7 @@ def _matmul_kernel(
                  mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def _tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """TMA needs 16-byte aligned bases and row strides."""
     row_bytes = x.shape[1] * x.element_size()
     return row_bytes % 16 == 0 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
@@ -313,7 +283,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                          "(32-bit load offsets); split the rows into several calls")
     num_sms = sm_count(x.device)
     config = config or pick_config(m, n, x.dtype, num_sms, out.dtype)
-    tma = config.tma and _tma_ok(x2, weight)
+    tma = config.tma and tma_ok(x2, weight)
     x_desc = w_desc = None
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -326,7 +296,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, m: int,
            config: TileConfig, x_desc=None, w_desc=None, last_rows_back: bool | None = None) -> None:
     """One launch of the kernel: out[:m] = x2[:m] weight^T (+ bias), TMA loads where descriptors are given.
-    matmul() calls it; bench/kernels_matmul.py --past-m also launches over descriptors of other rows than m."""
+    matmul() calls it; bench/kernels_linear.py --past-m also launches over descriptors of other rows than m."""
     n, k = weight.shape
     num_sms = sm_count(x2.device)
     _matmul_kernel[(min(num_sms, config.tiles(m, n)),)](

@@ -1,6 +1,6 @@
 """matmul_fp8: block-FP8 W8A8 y = (a W^T) (+ b) on Hopper, batch-invariant and deterministic.
 
-Operands are ops/quant_linear.py's: activation codes [M, K] float8_e4m3fn with FP32 scales per row
+Operands are ops/linear_quant.py's: activation codes [M, K] float8_e4m3fn with FP32 scales per row
 and 128-wide K group [M, ceil(K/128)]; weight codes [N, K] with FP32 scales per 128x128 block
 [ceil(N/128), ceil(K/128)]. Per output element, K blocks kb in ascending order:
     partial = tl.dot(a_kb, w_kb^T)                    a fresh FP32 tensor-core partial of one block
@@ -13,11 +13,11 @@ The promotion is done by hand (one dot per K block, then the FMA): Triton on SM9
 keep the whole K loop in the FP8 MMA's imprecise accumulator (max_num_imprecise_acc = 2^30).
 
 Two kernels keep that chain: this file's Triton kernel and linear_fp8_ws.py's warp-specialized Gluon
-kernel (Hopper only; 2.2-2.8x faster at training shapes, 1.76x at decode). The pick follows M like the tile
+kernel (Hopper only; the faster one: docs/ops/linear.md). The pick follows M like the tile
 ladder (pick_kernel): on Hopper the Gluon kernel where its TMA rows fit (its training layout from WS_MIN_ROWS
 rows on, its decode layout below), the Triton tiles elsewhere. That cannot move a row's bits, because each
 output element's MMA and FMA chain over K is the same in every kernel and tile;
-tests/gpu/test_fp8_matmul_ws_gpu.py proves the candidates give equal bits.
+tests/ops/test_linear_fp8_gpu.py proves the candidates give equal bits.
 """
 from __future__ import annotations
 
@@ -28,41 +28,26 @@ import triton
 import triton.language as tl
 
 from onepath.numerics.quant import FP8Tensor
-from onepath.ops.cuda import interpreting
-from onepath.ops.cuda.linear import TileConfig, _tile_offsets, first_filling, sm_count
+from onepath.ops.cuda import interpreting, sm_count
+from onepath.ops.cuda.linear import TileConfig, first_filling, tile_offsets
 from onepath.ops.cuda.linear_fp8_ws import OUT_DTYPES, TMA_ALIGN, WSConfig, matmul_fp8_ws
 
 # One K step = one scale group: the partial a scale multiplies is exactly one tl.dot.
 BLOCK_K = 128
 # fp8 tiles, largest first (BLOCK_M >= 64: Hopper's wgmma); the pick follows M like linear.py's,
-# which cannot move a row's bits (each element's MMA chain over K is the same in every tile).
-# 128-row tiles are left out: with a fresh dot per K block, the MMA waits for its result every block,
-# and four warps on a 64x128 tile, one program per tile, ran 3.6-3.9x faster than the persistent
-# 128x128 eight-warp kernel at training shapes (bench/fp8_variants.py,
-# bench/results/fp8-variants-before-tiles.json; same bits in every variant). Three stages on that tile
-# ran 1.03-1.06x faster than four, and a Gluon kernel that promotes block kb-1 while kb's MMA runs
-# 0.38-0.71x as fast as the Triton one (bench/results/fp8-variants.json; same bits; no warp specialization,
-# unlike linear_fp8_ws.py).
+# which cannot move a row's bits (each element's MMA chain over K is the same in every tile). No 128-row tiles:
+# with a fresh dot per K block the MMA waits for its result every block (the variants timed: docs/ops/linear.md).
 TILES_FP8 = (
     TileConfig(64, 128, num_warps=4, num_stages=3),
     TileConfig(64, 64, num_warps=4, num_stages=4),
 )
-# The warp-specialized kernel's config: 128x128, 5 stages (the deepest ring that fits with the A-scale stages),
-# persistent, wait1 (each consumer promotes block kb-1 while kb's MMA runs). 128x128 with wait1 was timed against
-# the 128x256 4-stage config that shipped before, in turns on the same operands under CUDA graphs
-# (bench/kernels_fp8.py --graph --ms 4096 8192 --ws-variant ...; bench/results/kernels-fp8-graph-train-variants.json,
-# -variants-2.json): faster at all 8 training cases in both calls. With the A scales in the stages it ran 1.63-1.72x
-# our BF16 GEMM at every training case of four runs (kernels-fp8-graph-s18.json, -train-s18-a/-b/-c.json). It takes
-# M >= WS_MIN_ROWS: it ran faster than the Triton tiles at every M and shape of bench/kernels_fp8.py (CUDA graphs,
-# kernels-fp8-graph-s18.json); below 512 rows the decode layout takes over, chosen on weights read from HBM
-# (fp8-gluon-decode.json).
+# The warp-specialized kernel's training layout: 128x128, 5 stages (the deepest ring that fits with the A-scale
+# stages), persistent, wait1 (each consumer promotes block kb-1 while kb's MMA runs); from WS_MIN_ROWS rows on.
 WS_CONFIG = WSConfig(block_n=128, num_stages=5, persistent=True, wait1=True)
 WS_MIN_ROWS = 512
-# Below WS_MIN_ROWS (decode), the same kernel with its consumers splitting a 64-row tile's columns
-# (split "n"), eight stages for a GEMM bound by its weight read, and wait1 (block kb-1 promoted under block
-# kb's MMA). Over 44 decode cases (M 1-256, Qwen3-0.6B/1.7B and 7B projections, weights read from HBM;
-# bench/fp8_gluon.py --decode, bench/results/fp8-gluon-decode.json) it ran 1.54x our BF16 GEMM and 1.76x
-# the Triton FP8 kernel (geometric means; 1.31x at worst), with the Triton kernel's bits in all 44.
+# Below WS_MIN_ROWS (decode), the same kernel with its consumers splitting a 64-row tile's columns (split "n"),
+# eight stages for a GEMM bound by its weight read, and wait1. Both layouts give the Triton kernel's bits; how
+# they were chosen: docs/ops/linear.md.
 DECODE_WS_CONFIG = WSConfig(block_n=128, num_stages=8, persistent=True, wait1=True, split="n")
 
 
@@ -83,7 +68,7 @@ def _matmul_fp8_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     for tile_id in tl.range(start_pid, num_tiles, NUM_PROGRAMS, flatten=True):
-        _, _, offs_m, offs_n, rows, row_ok, cols = _tile_offsets(
+        _, _, offs_m, offs_n, rows, row_ok, cols = tile_offsets(
             tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M, False, False)
         w_blocks = cols // W_BLOCK_N
 
@@ -148,7 +133,7 @@ def matmul_fp8(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None = None,
     out = torch.empty((m, n), device=a.device, dtype=out_dtype)
     a, w = a.contiguous(), w.contiguous()
     sa, sw = qa.scales.reshape(m, -1).contiguous(), qw.scales.contiguous()
-    # one program per tile: the persistent walk (grid = #SMs) ran up to 1.3x slower here (fp8_variants.py)
+    # one program per tile: the persistent walk (grid = #SMs) was slower here (docs/ops/linear.md)
     grid = (config.tiles(m, n),)
     _matmul_fp8_kernel[grid](
         a, sa, w, sw, bias.contiguous() if bias is not None else None, out,

@@ -6,7 +6,7 @@ fresh FP32 wgmma partial of that block (four chained m64nNk32 steps, the first f
 acc = fma(partial, sa[m, kb] * sw[n // 128, kb], acc), then one rounding of acc (+ bias in FP32) to
 out_dtype. No split-K, no atomics, one program per output tile at a time: a row's bits depend on K
 alone, never on M, the tile or the kernel, which is why matmul_fp8 may pick this kernel or the Triton
-one by M (tests/gpu/test_fp8_matmul_ws_gpu.py: torch.equal between them).
+one by M (tests/ops/test_linear_fp8_gpu.py: torch.equal between them).
 
 Why warp specialization: Triton waits for every wgmma whose result feeds an FMA, so its tensor core
 idles during each block's promotion. Here a CTA (128 rows x BLOCK_N, split "m") runs three partitions:
@@ -17,14 +17,10 @@ idles during each block's promotion. Here a CTA (128 rows x BLOCK_N, split "m") 
                 partial, wait, release the stage, FMA-promote. Neither waits for the other, so one's
                 promotion runs under the other's MMA while the producer keeps the ring full; the
                 output goes out through shared memory by TMA stores.
-The A scales come from the stage, not from global memory: a consumer warp's load of its rows' sa[m, kb]
-touched eight sectors (rows K/128 floats apart), and those L1 wavefronts held the kernel ~9% below the same
-kernel loading one address (bench/results/kernels-fp8-graph-train-probe.json); by column with L1 prefetches
-it was slower still (-probe-3.json). On the H200 the shipped config (matmul_fp8.WS_CONFIG), 128x128 with 5
-stages (the deepest that fits with the scale stages), persistent and wait1, ran 1.63-1.72x our BF16 GEMM at
-training shapes (M 4096-8192, N 2048-11008, K 2048-8192; CUDA graphs, four runs, kernels-fp8-graph-s18.json,
--train-s18-a.json, -b.json, -c.json), against 1.58-1.67x with the scales loaded from global memory (-s17*.json).
-Every config gives the Triton kernel's bits, with no spills (bench/fp8_gluon.py checks each).
+The A scales come from the stage, not from global memory: a consumer warp's load of its rows' sa[m, kb] touched
+eight sectors (rows K/128 floats apart), and those L1 wavefronts held the kernel back (docs/ops/linear.md: the
+profile, the probes and the shipped config's timings).
+Every config gives the Triton kernel's bits, with no spills (lab/fp8_gluon.py checks each).
 Switches (WSConfig): BLOCK_N 128 or 256 (two n128 chains per block, promoted one after the other in one
 register block: a 64x256 partial and its accumulator would need 256 registers a thread); WAIT1 (BLOCK_N
 128): issue block kb's wgmma, `wgmma.wait_group 1`, promote kb-1 under it; persistent (#SMs programs
@@ -39,8 +35,8 @@ columns (consumer i: [i * BLOCK_N/2, (i+1) * BLOCK_N/2), one n32, n64 or n128 ch
 one 128-row scale block); half the rows of "m" doubles the tiles where M leaves the SMs empty, and the
 smaller stage (A [64, 128] + W [BLOCK_N, 128]) lets the ring hold 8 (BLOCK_N 128) or 12 (BLOCK_N 64) blocks
 of weights in flight. Same chain per element: the Triton 64x64 and 64x128 tiles already give equal bits
-with n64 and n128 wgmma (bench/fp8_gluon.py --decode checks every variant against them).
-tests/ops/test_fp8_gluon_build.py builds it for sm_90 without a GPU (Gluon is not interpreted).
+with n64 and n128 wgmma (lab/fp8_gluon.py --decode checks every variant against them).
+tests/ops/test_linear_fp8_ws.py builds it for sm_90 without a GPU (Gluon is not interpreted).
 """
 from __future__ import annotations
 
@@ -55,9 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from onepath.numerics.quant import FP8Tensor
-from onepath.ops.cuda import sm90
-from onepath.ops.cuda.fp8_rows import scale_column_stride, scales_by_column
-from onepath.ops.cuda.linear import sm_count
+from onepath.ops.cuda import sm90, sm_count
+from onepath.ops.cuda.quant_rows import scale_column_stride, scales_by_column
 
 BLOCK_K = 128  # one scale group: the partial a scale multiplies is one wgmma chain over 128 K values
 WG_M = 64  # wgmma's rows: a consumer warpgroup's share of the tile's rows
@@ -181,8 +176,7 @@ def _issue_scaled(a_bufs, w_bufs, sa_bufs, ready, it, into, A_PART: gl.constexpr
     """wait1: the it-th K block's partial issued (as _issue) and its scale (_scale), once its stage is loaded.
     The scale is read before the issue (split "m": after it, its registers and a second partial in flight
     outgrow the consumer's 232 and ptxas spills), or after it (split "n", whose n64 partials leave room: at
-    M = 1 each K block's chain then no longer waits for the scale's read, 0-1.2 us less a GEMM in
-    bench/results/kernels-fp8-graph-decode-s18.json against the M = 1 rows of kernels-fp8-graph-s18.json)."""
+    M = 1 each K block's chain then no longer waits for the scale's read; docs/ops/linear.md)."""
     _wait_ready(ready, it)
     if SCALE_AFTER:
         partial = _issue(a_bufs, w_bufs, ready, it, into, A_PART, PART, False)
@@ -430,7 +424,7 @@ class WSConfig:
 
 def tma_scales(sa: torch.Tensor) -> torch.Tensor:
     """sa [M, G] as the kernel's TMA reads it: stored by column (strides (1, P)), P >= M a multiple of 4 so that
-    each column starts 16-byte aligned; a copy unless the quantiser wrote it so (fp8_rows.scales_by_column).
+    each column starts 16-byte aligned; a copy unless the quantiser wrote it so (quant_rows.scales_by_column).
     A size-1 dimension's stride is free (torch may set any), so one row or one column is read as (1, P)."""
     m, g = sa.shape
     col = sa.stride(1) if g > 1 else scale_column_stride(m)

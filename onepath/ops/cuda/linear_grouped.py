@@ -8,7 +8,7 @@ on how many tokens its expert got. What keeps it: the dense kernel's K walk, unc
   loads, or TMA's out-of-bounds zeros): no split-K, no atomics, no cross-program reduction;
 - the tile config is one of GROUPED_TILES (the dense kernel's ladder before its deeper K steps, which
   this kernel's sweeps measured; fp32 inputs TILE_FP32): each output element's MMA chain over K is
-  the same in every one and in each of the dense kernel's (tests/gpu/test_matmul.py);
+  the same in every one and in each of the dense kernel's (tests/ops/test_linear_gpu.py);
 - a tile never stores past its group: its rows past the group's end (the next group's rows, or zeros
   past M, under TMA) and its columns past N (the next group's weight rows) are computed and dropped,
   which cannot move a stored element, whose products use its own row and column only.
@@ -17,12 +17,12 @@ Rows are packed by group (groups may be empty). Each program reads the group siz
 uploaded, or the MoE dispatch's tensor read in place: no host sync, no tile-list kernels before the
 launch) and finds the group, first row and end row of an M tile from their prefix sums: the groups'
 M tiles are numbered group by group, and the tile space is those M tiles by the N tiles, walked by
-`programs` programs with that stride, grouped along M (matmul._tile_coords). Decode shapes (~16 rows
+`programs` programs with that stride, grouped along M (matmul.tile_coords). Decode shapes (~16 rows
 per expert, 128 experts) read every routed expert's weight once: an HBM stream, for which the weight
 tiles come by TMA, x's 64-row tiles by masked pointer loads (x_by_tma), and no program visits an
 empty tile. With tensor sizes the tile config and the grid follow M and G only, never the sizes: a
 CUDA graph holds the launch and replays it under other sizes (the MoE decode steps).
-bench/grouped_variants.py times the alternatives (tiles, pointer loads, x by TMA, one program per
+lab/grouped_variants.py times the alternatives (tiles, pointer loads, x by TMA, one program per
 tile, the tile-list kernel this one replaced) and checks their bits.
 """
 from __future__ import annotations
@@ -31,11 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
+from onepath.ops.cuda import sm_count
+from onepath.ops.cuda.linear import BLOCK_K, TILE_FP32, TileConfig, stages_output, tile_coords, tma_ok
 from onepath.ops.host import to_device
-from onepath.ops.cuda.linear import BLOCK_K, TILE_FP32, TileConfig, _tile_coords, _tma_ok, sm_count, stages_output
 
 # TMA weight tiles, 64-deep K steps (BLOCK_K): 128-row tiles once the largest group fills them, 64-row ones
-# at decode (bench/results/grouped-variants.json).
+# at decode (the variants timed: docs/ops/linear.md).
 GROUPED_TILES = (
     TileConfig(128, 256, num_warps=8, num_stages=3, tma=True),
     TileConfig(128, 128, num_warps=4, num_stages=4, tma=True),
@@ -48,8 +49,8 @@ def pick_grouped_config(counts: list[int], n: int, dtype: torch.dtype, num_sms: 
                         out_dtype: torch.dtype | None = None) -> TileConfig:
     """matmul.first_filling's rule over all groups' tiles, on the dense kernel's tiles: the largest
     that gives every SM a tile, 128-row tiles only once the largest group fills them; the smallest
-    when none does. Integer arithmetic only: it runs at every MoE layer's launch, where triton.cdiv
-    (~1.4 us a call on the host) cost ~0.5 ms over 128 groups."""
+    when none does. Integer arithmetic only: it runs at every MoE layer's launch, where triton.cdiv's
+    host cost adds up over 128 groups (docs/ops/linear.md)."""
     if dtype == torch.float32:
         return TILE_FP32
     configs = [c for c in GROUPED_TILES if stages_output(c, out_dtype)]
@@ -110,7 +111,7 @@ def _grouped_matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     for tile_id in tl.range(tl.program_id(axis=0), num_m_tiles * num_pid_n, NUM_PROGRAMS, flatten=True):
-        pid_m, pid_n = _tile_coords(tile_id, num_m_tiles, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id, num_m_tiles, num_pid_n, GROUP_M)
         group, first, end = _m_tile(pid_m, tile_start, tile_end, row_start, row_end, G_PAD, BLOCK_M)
         offs_m = first + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -186,7 +187,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | to
     else:
         m_tiles = sum(-(-c // config.block_m) for c in counts)
         counts = to_device(counts, torch.int32, x.device)
-    w_tma = config.tma and _tma_ok(x, weight)
+    w_tma = config.tma and tma_ok(x, weight)
     x_tma = w_tma and (x_tma if x_tma is not None else x_by_tma(config))
     x_desc = w_desc = None
     if w_tma:

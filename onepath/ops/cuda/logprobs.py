@@ -16,7 +16,7 @@ computed in registers from `chunk_exp` and the same row stats, so probabilities 
 
 The order of every sum is a function of V alone: fixed chunk boundaries, one tl.sum per chunk and
 one per row at constexpr shapes, no atomics, no row count in a kernel, and one binary for every
-launch of a (V, dtype): row strides unspecialised with an alignment hint (rmsnorm.aligned_rows
+launch of a (V, dtype): row strides unspecialised with an alignment hint (cuda.aligned_rows
 makes it true), the per-row scalars' pointers unspecialised on alignment (a view of tokens cannot
 pick another binary, hence another reduction layout). keep=None reads an all-kept chunk through the
 same loads as a real mask (row and chunk strides 0), so a row with no filter has the same bits
@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from onepath.ops.cuda.rmsnorm import aligned_rows, row_stride
+from onepath.ops.cuda import aligned_rows, row_stride
 
 # The vocabulary chunk: it fixes the order of a row's sums, whatever M is.
 BLOCK_V = 4096

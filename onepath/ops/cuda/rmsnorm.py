@@ -15,7 +15,7 @@ with the optional fused residual add `s = round(x + residual, x.dtype)` (what a 
 - the squares are summed by explicit FMAs and the launches pass `enable_fp_fusion=False`, so no
   other product and add is contracted at the compiler's choice.
 `qk_norm_rope` runs this reduction (`inv_rms`) and rounding on each head of q and k (Qwen3's QK-norm),
-then elementwise.py's RoPE arithmetic, in one launch: the bits of the two kernels.
+then rope.py's RoPE arithmetic, in one launch: the bits of the two kernels.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from onepath.numerics.spec import QuantSpec
-from onepath.ops.cuda.fp8_rows import fused_quant_outputs, fused_quant_result, quantize_stored
+from onepath.ops.cuda import aligned_rows, row_stride
+from onepath.ops.cuda.quant_rows import fused_quant_outputs, fused_quant_result, quantize_stored
 
 # The chunk of H summed per step: it fixes the reduction order of a row.
 BLOCK_H = 1024
@@ -34,23 +35,6 @@ NUM_WARPS = 4
 # 0..D/8-1 of warp 0; on one warp with 256 the same, once. Each thread sums its 8 in order, the lanes
 # meet in the same butterfly, and what four warps add besides (other lanes, other warps) is exact zeros.
 ROW_WARP_BLOCK = 256
-
-
-def aligned_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [M, n] with unit inner stride, a 16-byte aligned start and a row stride of whole 16-byte
-    units, else a copy with rows padded to 16 bytes. The reduction kernels promise the compiler
-    that alignment instead of specialising on the caller's strides, so every batch a row can sit
-    in runs the same binary."""
-    vec = 16 // x.element_size()
-    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and (x.shape[0] <= 1 or x.stride(0) % vec == 0):
-        return x
-    padded = x.new_empty(x.shape[0], triton.cdiv(x.shape[1], vec) * vec)[:, :x.shape[1]]
-    return padded.copy_(x)
-
-
-def row_stride(x: torch.Tensor) -> int:
-    # A single row's stride multiplies row 0 only; 0 keeps the alignment hint true for any layout.
-    return x.stride(0) if x.shape[0] > 1 else 0
 
 
 @triton.jit
@@ -110,7 +94,7 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, x_stride, r_stride, o
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_row + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
     if QUANT:
-        # the next FP8 GEMM's input, by its quantiser's rule, from the row just stored (fp8_rows.quantize_stored)
+        # the next FP8 GEMM's input, by its quantiser's rule, from the row just stored (quant_rows.quantize_stored)
         tl.debug_barrier()
         for start in range(0, H, BLOCK):
             quantize_stored(out_row, start, H, codes_ptr + row * codes_stride, scales_ptr + row * scales_stride,
@@ -122,7 +106,7 @@ def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, pos_ptr, cos_ptr, sin_ptr, out_p
                          table_stride, q_heads, heads, D, HALF, eps, VEC: tl.constexpr, BLOCK: tl.constexpr,
                          BLOCK_HALF: tl.constexpr):
     """One (token, head) row: RMSNorm by its head's weight (the first q_heads heads q's, the others k's),
-    rounded as _rmsnorm_kernel rounds, then RoPE on the rounded halves as elementwise.py's _rope_kernel
+    rounded as _rmsnorm_kernel rounds, then RoPE on the rounded halves as rope.py's _rope_kernel
     computes it (products rounded on their own, one rounding per output). Launched on one warp with BLOCK
     = ROW_WARP_BLOCK when the row fits it (`qk_norm_rope`)."""
     tok = tl.program_id(0).to(tl.int64)
@@ -191,7 +175,7 @@ def qk_norm_rope(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor
                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] (q's heads then k's: a strided view of a stacked qkv projection is fine), weights
     [D] -> rope(rmsnorm(x[:, :q_heads], q_weight)) and the same of the k heads by k_weight, [T, heads, D]
-    contiguous in x.dtype: the bits of rmsnorm() then elementwise.rope(), in one launch."""
+    contiguous in x.dtype: the bits of rmsnorm() then rope.rope(), in one launch."""
     tokens, heads, dim = x.shape
     if (dim % 2 or q_weight.shape != (dim,) or k_weight.shape != (dim,) or not 0 < q_heads < heads
             or positions.shape != (tokens,) or cos.shape[-1] != dim // 2 or sin.shape != cos.shape):

@@ -34,12 +34,12 @@ from triton.language.extra import libdevice
 
 from onepath.ops.cuda import logprobs as LP
 from onepath.ops.cuda.logprobs import chunk_exp, row_pointers
-from onepath.ops.sampling import GOLDEN, MIX1, MIX2, _signed
+from onepath.ops.splitmix import GOLDEN, MIX1, MIX2, signed64
 
 BLOCK = 1024        # the unit of the race-or-skip decision
 SPAN = 16 * BLOCK   # vocabulary entries per program
 NUM_WARPS = 4
-_MIX = (_signed(GOLDEN), _signed(MIX1), _signed(MIX2))
+_MIX = (signed64(GOLDEN), signed64(MIX1), signed64(MIX2))
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """A Triton kernel built for the H200 (sm_90) without a GPU, by the Triton wheel's own ptxas: what a launch on
 the H200 would compile. Tests check a build's instructions, layouts and shared memory on the CPU with it, and
-bench/attention_sass.py counts its SASS."""
+lab/attention_sass.py counts its SASS."""
 from __future__ import annotations
 
 # Hopper's opt-in shared memory per block (227 KiB); a config over it fails at launch on the H200.

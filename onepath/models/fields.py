@@ -1,0 +1,112 @@
+"""What onepath does with each config.json field of a supported family: every field transformers defines
+for it (and the few its modeling code reads with getattr) is implemented, refused unless harmless, or
+listed here as not changing the math, with the reason. tests/models/test_config_fields.py walks
+transformers' own configs against these tables.
+
+IMPLEMENTED  read by ModelConfig and applied as transformers applies it (tested against transformers)
+REFUSED      refused at load unless the value is the harmless one given
+NO_MATH      neither the logits nor the gradients onepath computes depend on it
+A field of none of them is not one transformers reads for that family: ignored as transformers ignores
+it, with a warning (`unclassified`).
+"""
+from __future__ import annotations
+
+DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+
+SHAPE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
+# rope_parameters (transformers 5); rope_theta and rope_scaling: the names transformers 4 wrote, read by its
+# standardisation into rope_parameters, as is a top-level original_max_position_embeddings (rope_scaling.py)
+ROPE = ("rope_parameters", "rope_theta", "rope_scaling", "original_max_position_embeddings")
+WINDOW = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+       "mlp_only_layers")
+
+IMPLEMENTED: dict[str, tuple[str, ...]] = {
+    "llama": SHAPE + ROPE + ("attention_bias", "mlp_bias"),
+    "mistral": SHAPE + ROPE + ("sliding_window",),
+    "qwen2": SHAPE + ROPE + WINDOW,
+    "qwen3": SHAPE + ROPE + WINDOW + ("attention_bias",),
+    "qwen2_moe": SHAPE + ROPE + WINDOW + MOE + ("shared_expert_intermediate_size", "qkv_bias"),
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map)
+    "qwen3_moe": SHAPE + ROPE + ("use_sliding_window", "sliding_window", "attention_bias") + MOE
+                 + ("num_local_experts",),
+}
+
+REFUSED: dict[str, tuple[object, str]] = {
+    "hidden_act": ("silu", "the decoders' MLP is SwiGLU; only 'silu' is implemented"),
+    "attention_dropout": (0.0, "onepath's trainer applies no dropout (transformers' inference applies none "
+                               "either): set it to 0.0"),
+    "partial_rotary_factor": (1.0, "the decoders rotate the whole head: remove it from config.json"),
+    "quantization_config": (None, "onepath loads unquantised weights and quantises them by its ExecutionSpec "
+                                  "(--quant): load the BF16/FP32 checkpoint instead"),
+}
+
+NO_MATH: dict[str, str] = {
+    "_name_or_path": "where the config was loaded from",
+    "architectures": "the class name; model_type picks the decoder",
+    "transformers_version": "which transformers wrote the file",
+    "dtype": "the storage dtype: the ExecutionSpec's dtype is the compute dtype and the weights are cast to it",
+    "torch_dtype": "transformers 4's name for dtype",
+    "use_cache": "transformers' generate option; the engine always keeps a paged KV cache",
+    "output_attentions": "a transformers forward option (return attention weights)",
+    "output_hidden_states": "a transformers forward option (return every layer's hidden states)",
+    "return_dict": "a transformers forward option (output as a dataclass)",
+    "chunk_size_feed_forward": "the decoder forwards of these families never chunk their MLP by it",
+    "is_encoder_decoder": "read by transformers' generate, not by a decoder-only forward",
+    "id2label": "labels of a sequence-classification head, not of the causal LM",
+    "label2id": "labels of a sequence-classification head, not of the causal LM",
+    "problem_type": "the loss of a sequence-classification head, not of the causal LM",
+    "initializer_range": "the std of transformers' random init; a checkpoint's weights replace it",
+    "bos_token_id": "a token id for the tokenizer and generate; the forward does not read it",
+    "eos_token_id": "a stop token for the engine (ModelConfig.eos_token_ids); the forward does not read it",
+    "pad_token_id": "transformers' embedding padding_idx: the forward's values do not change; it freezes that "
+                    "row's gradient in transformers' trainer, onepath's trains it",
+    "pretraining_tp": "transformers 5's Llama forward no longer reads it",
+    "output_router_logits": "adds the router load-balancing loss to transformers' supervised loss; onepath's RL "
+                            "loss has none and the logits do not change",
+    "router_aux_loss_coef": "the weight of that load-balancing loss (output_router_logits)",
+}
+# Fields a family's published config.json carries that its transformers config does not define
+FAMILY_NO_MATH: dict[str, dict[str, str]] = {
+    "qwen3_moe": {"max_window_layers": "Qwen3MoeConfig does not define it: with use_sliding_window transformers "
+                                       "windows every layer, and so does onepath"},
+}
+
+# transformers' default of a field a config.json may leave out, where it is not ModelConfig's own: an absent
+# field reads as transformers reads it (a Mistral file without sliding_window windows at 4096 there)
+FAMILY_DEFAULTS: dict[str, dict[str, object]] = {
+    "llama": {},
+    "mistral": dict(num_key_value_heads=8, max_position_embeddings=131072, sliding_window=4096),
+    "qwen2": dict(num_key_value_heads=32, max_position_embeddings=32768, sliding_window=4096),
+    "qwen3": dict(num_key_value_heads=32, head_dim=128, max_position_embeddings=32768, sliding_window=4096),
+    "qwen2_moe": dict(num_key_value_heads=16, max_position_embeddings=32768, sliding_window=4096, num_experts=60,
+                      num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632),
+    "qwen3_moe": dict(num_key_value_heads=4, max_position_embeddings=32768, sliding_window=4096, num_experts=128,
+                      num_experts_per_tok=8, moe_intermediate_size=768),
+}
+
+
+def classify(model_type: str, field: str) -> str | None:
+    """"implemented", "refused", "no_math", or None for a field `model_type`'s decoder neither reads nor lists."""
+    if field in IMPLEMENTED[model_type]:
+        return "implemented"
+    if field in REFUSED:
+        return "refused"
+    if field in NO_MATH or field in FAMILY_NO_MATH.get(model_type, {}):
+        return "no_math"
+    return None
+
+
+def unclassified(model_type: str, raw: dict) -> list[str]:
+    return sorted(k for k in raw if classify(model_type, k) is None)
+
+
+def refusals(raw: dict) -> list[str]:
+    """Why `raw` (a config.json) cannot load: one line per field set to other than its harmless value."""
+    out = []
+    for field, (harmless, why) in REFUSED.items():
+        if field in raw and raw[field] != harmless and not (harmless is None and raw[field] in ({}, None)):
+            out.append(f"{field} = {raw[field]!r} is not supported ({why})")
+    return out

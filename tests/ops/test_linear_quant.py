@@ -1,0 +1,162 @@
+"""Quantised linear layers (block-FP8 W8A8, NVFP4 W4A16 and W4A4) on the consistent CPU backend: a row's
+bits do not depend on its batch (baseline, same quantisers, one library GEMM: a negative control),
+quantisation really happens, the gradient is the plain linear's (straight-through), the weight cache
+follows the weight's version."""
+import pytest
+import torch
+
+from onepath.numerics.quant import quantize
+from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT, QuantSpec, ExecutionSpec, check_same_spec
+from onepath.ops import linear as L
+from onepath.ops.linear_quant import fma, fp8_gemm, refresh_quantized
+
+PRESETS = ("fp8", "nvfp4_w4a16", "nvfp4_w4a4")
+
+
+def spec(preset, mode="consistent"):
+    return ExecutionSpec.default(mode, "cpu", quant=preset)
+
+
+def wide(rows, k, gen):
+    """Gaussian values whose 16-element blocks span 2^-6..2^6: with narrow ranges the few-bit NVFP4
+    products sum exactly in FP32 in any order, and the baseline could not show a difference."""
+    exps = torch.randint(-6, 7, (rows, k // 16 + 1), generator=gen).repeat_interleave(16, 1)[:, :k]
+    return torch.randn(rows, k, generator=gen) * 2.0 ** exps
+
+
+def rows_alone_vs_batches(spec, k, gen) -> list[bool]:
+    w = wide(70, k, gen) * 0.1
+    b = torch.randn(70, generator=gen)
+    probe = wide(1, k, gen)
+    alone = L.linear(spec, probe, w, b)
+    same = []
+    for m in (2, 3, 15, 16, 17, 40, 100):
+        batch = wide(m, k, gen)
+        pos = int(torch.randint(0, m, (1,), generator=gen))
+        batch[pos] = probe[0]
+        same.append(torch.equal(L.linear(spec, batch, w, b)[pos:pos + 1], alone))
+    return same
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_rows_alone_equal_rows_in_batches_with_negative_control(preset, gen):
+    for k in (40, 200, 256):  # one short K block, a ragged tail, whole blocks
+        assert all(rows_alone_vs_batches(spec(preset), k, gen)), f"{preset} K={k}"
+    assert not all(rows_alone_vs_batches(spec(preset, "baseline"), 200, gen)), "baseline never differed"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_quantisation_happens_and_stays_close(preset, gen):
+    x, w = torch.randn(9, 200, generator=gen), torch.randn(33, 200, generator=gen) * 0.1
+    plain = L.linear(ExecutionSpec.default("consistent", "cpu"), x, w)
+    quantised = L.linear(spec(preset), x, w)
+    assert not torch.equal(quantised, plain)
+    rel = ((quantised - plain).norm() / plain.norm()).item()
+    assert rel < (0.05 if preset == "fp8" else 0.25), rel
+
+
+def test_fp8_gemm_is_the_dequantised_product_up_to_fp32_rounding(gen):
+    x, w = torch.randn(6, 300, generator=gen), torch.randn(130, 300, generator=gen)
+    qa, qw = quantize(x, FP8_ACT), quantize(w, FP8_WEIGHT)
+    exact = qa.dequantize().double() @ qw.dequantize().double().T
+    got = fp8_gemm(qa, qw).double()
+    assert ((got - exact).abs() <= 4 * 2.0 ** -24 * (qa.dequantize().abs().double() @ qw.dequantize().abs().double().T)).all()
+
+
+def test_fma_rounds_once(gen):
+    a, b, c = torch.randn(3, 4096, generator=gen)
+    got = fma(a, b * 1e-3, c * 1e-3)
+    # exact products and sums of FP32 fit in float64 here; its rounding to FP32 is the reference up to
+    # a double rounding, which a tie in FP64 of random data practically never meets
+    assert torch.equal(got, (a.double() * (b * 1e-3).double() + (c * 1e-3).double()).float())
+    assert not torch.equal(got, a * (b * 1e-3) + c * 1e-3), "mul-then-add rounded the same everywhere"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_gradient_is_the_plain_linear_on_unquantised_operands(preset, gen):
+    x = torch.randn(21, 150, generator=gen, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(30, 150, generator=gen) * 0.1)
+    b = torch.nn.Parameter(torch.randn(30, generator=gen))
+    g = torch.randn(21, 30, generator=gen)
+    L.linear(spec(preset), x, w, b).backward(g)
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    (x2 @ w2.T + b2).backward(g)
+    for got, want in zip((x.grad, w.grad, b.grad), (x2.grad, w2.grad, b2.grad)):
+        torch.testing.assert_close(got, want)
+
+
+def storage(q) -> list[torch.Tensor]:
+    return [q.codes, q.scales] if hasattr(q, "codes") else list(q)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_refresh_rewrites_the_cache_without_a_forward(preset, gen):
+    """The engine's weights_changed: a graph replay does not pass through Python, so the cache is
+    refreshed eagerly, in place; a parameter that did not change keeps its cache untouched."""
+    s = spec(preset)
+    layer = torch.nn.Linear(150, 30, bias=False)
+    other = torch.nn.Linear(150, 30, bias=False)
+    x = torch.randn(4, 150, generator=gen)
+    L.linear(s, x, layer.weight), L.linear(s, x, other.weight)
+    before = [t.clone() for t in storage(other.weight._quantized[1])]
+    ptrs = [t.data_ptr() for t in storage(layer.weight._quantized[1])]
+    new = torch.randn(30, 150, generator=gen) * 0.1
+    with torch.no_grad():
+        layer.weight.copy_(new)
+    refresh_quantized(torch.nn.ModuleList([layer, other]))
+    expected = L.linear(s, x, torch.nn.Parameter(new))  # a fresh parameter quantises `new` itself
+    refreshed = storage(layer.weight._quantized[1])
+    assert [t.data_ptr() for t in refreshed] == ptrs
+    assert all(torch.equal(a, b) for a, b in zip(refreshed, storage(quantize_like(new, s))))
+    assert all(torch.equal(a, b) for a, b in zip(storage(other.weight._quantized[1]), before))
+    assert torch.equal(L.linear(s, x, layer.weight), expected)
+
+
+def quantize_like(weight, s):
+    from onepath.ops.linear_quant import prepared_weight
+    return prepared_weight(torch.nn.Parameter(weight.clone()), s.op("linear").weight, torch.float32)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_weight_cache_follows_in_place_updates(preset, gen):
+    s = spec(preset)
+    x = torch.randn(4, 150, generator=gen)
+    w = torch.nn.Parameter(torch.randn(30, 150, generator=gen) * 0.1)
+    first = L.linear(s, x, w)
+    cached = w._quantized
+    assert torch.equal(L.linear(s, x, w), first) and w._quantized is cached
+    new = torch.randn(30, 150, generator=gen) * 0.1
+    with torch.no_grad():
+        w.copy_(new)  # the engine's sync: bumps w._version
+    assert torch.equal(L.linear(s, x, w), L.linear(s, x, new)) and w._quantized is not cached
+    # rewritten in the cache's own storage: a CUDA graph captured on it reads the new weights
+    assert [t.data_ptr() for t in storage(w._quantized[1])] == [t.data_ptr() for t in storage(cached[1])]
+    fresh = torch.nn.Parameter(new.clone())
+    fresh.quant_cache = False
+    assert torch.equal(L.linear(s, x, fresh), L.linear(s, x, w)) and not hasattr(fresh, "_quantized")
+
+
+def test_engine_and_trainer_with_different_quantisation_are_refused():
+    check_same_spec(spec("fp8"), spec("fp8"))
+    for a, b in (("fp8", "nvfp4_w4a4"), ("nvfp4_w4a16", "nvfp4_w4a4"), ("fp8", None)):
+        with pytest.raises(RuntimeError, match="one numeric contract"):
+            check_same_spec(spec(a), spec(b))
+
+
+def test_unsupported_pairing_is_refused(gen):
+    from dataclasses import replace
+    s = spec("fp8")
+    bad = replace(s, ops={**s.ops, "linear": replace(s.ops["linear"], act=None)})
+    with pytest.raises(ValueError, match="not a supported pairing"):
+        L.linear(bad, torch.randn(2, 8), torch.randn(3, 8))
+    bad = replace(s, ops={**s.ops, "linear": replace(s.ops["linear"], weight=QuantSpec(block=(128, 64)))})
+    with pytest.raises(ValueError, match="FP8 GEMM takes"):
+        L.linear(bad, torch.randn(2, 8), torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_leading_dims_and_no_rows(preset, gen):
+    x, w = torch.randn(2, 3, 40, generator=gen), torch.randn(20, 40, generator=gen)
+    y = L.linear(spec(preset), x, w)
+    assert y.shape == (2, 3, 20) and torch.equal(y.reshape(6, 20), L.linear(spec(preset), x.reshape(6, 40), w))
+    assert L.linear(spec(preset), x[:0].reshape(0, 40), w).shape == (0, 20)
