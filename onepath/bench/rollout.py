@@ -40,11 +40,11 @@ from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.config import ModelConfig
 from onepath.models import build_decoder
-from onepath.models.kv_cache import KVCache
+from onepath.models.kv_cache import BLOCK_SIZE, KVCache
 from onepath.numerics.spec import MODES, ExecutionSpec
 from onepath.ops import Ops
 
-BLOCK_SIZE = 16
+
 DECODE_SKIP = 2            # decode steps run before the timed window
 
 

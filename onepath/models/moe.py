@@ -20,7 +20,7 @@ from torch import nn
 from onepath.models.batch import ForwardBatch
 from onepath.models.config import ModelConfig
 from onepath.models.dense import MLP, DenseDecoder, Linear
-from onepath.models.kv_cache import KVCache
+from onepath.models.kv_cache import BLOCK_SIZE, KVCache
 from onepath.ops import Ops
 
 CAPACITY = 16           # rows per expert chunk of the masked layout
@@ -389,7 +389,7 @@ class RoutingRecorder:
         return out
 
 
-def expert_choices(model: MoeDecoder, sequences: list[list[int]], block_size: int = 16) -> list[torch.Tensor]:
+def expert_choices(model: MoeDecoder, sequences: list[list[int]], block_size: int = BLOCK_SIZE) -> list[torch.Tensor]:
     """Each sparse layer's experts [T, k] for the tokens of `sequences`, run whole in one forward."""
     batch, num_blocks = ForwardBatch.for_sequences(sequences, block_size, model.device)
     cache = KVCache.for_model(model, num_blocks, block_size)
@@ -416,7 +416,7 @@ def routing_agreement(rollout: list[torch.Tensor | None], trainer: list[torch.Te
 
 
 def routing_changes(before: MoeDecoder, after: MoeDecoder, sequences: list[list[int]],
-                    block_size: int = 16) -> dict[str, float]:
+                    block_size: int = BLOCK_SIZE) -> dict[str, float]:
     """How many tokens choose another expert set (slot order ignored) under `after`'s weights than
     under `before`'s: the diagnostic of how far an update moves routing (a step of several updates
     samples with the first weights and trains the later ones on other experts)."""

@@ -135,6 +135,21 @@ def shard_of(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return padded[rank * n:(rank + 1) * n].clone()
 
 
+def all_gathered(tensor: torch.Tensor, size: int) -> torch.Tensor:
+    """Every rank's `tensor`, concatenated along dim 0 in rank order."""
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.detach().contiguous())
+    return torch.cat(parts)
+
+
+def scaled_to_norm(trained: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The gradients scaled as clip_grad_norm_ scales them, by the whole gradient's `norm`; returns it."""
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for t in trained:
+        t.grad.mul_(scale.to(t.grad.dtype))
+    return norm
+
+
 class ShardedActor(Actor):
     """fsdp: the optimizer owns this rank's flat shard of every parameter (in the master dtype when
     set) and its AdamW state; the full weights are all-gathered into the model after each step."""
@@ -163,11 +178,7 @@ class ShardedActor(Actor):
         # the norm of the whole gradient: the shards' squares summed over the ranks (the padding is 0)
         squares = torch.stack([t.grad.float().square().sum() for t in trained]).sum()
         dist.all_reduce(squares)
-        norm = squares.sqrt()
-        scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-        for t in trained:
-            t.grad.mul_(scale.to(t.grad.dtype))
-        return norm
+        return scaled_to_norm(trained, squares.sqrt(), self.max_grad_norm)
 
     @torch.no_grad()
     def publish(self) -> None:
@@ -175,10 +186,8 @@ class ShardedActor(Actor):
             p.copy_(self.to_full(name, self.trained[name]))
 
     def to_full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor.detach().contiguous())
         shape = self.shapes[name]
-        return torch.cat(parts)[:shape.numel()].view(shape)
+        return all_gathered(tensor, self.size)[:shape.numel()].view(shape)
 
     def to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return shard_of(full, self.rank, self.size)
@@ -216,18 +225,10 @@ class ExpertParallelActor(Actor):
         replicated = sum(s for name, s in zip(self.names, squares) if name not in self.experts)
         experts = torch.stack([s for name, s in zip(self.names, squares) if name in self.experts]).sum()
         dist.all_reduce(experts)
-        norm = (replicated + experts).sqrt()
-        scale = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-        for t in trained:
-            t.grad.mul_(scale.to(t.grad.dtype))
-        return norm
+        return scaled_to_norm(trained, (replicated + experts).sqrt(), self.max_grad_norm)
 
     def to_full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name not in self.experts:
-            return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor.detach().contiguous())
-        return torch.cat(parts)
+        return all_gathered(tensor, self.size) if name in self.experts else tensor
 
     def to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return full[self.experts[name]] if name in self.experts else full
@@ -289,9 +290,7 @@ def sync_weights(engine: LLMEngine | None, actor: Actor | None, world: World, na
             target[name].copy_(source[name])
             continue
         if name in trainer_experts:
-            parts = [torch.empty_like(source[name]) for _ in range(world.size)]
-            dist.all_gather(parts, source[name].detach())
-            full = torch.cat(parts)
+            full = all_gathered(source[name], world.size)
         elif world.trainer == "single" and world.rollout != "single":
             if world.first:
                 full = source[name].detach()
