@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import time
 from pathlib import Path
 
 
@@ -23,34 +22,10 @@ def train(argv: list[str]) -> int:
     import torch
     torch.set_num_threads(args.threads)
     from onepath.config import load_run_config
-    from onepath.train import parallel
-    from onepath.train.summary import summarise
-    from onepath.train.trainer import GRPOTrainer, prepare
+    from onepath.train.run import run
 
     config = args.config or str(Path(__file__).parent / "configs" / "demo.yaml")
-    cfg = load_run_config(config, overrides)
-    out = Path(cfg.out)
-    rank, size = parallel.start(cfg.device)
-    try:
-        if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
-        start = time.perf_counter()
-        world = parallel.world_for(cfg, rank, size)  # before the warm start: a layout the model cannot take
-        setup = prepare(cfg, out, progress=not args.quiet, world=world)
-        modes = ("consistent", "baseline") if cfg.mode == "both" else (cfg.mode,)
-        histories = {}
-        for mode in modes:
-            run_dir = out / mode if len(modes) > 1 else out
-            trainer = GRPOTrainer(cfg, mode, setup, run_dir, resume=args.resume, world=world)
-            histories[mode] = trainer.run(progress=not args.quiet)
-        if rank != 0:
-            return 0
-        ok = summarise(histories, out, time.perf_counter() - start)
-        from onepath.train.report import draw_report
-        print(f"report: {draw_report([out], out)}")
-        return 0 if ok else 1
-    finally:
-        parallel.stop()
+    return run(load_run_config(config, overrides), resume=args.resume, progress=not args.quiet)
 
 
 def report(argv: list[str]) -> int:
