@@ -84,8 +84,8 @@ def graph_us(fn, rep_ms: int) -> float | None:
 
 
 def run(args) -> dict:
-    from onepath.ops.cuda.linear_grouped import grouped_matmul, pick_grouped_config
-    from onepath.ops.cuda.linear import matmul, sm_count
+    from onepath.ops.cuda.linear_grouped import linear_grouped, pick_grouped_config
+    from onepath.ops.cuda.linear import linear, sm_count
 
     time_us = lambda fn: kernel_us(fn, args.rep_ms)
     sms = sm_count(torch.device("cuda"))
@@ -110,12 +110,12 @@ def run(args) -> dict:
             sizes = torch.tensor(counts, device="cuda")
             per_expert = lambda fn: [fn(p, w[e]) for e, p in enumerate(x.split(counts)) if p.shape[0]]
             us = dict(
-                grouped=time_us(lambda: grouped_matmul(x, w, counts, out_dtype=out_dtype)),
-                dense=time_us(lambda: matmul(x, w[0], out_dtype=out_dtype)),
-                loop=time_us(lambda: per_expert(lambda p, we: matmul(p, we, out_dtype=out_dtype))),
+                grouped=time_us(lambda: linear_grouped(x, w, counts, out_dtype=out_dtype)),
+                dense=time_us(lambda: linear(x, w[0], out_dtype=out_dtype)),
+                loop=time_us(lambda: per_expert(lambda p, we: linear(p, we, out_dtype=out_dtype))),
                 cublas_loop=time_us(lambda: per_expert(F.linear)),
                 torch_grouped_mm=stock_us(time_us, lambda: grouped_mm(x, w, offs)) if grouped_mm else None,
-                grouped_graph=graph_us(lambda: grouped_matmul(x, w, sizes, out_dtype=out_dtype), args.rep_ms),
+                grouped_graph=graph_us(lambda: linear_grouped(x, w, sizes, out_dtype=out_dtype), args.rep_ms),
             )
             tflops = {key: flops / t * 1e-6 if t else None for key, t in us.items()}
             row = dict(tokens=tokens, rows=rows, projection=name, N=n, K=k, out_dtype=str(out_dtype),

@@ -5,9 +5,9 @@ is fastest, and does each give the Triton kernel's bits (ops/cuda/linear_fp8.py)
     python lab/fp8_gluon.py --decode [--out lab/results/fp8-gluon-decode.json] [--weights-mb 0]
 
 The kernel, its contract and its switches (BLOCK_N 128 or 256, ring depth, persistent, wait1, pingpong) are
-described in linear_fp8_ws.py; matmul_fp8 ships two (ops/cuda/linear_fp8.py): WS_CONFIG from WS_MIN_ROWS
+described in linear_fp8_ws.py; linear_fp8 ships two (ops/cuda/linear_fp8.py): WS_CONFIG from WS_MIN_ROWS
 rows on, DECODE_WS_CONFIG (split "n") below.
-Per config: bits against the Triton kernel (matmul_fp8 with its Triton tile, forced) on awkward shapes
+Per config: bits against the Triton kernel (linear_fp8 with its Triton tile, forced) on awkward shapes
 (FP32 out; bf16 out with bias) and at training shapes, the registers and spills of its build, median
 time against the Triton FP8 kernel, our BF16 GEMM and cuBLAS BF16. A config that hangs (an mbarrier
 never completing) ends the run after --hang-s with the results so far saved.
@@ -97,12 +97,12 @@ def _awkward_cases(gen, triton_fp8) -> list[tuple]:
 def _check_awkward(v: WSConfig, cases: list[tuple], info: dict) -> None:
     """info's same_bits_awkward and awkward_mismatches, or its error: run first for each variant (masks, ragged
     K, TMA's zero fill; a hang shows up quickly)."""
-    from onepath.ops.cuda.linear_fp8 import matmul_fp8
+    from onepath.ops.cuda.linear_fp8 import linear_fp8
 
     try:
         mismatched = []
         for (m, n, k), qa, qw, bias, out_dtype, want in cases:
-            got = matmul_fp8(qa, qw, bias, out_dtype, config=v)
+            got = linear_fp8(qa, qw, bias, out_dtype, config=v)
             if not torch.equal(got, want):
                 mismatched.append(f"M={m} N={n} K={k} {out_dtype}: {(got != want).sum().item()} differ")
         info["same_bits_awkward"] = not mismatched
@@ -114,16 +114,16 @@ def _check_awkward(v: WSConfig, cases: list[tuple], info: dict) -> None:
 def run(args) -> None:
     from onepath.numerics.quant import quantize_fp8
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.linear import matmul, sm_count
-    from onepath.ops.cuda.linear_fp8 import matmul_fp8, pick_config
+    from onepath.ops.cuda.linear import linear, sm_count
+    from onepath.ops.cuda.linear_fp8 import linear_fp8, pick_config
 
     out_path = Path(args.out)
     t = lambda fn: kernel_us(fn, args.rep_ms)
     sms = sm_count(torch.device("cuda"))
 
     def triton_fp8(qa, qw, bias=None, out_dtype=torch.bfloat16):
-        """The Triton kernel at its tile for the shape (matmul_fp8 picks the Gluon one from WS_MIN_ROWS rows on)."""
-        return matmul_fp8(qa, qw, bias, out_dtype, config=pick_config(qa.codes.shape[0], qw.codes.shape[0], sms))
+        """The Triton kernel at its tile for the shape (linear_fp8 picks the Gluon one from WS_MIN_ROWS rows on)."""
+        return linear_fp8(qa, qw, bias, out_dtype, config=pick_config(qa.codes.shape[0], qw.codes.shape[0], sms))
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     result = dict(environment("cuda"), command=_command(), timing=KERNEL_TIMING, baselines=[], variants=[], rows=[])
@@ -132,7 +132,7 @@ def run(args) -> None:
         x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
         w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
         qa, qw = quantize_fp8(x, FP8_ACT), quantize_fp8(w, FP8_WEIGHT)
-        base = dict(M=m, N=n, K=k, bf16_ours_us=t(lambda: matmul(x, w)), cublas_bf16_us=t(lambda: torch.mm(x, w.t())),
+        base = dict(M=m, N=n, K=k, bf16_ours_us=t(lambda: linear(x, w)), cublas_bf16_us=t(lambda: torch.mm(x, w.t())),
                     triton_fp8_us=t(lambda: triton_fp8(qa, qw)))
         flops = 2.0 * m * n * k
         print(f"M={m} N={n} K={k}: bf16 ours {flops / base['bf16_ours_us'] * 1e-6:.0f} TF/s, cuBLAS bf16 "
@@ -157,7 +157,7 @@ def run(args) -> None:
                 kernel = launch(qa, qw, None, y, v)
                 info.update(spilled_bytes=4 * kernel.n_spills, launch_registers=kernel.n_regs)
                 row["same_bits"] = torch.equal(y, want)
-                row["us"] = t(lambda: matmul_fp8(qa, qw, config=v))
+                row["us"] = t(lambda: linear_fp8(qa, qw, config=v))
                 row["tflops"] = 2.0 * m * n * k / row["us"] * 1e-6
                 for name in ("bf16_ours", "cublas_bf16", "triton_fp8"):
                     row[f"vs_{name}"] = base[f"{name}_us"] / row["us"]
@@ -195,8 +195,8 @@ def run_decode(args) -> None:
     BF16 GEMM on a bf16 weight of the same shape."""
     from onepath.numerics.quant import FP8Tensor, quantize_fp8
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.linear import matmul, sm_count
-    from onepath.ops.cuda.linear_fp8 import WS_CONFIG, matmul_fp8, pick_config
+    from onepath.ops.cuda.linear import linear, sm_count
+    from onepath.ops.cuda.linear_fp8 import WS_CONFIG, linear_fp8, pick_config
 
     start = time.monotonic()
     out_path = Path(args.out)
@@ -206,7 +206,7 @@ def run_decode(args) -> None:
     labels = {str(v): f"v{i}" for i, v in enumerate(configs)}  # the table's columns: v0 is WS_CONFIG
 
     def triton_fp8(qa, qw, bias=None, out_dtype=torch.bfloat16):
-        return matmul_fp8(qa, qw, bias, out_dtype, config=pick_config(qa.codes.shape[0], qw.codes.shape[0], sms))
+        return linear_fp8(qa, qw, bias, out_dtype, config=pick_config(qa.codes.shape[0], qw.codes.shape[0], sms))
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     result = dict(environment("cuda"), command=_command(), timing=f"do_bench_cudagraph median, rep {args.rep_ms} ms",
@@ -241,12 +241,12 @@ def run_decode(args) -> None:
             want = triton_fp8(qa, qw)
             row = dict(model=model, K=k, N=n, M=m, triton_tile=kernel_name(pick_config(m, n, sms)), same_bits={},
                        us={}, errors={})
-            row["us"]["bf16_ours"] = t(_cycling(lambda w: matmul(x, w), bf16_weights))
+            row["us"]["bf16_ours"] = t(_cycling(lambda w: linear(x, w), bf16_weights))
             row["us"]["triton_fp8"] = t(_cycling(lambda w: triton_fp8(qa, w), fp8_weights))
             for v in configs:
                 try:
-                    row["same_bits"][str(v)] = torch.equal(matmul_fp8(qa, qw, config=v), want)
-                    row["us"][str(v)] = t(_cycling(lambda w: matmul_fp8(qa, w, config=v), fp8_weights))
+                    row["same_bits"][str(v)] = torch.equal(linear_fp8(qa, qw, config=v), want)
+                    row["us"][str(v)] = t(_cycling(lambda w: linear_fp8(qa, w, config=v), fp8_weights))
                 except Exception as e:  # noqa: BLE001 -- a variant that does not build or run is a result
                     row["errors"][str(v)] = _error(e)
             watchdog.cancel()

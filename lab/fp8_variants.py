@@ -1,6 +1,6 @@
 """Which formulation of the block-FP8 GEMM's K loop Triton runs fast on Hopper: the data behind
 ops/cuda/linear_fp8.py's Triton tiles. "Shipped" here is that Triton kernel, forced to its tile: on Hopper
-matmul_fp8 now takes the warp-specialized Gluon kernel (ops/cuda/linear_fp8_ws.py, lab/fp8_gluon.py).
+linear_fp8 now takes the warp-specialized Gluon kernel (ops/cuda/linear_fp8_ws.py, lab/fp8_gluon.py).
 
     python lab/fp8_variants.py [--out lab/results/fp8-variants.json]
 
@@ -289,14 +289,14 @@ def run_variant(qa, qw, v: Variant, out_dtype=torch.bfloat16):
 def run(args) -> None:
     from onepath.numerics.quant import quantize_fp8
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.linear import matmul
-    from onepath.ops.cuda.linear_fp8 import matmul_fp8, pick_config
+    from onepath.ops.cuda.linear import linear
+    from onepath.ops.cuda.linear_fp8 import linear_fp8, pick_config
 
     def triton_fp8(qa, qw, **kw):
-        """The Triton kernel at its tile ("shipped" below): matmul_fp8 alone picks the warp-specialized
+        """The Triton kernel at its tile ("shipped" below): linear_fp8 alone picks the warp-specialized
         kernel on Hopper (ops/cuda/linear_fp8_ws.py, lab/fp8_gluon.py)."""
         tile = pick_config(qa.codes.shape[0], qw.codes.shape[0], sm_count(qa.codes.device))
-        return matmul_fp8(qa, qw, config=tile, **kw)
+        return linear_fp8(qa, qw, config=tile, **kw)
 
     t = lambda fn: kernel_us(fn, args.rep_ms)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -305,7 +305,7 @@ def run(args) -> None:
         x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
         w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
         qa, qw = quantize_fp8(x, FP8_ACT), quantize_fp8(w, FP8_WEIGHT)
-        base = dict(M=m, N=n, K=k, bf16_ours_us=t(lambda: matmul(x, w)), shipped_us=t(lambda: triton_fp8(qa, qw)))
+        base = dict(M=m, N=n, K=k, bf16_ours_us=t(lambda: linear(x, w)), shipped_us=t(lambda: triton_fp8(qa, qw)))
         print(f"M={m} N={n} K={k}: bf16 ours {base['bf16_ours_us']:.0f} us, shipped fp8 {base['shipped_us']:.0f} us",
               flush=True)
         shapes.append((qa, qw, triton_fp8(qa, qw), base))

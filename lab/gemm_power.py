@@ -81,8 +81,8 @@ def kernels(m: int, n: int, k: int, variants: list[str]) -> dict:
     from onepath.bench.kernels_fp8 import named_variants
     from onepath.numerics.quant import quantize_fp8 as quantize_reference
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.linear import matmul
-    from onepath.ops.cuda.linear_fp8 import WS_CONFIG, matmul_fp8
+    from onepath.ops.cuda.linear import linear
+    from onepath.ops.cuda.linear_fp8 import WS_CONFIG, linear_fp8
     from onepath.ops.cuda.quant import quantize_fp8
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -91,9 +91,9 @@ def kernels(m: int, n: int, k: int, variants: list[str]) -> dict:
     qa, qw = quantize_fp8(x, FP8_ACT), quantize_reference(w, FP8_WEIGHT)
     one = torch.ones((), device="cuda")
     x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
-    calls = {"bf16 ours": lambda: matmul(x, w), "bf16 cuBLAS": lambda: torch.nn.functional.linear(x, w)}
+    calls = {"bf16 ours": lambda: linear(x, w), "bf16 cuBLAS": lambda: torch.nn.functional.linear(x, w)}
     for config in dict.fromkeys([WS_CONFIG, *named_variants(variants)]):
-        calls[f"fp8 ours {config}"] = lambda config=config: matmul_fp8(qa, qw, config=config)
+        calls[f"fp8 ours {config}"] = lambda config=config: linear_fp8(qa, qw, config=config)
     calls["fp8 cuBLAS per-tensor"] = lambda: torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one,
                                                               out_dtype=torch.bfloat16)
     return calls

@@ -7,7 +7,7 @@ Qwen3-30B-A3B's experts (bench/kernels_moe.py's shapes: 128 experts, top-8; gate
 out, down N 2048 K 768 fp32 out), random routing, at 64 tokens in the engine's masked layout (16-row
 chunks, the buffer sized for any routing, its unused tail NaN), 256, 1024 and 8192 tokens contiguous.
 Variants (one line each in the table):
-  shipped                    grouped_matmul as its launcher picks (tile, TMA, grid)
+  shipped                    linear_grouped as its launcher picks (tile, TMA, grid)
   table                      the kernel before (git 633912b): M tiles listed by torch ops on the device
                              (m_tiles_device), a persistent kernel with pointer loads, TILES_16BIT's tiles
   BMxBNwWsS                  the shipped kernel forced to that tile: the weight by TMA, x as the
@@ -93,17 +93,17 @@ def fits(tile: TileConfig | None, out_dtype: torch.dtype) -> bool:
 
 
 def run_variant(v: Variant, x: torch.Tensor, w: torch.Tensor, counts, out_dtype: torch.dtype) -> torch.Tensor:
-    from onepath.ops.cuda.linear_grouped import grouped_matmul
+    from onepath.ops.cuda.linear_grouped import linear_grouped
 
     if v.table:
-        return table_grouped_matmul(x, w, counts, out_dtype)
+        return table_linear_grouped(x, w, counts, out_dtype)
     programs = None
     if v.tile is not None:
         sms = sm_count(x.device)
         m, groups, n = x.shape[0], w.shape[0], w.shape[1]
         tiles = (-(-m // v.tile.block_m) + min(groups, m)) * -(-n // v.tile.block_n)
         programs = {"sms": min(sms, tiles), "2sms": min(2 * sms, tiles), "per_tile": tiles}[v.grid]
-    return grouped_matmul(x, w, counts, out_dtype=out_dtype, config=v.tile, programs=programs, x_tma=v.x_tma)
+    return linear_grouped(x, w, counts, out_dtype=out_dtype, config=v.tile, programs=programs, x_tma=v.x_tma)
 
 
 # ---- the kernel before (git 633912b), for comparison: tile list on the device, persistent, pointer loads ----
@@ -157,7 +157,7 @@ def _table_kernel(x_ptr, w_ptr, out_ptr, tiles_ptr, max_m_tiles, N, K, stride_xm
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
-def table_grouped_matmul(x, w, counts, out_dtype):
+def table_linear_grouped(x, w, counts, out_dtype):
     from onepath.ops.host import to_device
 
     (m, k), (groups, n, _) = x.shape, w.shape
@@ -211,10 +211,10 @@ def case(tokens: int, n: int, k: int, gen: torch.Generator, device="cuda"):
 
 def dense_rows(x, w, counts, out_dtype):
     """ops/cuda/linear.py on each expert's rows: the bits every grouped row must have."""
-    from onepath.ops.cuda.linear import matmul
+    from onepath.ops.cuda.linear import linear
 
     used = x[:sum(counts)]
-    return torch.cat([matmul(part, w[e], out_dtype=out_dtype) for e, part in enumerate(used.split(counts))])
+    return torch.cat([linear(part, w[e], out_dtype=out_dtype) for e, part in enumerate(used.split(counts))])
 
 
 def time_us(fn, rep_ms: int) -> tuple[float, str]:
@@ -235,7 +235,7 @@ def stock_grouped_mm(x, w, counts):
 
 
 def run(args) -> dict:
-    from onepath.ops.cuda.linear import matmul
+    from onepath.ops.cuda.linear import linear
 
     began = time.monotonic()
     over_budget = lambda: time.monotonic() - began > args.budget_s
@@ -265,7 +265,7 @@ def run(args) -> dict:
             print(f"\n{tokens} tokens ({layout}, {rows} rows), {name} N={n} K={k}: roofline {roofline:.0f} us",
                   flush=True)
             dense_x = torch.randn(rows, k, generator=gen, device="cuda").bfloat16()
-            refs = dict(dense=lambda: matmul(dense_x, w[0], out_dtype=out_dtype),
+            refs = dict(dense=lambda: linear(dense_x, w[0], out_dtype=out_dtype),
                         torch_grouped_mm=stock_grouped_mm(x, w, counts))
             for ref, fn in refs.items():
                 try:

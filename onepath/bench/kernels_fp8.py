@@ -4,9 +4,9 @@
 
 Per (shape, M), median microseconds (triton.testing.do_bench, L2 flushed; --graph: CUDA graph replays, the
 kernels without the host's launch cost, which bounds the eager times of the small ones):
-  bf16_ours      onepath.ops.cuda.linear.matmul (the consistent BF16 GEMM)
+  bf16_ours      onepath.ops.cuda.linear.linear (the consistent BF16 GEMM)
   bf16_cublas    F.linear
-  fp8_gemm       onepath.ops.cuda.linear_fp8.matmul_fp8 on operands quantised beforehand, by the kernel it
+  fp8_gemm       onepath.ops.cuda.linear_fp8.linear_fp8 on operands quantised beforehand, by the kernel it
                  picks for the shape (fp8_kernel: a Triton tile, or the warp-specialized Gluon kernel from
                  WS_MIN_ROWS rows on)
   fp8_triton     the Triton kernel forced, at its tile for the shape
@@ -15,7 +15,7 @@ kernels without the host's launch cost, which bounds the eager times of the smal
   ws_variants    with --ws-variant A B ...: each named variant, timed in turn on the same operands right after
                  fp8_ws (variants compared under one clock and power state; the summary's geometric mean each)
   fp8_quant_act  onepath.ops.cuda.quant.quantize_fp8 of the activation (1x128 groups)
-  fp8_linear     quantize_fp8 + matmul_fp8: what a W8A8 linear with a cached FP8 weight costs
+  fp8_linear     quantize_fp8 + linear_fp8: what a W8A8 linear with a cached FP8 weight costs
 fp8_triton against fp8_ws over M is what WS_MIN_ROWS is set from: the summary's ws_from_m, per shape the
 least M from which the ws kernel is the faster at that M and every larger one measured.
 The target: fp8_gemm >= 1.6x bf16_ours at training shapes (M >= 4096; N, K in 2048..11008).
@@ -44,8 +44,8 @@ TARGET_TRAIN = 1.6
 def run(args) -> dict:
     from onepath.numerics.quant import quantize_fp8 as quantize_reference
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.linear import matmul
-    from onepath.ops.cuda.linear_fp8 import WS_CONFIG, WS_MIN_ROWS, is_hopper, matmul_fp8, pick_config, pick_kernel
+    from onepath.ops.cuda.linear import linear
+    from onepath.ops.cuda.linear_fp8 import WS_CONFIG, WS_MIN_ROWS, is_hopper, linear_fp8, pick_config, pick_kernel
     from onepath.ops.cuda.quant import quantize_fp8
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -66,16 +66,16 @@ def run(args) -> dict:
             qa = quantize_fp8(x, FP8_ACT)
             flops = 2.0 * m * n * k
             tile = pick_config(m, n, sms)
-            t = dict(bf16_ours=kernel_us(lambda: matmul(x, w), args.rep_ms, args.graph),
+            t = dict(bf16_ours=kernel_us(lambda: linear(x, w), args.rep_ms, args.graph),
                      bf16_cublas=kernel_us(lambda: F.linear(x, w), args.rep_ms, args.graph),
-                     fp8_gemm=kernel_us(lambda: matmul_fp8(qa, qw), args.rep_ms, args.graph),
-                     fp8_triton=kernel_us(lambda: matmul_fp8(qa, qw, config=tile), args.rep_ms, args.graph),
-                     fp8_ws=kernel_us(lambda: matmul_fp8(qa, qw, config=ws), args.rep_ms, args.graph)
+                     fp8_gemm=kernel_us(lambda: linear_fp8(qa, qw), args.rep_ms, args.graph),
+                     fp8_triton=kernel_us(lambda: linear_fp8(qa, qw, config=tile), args.rep_ms, args.graph),
+                     fp8_ws=kernel_us(lambda: linear_fp8(qa, qw, config=ws), args.rep_ms, args.graph)
                      if hopper else None,
-                     ws_variants={str(v): kernel_us(lambda: matmul_fp8(qa, qw, config=v), args.rep_ms, args.graph)
+                     ws_variants={str(v): kernel_us(lambda: linear_fp8(qa, qw, config=v), args.rep_ms, args.graph)
                                   for v in timed[1:]},
                      fp8_quant_act=kernel_us(lambda: quantize_fp8(x, FP8_ACT), args.rep_ms, args.graph),
-                     fp8_linear=kernel_us(lambda: matmul_fp8(quantize_fp8(x, FP8_ACT), qw), args.rep_ms, args.graph))
+                     fp8_linear=kernel_us(lambda: linear_fp8(quantize_fp8(x, FP8_ACT), qw), args.rep_ms, args.graph))
             row = dict(shape=name, K=k, N=n, M=m,
                        phase="train" if m in TRAIN_MS else "prefill" if m in PREFILL_MS else "decode",
                        fp8_kernel=kernel_name(pick_kernel(m, n, k, torch.bfloat16, device)),

@@ -17,7 +17,7 @@ K steps: a program's walk over K is a chain of dependent steps, the latency a sk
 on the listed shapes and the projections of the Qwen3-0.6B/1.7B shapes at a batch of 256; its
 Triton builds are compiled first by --jobs processes, then timed one by one; --configs times given tiles
 instead of the grid, and --last-rows-past-m with the last row tile running past M (the comparison for
-matmul.LAST_ROWS_BACK). --rank-picks (no GPU) reads such sweeps, a later file's cases replacing an earlier
+linear.LAST_ROWS_BACK). --rank-picks (no GPU) reads such sweeps, a later file's cases replacing an earlier
 one's, and for each case where every tile a rule may take was timed compares pick_config's tile and the
 two rules before it with the best of them (rank_picks). --past-m times a row tile past M with its x box and its
 store each whole or past M: which of the two costs.
@@ -113,12 +113,12 @@ SHARED_BYTES = 220 * 1024  # what a config's pipeline may take of the 227 KiB (t
 
 def _sweep_entry(name, x, w, out_dtype, config, ref, cublas_us, rep_ms) -> dict:
     """One candidate tile on one case: whether its bits equal the default's, its time, or why it did not build."""
-    from onepath.ops.cuda.linear import matmul
+    from onepath.ops.cuda.linear import linear
 
     entry = dict(shape=name, K=x.shape[1], N=w.shape[0], M=x.shape[0], config=dataclasses.asdict(config))
     try:
-        entry["same_bits_as_default"] = torch.equal(matmul(x, w, out_dtype=out_dtype, config=config), ref)
-        entry["us"] = _time_us(lambda: matmul(x, w, out_dtype=out_dtype, config=config), rep_ms)
+        entry["same_bits_as_default"] = torch.equal(linear(x, w, out_dtype=out_dtype, config=config), ref)
+        entry["us"] = _time_us(lambda: linear(x, w, out_dtype=out_dtype, config=config), rep_ms)
         entry["speed_vs_cublas"] = cublas_us / entry["us"]
     except Exception as e:  # noqa: BLE001 -- a config that does not build is a result
         entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -176,13 +176,13 @@ def decode_cases(shapes, configs=None):
 def _compile_shard(shard: list, last_rows_back: bool = True) -> int:
     """Build (and run once) each case's kernel so the timing process finds it in Triton's cache."""
     from onepath.ops.cuda import linear as mm
-    from onepath.ops.cuda.linear import matmul
+    from onepath.ops.cuda.linear import linear
 
     mm.LAST_ROWS_BACK = last_rows_back
     failed = 0
     for k, n, out_dtype, m, c in shard:
         try:
-            matmul(torch.zeros(m, k, device="cuda", dtype=torch.bfloat16),
+            linear(torch.zeros(m, k, device="cuda", dtype=torch.bfloat16),
                    torch.zeros(n, k, device="cuda", dtype=torch.bfloat16), out_dtype=out_dtype, config=c)
         except Exception:  # noqa: BLE001 -- the timing pass records the error
             failed += 1
@@ -206,7 +206,7 @@ def _precompile(cases, jobs: int, last_rows_back: bool) -> None:
 
 
 def run_decode_sweep(args) -> dict:
-    from onepath.ops.cuda.linear import matmul, pick_config
+    from onepath.ops.cuda.linear import linear, pick_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes = decode_shapes(args)
@@ -221,9 +221,9 @@ def run_decode_sweep(args) -> dict:
         for m in ms:
             x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
             default = pick_config(m, n, torch.bfloat16, sms, out_dtype)
-            ref = matmul(x, w, out_dtype=out_dtype)
+            ref = linear(x, w, out_dtype=out_dtype)
             cublas = _time_us(lambda: base_fn(x, w), args.rep_ms)
-            ours = _time_us(lambda: matmul(x, w, out_dtype=out_dtype), args.rep_ms)
+            ours = _time_us(lambda: linear(x, w, out_dtype=out_dtype), args.rep_ms)
             rows.append(dict(shape=name, K=k, N=n, M=m, config=dataclasses.asdict(default), ours_us=ours,
                              cublas_us=cublas, baseline=base_name, speed_vs_cublas=cublas / ours))
             here = []
@@ -343,7 +343,7 @@ def run_past_m(args) -> dict:
     """Which part of a row tile past M costs: the TMA box of x reaching past M, or the store masked to M? The
     kernel is launched on x padded with zero rows to a whole tile, its box over M rows or over all of them, and
     told M or the whole tile's rows (the store masked to M or not): four launches of one tile per case, with
-    the bits of the M rows checked against matmul()."""
+    the bits of the M rows checked against linear()."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from onepath.ops.cuda import linear as mm
@@ -357,7 +357,7 @@ def run_past_m(args) -> dict:
         x[m:] = 0
         out = torch.empty(full, n, device="cuda", dtype=torch.bfloat16)
         w_desc = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
-        ref = mm.matmul(x[:m], w, config=cfg)
+        ref = mm.linear(x[:m], w, config=cfg)
 
         def launch(box_rows, m_kernel):
             x_desc = TensorDescriptor.from_tensor(x[:box_rows], [cfg.block_m, cfg.block_k])
@@ -400,7 +400,7 @@ def _tile_name(c: dict) -> str:
 
 
 def run(args) -> dict:
-    from onepath.ops.cuda.linear import matmul, pick_config
+    from onepath.ops.cuda.linear import linear, pick_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -416,7 +416,7 @@ def run(args) -> dict:
             cfg = pick_config(m, n, torch.bfloat16, sms, out_dtype)
             flops = 2.0 * m * n * k
             moved = 2 * (m * k + n * k) + m * n * torch.finfo(out_dtype).bits // 8
-            ours_runs, cublas_runs = paired_us(lambda: matmul(x, w, out_dtype=out_dtype), lambda: base_fn(x, w),
+            ours_runs, cublas_runs = paired_us(lambda: linear(x, w, out_dtype=out_dtype), lambda: base_fn(x, w),
                                                 args.rep_ms)
             ours, cublas = min(ours_runs), min(cublas_runs)
             row = dict(shape=name, K=k, N=n, M=m, out_dtype=str(out_dtype), config=dataclasses.asdict(cfg),
@@ -431,7 +431,7 @@ def run(args) -> dict:
             print(f"{name:34s} {m:5d} {tile:>14s} {ours:9.1f} {cublas:9.1f} {cublas / ours:6.2f} "
                   f"{row['ours_tflops']:9.1f} {row['cublas_tflops']:11.1f} {row['ours_gb_s']:9.0f}", flush=True)
             if args.sweep and m in SWEEP_MS:
-                ref = matmul(x, w, out_dtype=out_dtype)
+                ref = linear(x, w, out_dtype=out_dtype)
                 for c in _sweep_configs():
                     sweep.append(_sweep_entry(name, x, w, out_dtype, c, ref, cublas, args.rep_ms))
                 here = [e for e in sweep if e["M"] == m and e["shape"] == name]
@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None):
     p.add_argument("--shapes", nargs="+", help="decode sweep: only the shapes whose names contain one of these")
     p.add_argument("--summarize", type=Path, help="add the K-step summary to this decode sweep's results file; no GPU")
     p.add_argument("--last-rows-past-m", action="store_true",
-                   help="the last row tile runs past M (matmul.LAST_ROWS_BACK off): the comparison")
+                   help="the last row tile runs past M (linear.LAST_ROWS_BACK off): the comparison")
     p.add_argument("--configs", nargs="+", type=parse_tile,
                    help="decode sweep: these tiles (e.g. 128x256x64w8s4T) at every --ms instead of the grid")
     p.add_argument("--cublas-kernels", action="store_true",

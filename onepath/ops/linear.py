@@ -42,10 +42,10 @@ def cpu_consistent(spec: ExecutionSpec, op: str, out_dtype: torch.dtype) -> Call
 
 
 def cuda_consistent(spec: ExecutionSpec, op: str, out_dtype: torch.dtype) -> Callable:
-    from onepath.ops.cuda.linear import matmul
+    from onepath.ops.cuda import linear as cuda
 
     def kernel(x, w, b=None):
-        return matmul(x.reshape(-1, x.shape[-1]), w, b, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
+        return cuda.linear(x.reshape(-1, x.shape[-1]), w, b, out_dtype=out_dtype).reshape(*x.shape[:-1], w.shape[0])
     return kernel
 
 
@@ -160,9 +160,9 @@ def grouped_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, c
 
 
 def grouped_cuda_kernel(counts, out_dtype: torch.dtype) -> Callable:
-    from onepath.ops.cuda.linear_grouped import grouped_matmul
+    from onepath.ops.cuda.linear_grouped import linear_grouped
 
-    return lambda x, w: grouped_matmul(x, w, counts, out_dtype=out_dtype)
+    return lambda x, w: linear_grouped(x, w, counts, out_dtype=out_dtype)
 
 
 def stock_grouped_kernel(counts, out_dtype: torch.dtype) -> Callable:

@@ -147,10 +147,10 @@ def attached_quantized(x: torch.Tensor, act: QuantSpec) -> FP8Tensor | None:
 
 
 def fp8_cuda(op: OpSpec, x, x2, qw, bias, out_dtype):
-    from onepath.ops.cuda.linear_fp8 import matmul_fp8
+    from onepath.ops.cuda.linear_fp8 import linear_fp8
     from onepath.ops.cuda.quant import quantize_fp8
     qa = attached_quantized(x, op.act)
-    return matmul_fp8(qa if qa is not None else quantize_fp8(x2, op.act), qw, bias, out_dtype)
+    return linear_fp8(qa if qa is not None else quantize_fp8(x2, op.act), qw, bias, out_dtype)
 
 
 def fp8_cpu(op: OpSpec, x, x2, qw, bias, out_dtype):
@@ -162,8 +162,8 @@ def fp8_library(op: OpSpec, x, x2, qw, bias, out_dtype):
 
 
 def nvfp4_cuda(op: OpSpec, a_op, w_op):
-    from onepath.ops.cuda.linear import matmul
-    return matmul(a_op, w_op, out_dtype=torch.float32)
+    from onepath.ops.cuda.linear import linear
+    return linear(a_op, w_op, out_dtype=torch.float32)
 
 
 def nvfp4_cpu(op: OpSpec, a_op, w_op):

@@ -10,7 +10,7 @@ from onepath.bench.workloads import model_config
 def test_bound_puts_attention_at_the_hbm_peak_and_keeps_the_other_kernels():
     config = model_config("tiny")
     kernels = [dict(name="_paged_attention_kernel", calls=2, gpu_ms_per_step=0.5),
-               dict(name="_matmul_kernel", calls=9, gpu_ms_per_step=0.25)]
+               dict(name="_linear_kernel", calls=9, gpu_ms_per_step=0.25)]
     mode = dict(batch=8, mean_context=100.0, gpu_kernel_ms_per_step=1.0, kernels=kernels)
     result = dict(options=dict(model="tiny"), modes={"consistent": mode, "consistent+fp8": dict(mode)})
     add_bound(result)

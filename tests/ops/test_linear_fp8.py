@@ -1,4 +1,4 @@
-"""matmul_fp8's pick between its two kernels (ops/cuda/linear_fp8.py, pick_kernel): the warp-specialized
+"""linear_fp8's pick between its two kernels (ops/cuda/linear_fp8.py, pick_kernel): the warp-specialized
 Gluon kernel from WS_MIN_ROWS rows on, on Hopper (capability 9.0 exactly), not interpreted, with rows TMA
 reads and writes in place; the Triton tiles everywhere else. The pick may follow M only because both
 kernels give the same bits (tests/ops/test_linear_fp8_gpu.py); here, without a GPU, that it never
@@ -64,7 +64,7 @@ def test_is_hopper_means_capability_9_0_exactly(monkeypatch, capability, want):
     assert mm.is_hopper.__wrapped__(torch.device("cpu")) is False
 
 
-def test_matmul_fp8_runs_the_picked_or_the_given_kernel(hopper, monkeypatch):
+def test_linear_fp8_runs_the_picked_or_the_given_kernel(hopper, monkeypatch):
     """The default follows pick_kernel; config= forces a Triton tile or the Gluon kernel (launches recorded,
     not run); empty inputs launch nothing."""
     from onepath.numerics.quant import FP8Tensor, quantize
@@ -72,24 +72,24 @@ def test_matmul_fp8_runs_the_picked_or_the_given_kernel(hopper, monkeypatch):
 
     ran = []
     monkeypatch.setattr(mm, "is_hopper", lambda device: True)
-    monkeypatch.setattr(mm, "matmul_fp8_ws", lambda qa, qw, bias, out_dtype, config: ran.append(str(config)))
+    monkeypatch.setattr(mm, "linear_fp8_ws", lambda qa, qw, bias, out_dtype, config: ran.append(str(config)))
 
     class Launch:
         def __getitem__(self, grid):
             return lambda *args, **kw: ran.append(f"triton {kw['BLOCK_M']}x{kw['BLOCK_N']}")
 
-    monkeypatch.setattr(mm, "_matmul_fp8_kernel", Launch())
+    monkeypatch.setattr(mm, "_linear_fp8_kernel", Launch())
     gen = torch.Generator().manual_seed(0)
     qa = quantize(torch.randn(mm.WS_MIN_ROWS, 256, generator=gen), FP8_ACT)
     qw = quantize(torch.randn(2048, 256, generator=gen) * 0.05, FP8_WEIGHT)
     row = FP8Tensor(qa.codes[:1], qa.scales[:1], qa.block)
-    mm.matmul_fp8(qa, qw)
-    mm.matmul_fp8(row, qw)
-    mm.matmul_fp8(qa, qw, config=mm.TILES_FP8[0])
-    mm.matmul_fp8(row, qw, config=mm.WS_CONFIG)
+    mm.linear_fp8(qa, qw)
+    mm.linear_fp8(row, qw)
+    mm.linear_fp8(qa, qw, config=mm.TILES_FP8[0])
+    mm.linear_fp8(row, qw, config=mm.WS_CONFIG)
     tile = f"triton {mm.TILES_FP8[0].block_m}x{mm.TILES_FP8[0].block_n}"
     assert ran == [str(mm.WS_CONFIG), str(mm.DECODE_WS_CONFIG), tile, str(mm.WS_CONFIG)]
-    empty = mm.matmul_fp8(FP8Tensor(qa.codes[:, :0], qa.scales[:, :0], qa.block), FP8Tensor(
+    empty = mm.linear_fp8(FP8Tensor(qa.codes[:, :0], qa.scales[:, :0], qa.block), FP8Tensor(
         qw.codes[:, :0], qw.scales[:, :0], qw.block), torch.ones(2048), torch.float32)
     assert len(ran) == 4 and torch.equal(empty, torch.ones(mm.WS_MIN_ROWS, 2048))
 

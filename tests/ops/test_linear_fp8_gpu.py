@@ -1,8 +1,8 @@
-"""matmul_fp8's two kernels on the GPU: the warp-specialized Gluon kernel (ops/cuda/linear_fp8_ws.py) gives
+"""linear_fp8's two kernels on the GPU: the warp-specialized Gluon kernel (ops/cuda/linear_fp8_ws.py) gives
 the Triton kernel's bits (torch.equal) on fresh random inputs of awkward sizes, both epilogues (bf16 with
 bias, FP32), in its training layout (WS_CONFIG) and its decode one (DECODE_WS_CONFIG); a row alone (M = 1,
 the decode layout) equals the same row inside a batch of 4100 rows (the training layout), which is what
-lets matmul_fp8 pick the kernel by M; the runs repeat. Negative control: a
+lets linear_fp8 pick the kernel by M; the runs repeat. Negative control: a
 BF16 GEMM of the dequantised operands, close in value, differs in bits on the same case.
 Hopper only (the Gluon kernel is sm_90a's). Whole file: well under a minute on an H200, most of it compiles.
 """
@@ -18,8 +18,8 @@ pytest.importorskip("triton")
 
 from onepath.numerics.quant import FP8Tensor, quantize  # noqa: E402
 from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT  # noqa: E402
-from onepath.ops.cuda.linear import matmul, sm_count  # noqa: E402
-from onepath.ops.cuda.linear_fp8 import DECODE_WS_CONFIG, WS_CONFIG, matmul_fp8, pick_config, pick_kernel  # noqa: E402
+from onepath.ops.cuda.linear import linear, sm_count  # noqa: E402
+from onepath.ops.cuda.linear_fp8 import DECODE_WS_CONFIG, WS_CONFIG, linear_fp8, pick_config, pick_kernel  # noqa: E402
 
 DEVICE = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 MS = [1, 37, 128, 130, 511, 512, 777, 2048, 4100]
@@ -47,9 +47,9 @@ def _operands(m, n, k, seed, bias):
 
 
 def _triton(qa, qw, b, out_dtype):
-    """The Triton kernel at the tile matmul_fp8 gives the shape when it does not take the Gluon one."""
+    """The Triton kernel at the tile linear_fp8 gives the shape when it does not take the Gluon one."""
     m, n = qa.codes.shape[0], qw.codes.shape[0]
-    return matmul_fp8(qa, qw, b, out_dtype, config=pick_config(m, n, sm_count(DEVICE)))
+    return linear_fp8(qa, qw, b, out_dtype, config=pick_config(m, n, sm_count(DEVICE)))
 
 
 @pytest.mark.parametrize("config", [WS_CONFIG, DECODE_WS_CONFIG], ids=str)
@@ -61,9 +61,9 @@ def test_ws_kernel_gives_the_triton_kernels_bits(n, k, config):
         qw, b = _weight(n, k, seed=n * 13 + k, bias=bias)
         for m in MS:
             qa = _activations(m, k, seed=m * 7 + n * 13 + k + bias)
-            ws = matmul_fp8(qa, qw, b, out_dtype, config=config)
+            ws = linear_fp8(qa, qw, b, out_dtype, config=config)
             want = _triton(qa, qw, b, out_dtype)
-            picked = matmul_fp8(qa, qw, b, out_dtype)
+            picked = linear_fp8(qa, qw, b, out_dtype)
             assert ws.shape == want.shape == (m, n) and ws.dtype == want.dtype == out_dtype
             if not (torch.equal(ws, want) and torch.equal(picked, want)):
                 bad.append((m, str(out_dtype), int((ws != want).sum()), int((picked != want).sum())))
@@ -78,12 +78,12 @@ def test_a_row_alone_equals_the_row_inside_a_batch_the_ws_kernel_takes(n, k, out
     assert pick_kernel(m, n, k, out_dtype, DEVICE) == WS_CONFIG
     assert pick_kernel(1, n, k, out_dtype, DEVICE) in (DECODE_WS_CONFIG, pick_config(1, n, sm_count(DEVICE)))
     qa, qw, b = _operands(m, n, k, seed=n + k, bias=bias)
-    batch = matmul_fp8(qa, qw, b, out_dtype)
+    batch = linear_fp8(qa, qw, b, out_dtype)
     # tile edges of both kernels (64 and 128 rows), the middle, the ragged last tile
     rows = [0, 63, 64, 127, 128, 2049, 4095, 4096, m - 1]
     bad = []
     for i in rows:
-        alone = matmul_fp8(FP8Tensor(qa.codes[i:i + 1], qa.scales[i:i + 1], qa.block), qw, b, out_dtype)
+        alone = linear_fp8(FP8Tensor(qa.codes[i:i + 1], qa.scales[i:i + 1], qa.block), qw, b, out_dtype)
         if not torch.equal(alone[0], batch[i]):
             bad.append((i, (alone[0].float() - batch[i].float()).abs().max().item()))
     assert not bad, f"N={n} K={k} {out_dtype}: rows alone differ from the same rows in M={m} (row, max diff): {bad}"
@@ -92,9 +92,9 @@ def test_a_row_alone_equals_the_row_inside_a_batch_the_ws_kernel_takes(n, k, out
 @pytest.mark.parametrize("out_dtype,bias", EPILOGUES, ids=["bf16_bias", "fp32"])
 def test_runs_repeat(out_dtype, bias):
     qa, qw, b = _operands(*BIG, seed=1, bias=bias)
-    first = matmul_fp8(qa, qw, b, out_dtype)
+    first = linear_fp8(qa, qw, b, out_dtype)
     for _ in range(3):
-        assert torch.equal(matmul_fp8(qa, qw, b, out_dtype), first)
+        assert torch.equal(linear_fp8(qa, qw, b, out_dtype), first)
 
 
 @pytest.mark.gpu_smoke
@@ -103,8 +103,8 @@ def test_negative_control_a_bf16_gemm_of_the_dequantised_operands_differs(out_dt
     """The equality above can fail: the same maths with the operands rounded to bf16 and one FP32
     accumulation over K (our BF16 GEMM) is close in value but not in bits."""
     qa, qw, b = _operands(*BIG, seed=2, bias=bias)
-    ws = matmul_fp8(qa, qw, b, out_dtype)
-    control = matmul(qa.dequantize(torch.bfloat16), qw.dequantize(torch.bfloat16), b, out_dtype=out_dtype)
+    ws = linear_fp8(qa, qw, b, out_dtype)
+    control = linear(qa.dequantize(torch.bfloat16), qw.dequantize(torch.bfloat16), b, out_dtype=out_dtype)
     diff = (control.float() - ws.float()).abs().max().item()
     assert diff <= 0.05 * ws.float().abs().max().item(), f"the control is not the same GEMM: max diff {diff}"
     assert not torch.equal(control, ws), "a bf16 GEMM of the dequantised operands matched the fp8 kernel's bits"

@@ -24,7 +24,7 @@ def _run_checks() -> dict:
     from onepath.numerics.quant import quantize
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
     from onepath.ops.cuda.linear import TileConfig
-    from onepath.ops.cuda.linear_fp8 import TILES_FP8, matmul_fp8
+    from onepath.ops.cuda.linear_fp8 import TILES_FP8, linear_fp8
     from onepath.ops.linear_quant import fp8_gemm
 
     gen = torch.Generator().manual_seed(0)
@@ -37,31 +37,31 @@ def _run_checks() -> dict:
         x = torch.randn(19, k, generator=gen) * 3
         qx = quantize(x, FP8_ACT)
         want = fp8_gemm(qx, w)
-        got = matmul_fp8(qx, w, out_dtype=torch.float32, config=small)
+        got = linear_fp8(qx, w, out_dtype=torch.float32, config=small)
         record("equals_cpu_contract", torch.equal(got, want), f"K={k}: max diff {(got - want).abs().max().item():.3g}")
 
         probe = x[:1]
-        alone = matmul_fp8(quantize(probe, FP8_ACT), w, out_dtype=torch.float32, config=small)
+        alone = linear_fp8(quantize(probe, FP8_ACT), w, out_dtype=torch.float32, config=small)
         for m in (2, 17, 33):
             batch = torch.randn(m, k, generator=gen)
             pos = int(torch.randint(m, (1,), generator=gen))
             batch[pos] = probe[0]
-            inside = matmul_fp8(quantize(batch, FP8_ACT), w, out_dtype=torch.float32, config=small)[pos]
+            inside = linear_fp8(quantize(batch, FP8_ACT), w, out_dtype=torch.float32, config=small)[pos]
             record("rows_alone_equal_rows_in_batch", torch.equal(inside, alone[0]), f"K={k} M={m} pos={pos}")
 
         for cfg in (TileConfig(16, 32, 4, 2, group_m=1), *TILES_FP8):
-            record("configs_agree", torch.equal(matmul_fp8(qx, w, out_dtype=torch.float32, config=cfg), want), f"K={k} {cfg}")
+            record("configs_agree", torch.equal(linear_fp8(qx, w, out_dtype=torch.float32, config=cfg), want), f"K={k} {cfg}")
 
     k = 200
     w = quantize(torch.randn(n, k, generator=gen) * 0.05, FP8_WEIGHT)
     qx = quantize(torch.randn(5, k, generator=gen), FP8_ACT)
     b = torch.randn(n, generator=gen).to(torch.bfloat16)
-    got = matmul_fp8(qx, w, b, out_dtype=torch.bfloat16, config=small)
+    got = linear_fp8(qx, w, b, out_dtype=torch.bfloat16, config=small)
     record("bias_bf16_out", got.dtype == torch.bfloat16 and torch.equal(got, fp8_gemm(qx, w, b).to(torch.bfloat16)),
            "bias added in FP32, one rounding to bf16")
 
     # ops.linear under a "cuda" spec, run on CPU tensors: the Triton FP8 quantiser + this kernel for W8A8,
-    # NVFP4 operands into the Triton BF16 matmul; the wiring of ops/linear_quant.py's CUDA branch.
+    # NVFP4 operands into the Triton BF16 linear; the wiring of ops/linear_quant.py's CUDA branch.
     from onepath.numerics.spec import ExecutionSpec
     from onepath.ops import linear as L
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16) * 0.1
@@ -93,7 +93,7 @@ def test_every_fp8_config_compiles_for_sm90_on_fp8_wgmma_within_shared_memory():
                "out_ptr": "*bf16", **{n: "i32" for n in ("M", "N", "K", "NUM_PROGRAMS", "stride_am", "stride_sam",
                                                          "stride_wn", "stride_swn", "stride_om")}}
         aligned = ("a_ptr", "w_ptr", "out_ptr", "K", "stride_am", "stride_wn", "stride_om")
-        ptx, shared = compile_sm90(mm._matmul_fp8_kernel, sig, consts, aligned, cfg)
+        ptx, shared = compile_sm90(mm._linear_fp8_kernel, sig, consts, aligned, cfg)
         ok = "wgmma.mma_async" in ptx and ".e4m3.e4m3" in ptx and "mma.sync" not in ptx and "fma.rn.f32" in ptx
         if shared > SM90_SHARED_BYTES or not ok:
             bad.append((cfg, shared, ok))

@@ -1,5 +1,5 @@
 """onepath/ops/cuda/linear_fp8_ws.py's warp-specialized block-FP8 GEMM builds for the H200 without a GPU:
-the config matmul_fp8 ships (WS_CONFIG) and every config onepath/bench/kernels_fp8.py times (the split "n" decode
+the config linear_fp8 ships (WS_CONFIG) and every config onepath/bench/kernels_fp8.py times (the split "n" decode
 configs too), compiled for sm_90
 (ptxas included) from the launcher's own arguments as the JIT would specialize them (CPU tensors stand
 in: same dtypes, alignments and TMA descriptors).
@@ -17,7 +17,7 @@ Asserted on the PTX and SASS, what the design needs and a build can lose without
   - pingpong: per wgmma chain one wait for the consumer's turn and one arrive passing it on (the same
     build without pingpong has 2 x chains fewer of each), the arrive before the chain's
     WARPGROUP.DEPBAR ("issued") or after it ("done")
-Negative control: matmul_fp8's Triton (not warp-specialized) kernel's build fails those checks.
+Negative control: linear_fp8's Triton (not warp-specialized) kernel's build fails those checks.
 The bits rest on tests/ops/test_linear_fp8_gpu.py and the GPU bench (torch.equal against the Triton
 kernel): Gluon is not interpreted.
 """
@@ -165,9 +165,9 @@ def test_variant_builds_for_awkward_shapes_fp32_out_and_bias(v):
 
 
 def test_negative_control_the_triton_kernel_fails_the_warp_specialization_checks():
-    """The checks can fail: matmul_fp8's Triton kernel has the same wgmma chains and FMAs but no
+    """The checks can fail: linear_fp8's Triton kernel has the same wgmma chains and FMAs but no
     setmaxnreg partitions and no TMA; its build must be flagged."""
-    from onepath.ops.cuda.linear_fp8 import TILES_FP8, _matmul_fp8_kernel
+    from onepath.ops.cuda.linear_fp8 import TILES_FP8, _linear_fp8_kernel
 
     config = TILES_FP8[0]
     sig = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sw_ptr": "*fp32", "bias_ptr": "*bf16",
@@ -175,7 +175,7 @@ def test_negative_control_the_triton_kernel_fails_the_warp_specialization_checks
                                                      "stride_wn", "stride_swn", "stride_om")}}
     consts = dict(W_BLOCK_N=128, HAS_BIAS=False, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=128,
                   GROUP_M=config.group_m)
-    ptx, shared = compile_sm90(_matmul_fp8_kernel, sig, consts,
+    ptx, shared = compile_sm90(_linear_fp8_kernel, sig, consts,
                                ("a_ptr", "w_ptr", "out_ptr", "K", "stride_am", "stride_wn", "stride_om"), config)
     problems = _problems(config, ptx, "", shared)
     assert CHAINS not in problems, "the Triton kernel's MMA is the reference the Gluon builds are held to"
@@ -202,10 +202,10 @@ def test_split_n_tiles_64_rows_and_the_consumers_take_half_the_columns_each(bloc
     at most one per SM); each consumer's chain is m64n(block_n / 2)k32, inside one 128-row weight scale block."""
     from onepath.numerics.quant import quantize
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda import linear_fp8_ws as matmul_fp8_ws
+    from onepath.ops.cuda import linear_fp8_ws as linear_fp8_ws
     from onepath.ops.cuda.linear_fp8_ws import WSConfig, launch_args, output
 
-    monkeypatch.setattr(matmul_fp8_ws, "sm_count", lambda device: 132)  # an H200
+    monkeypatch.setattr(linear_fp8_ws, "sm_count", lambda device: 132)  # an H200
     gen = torch.Generator().manual_seed(0)
     m, n, k = 130, 4096, 256
     qa = quantize(torch.randn(m, k, generator=gen), FP8_ACT)

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 pytest.importorskip("triton")
 
 from onepath.ops.cuda.linear import (DENSE_TILES, SKINNY_TILES, SMALL_TILES, SWAP_TILES, TILES_16BIT,  # noqa: E402
-                                     TileConfig, dense_candidates, matmul, pick_config)
+                                     TileConfig, dense_candidates, linear, pick_config)
 
 # (K, N): Qwen-0.5B-like MLP (896 -> 4864), 1024 -> 3072, square 4096, an LM head (kept at 32000
 # columns to stay light), and an awkward size whose K and N tiles are all ragged.
@@ -71,7 +71,7 @@ def _error_bound(x, w, exact, out_dtype):
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_rows_do_not_depend_on_the_batch(k, n):
     w = _weight(k, n)
-    bad = _batch_mismatches(lambda x: matmul(x, w), k, MS, seed=k + n)
+    bad = _batch_mismatches(lambda x: linear(x, w), k, MS, seed=k + n)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     detail = [(m, pick_config(m, n, torch.bfloat16, sms), d) for m, d in bad]
     assert not bad, f"K={k} N={n}: probe rows changed inside batches of M (M, config, max diff): {detail}"
@@ -81,14 +81,14 @@ def test_rows_do_not_depend_on_the_batch(k, n):
 def test_values_within_bound_and_deterministic(k, n):
     w = _weight(k, n)
     x = _randn(1000, k, gen=_gen(1))
-    out = matmul(x, w)
+    out = linear(x, w)
     exact = x.double() @ w.double().T
     err = (out.double() - exact).abs()
     assert out.dtype == torch.bfloat16 and out.shape == (1000, n)
     assert (err <= _error_bound(x, w, exact, torch.bfloat16)).all(), f"K={k} N={n}: max err {err.max().item():.3g}"
-    assert torch.equal(matmul(x, w), out), f"K={k} N={n}: two runs on the same input differ"
+    assert torch.equal(linear(x, w), out), f"K={k} N={n}: two runs on the same input differ"
     big = _randn(4096, k, gen=_gen(2))
-    assert torch.equal(matmul(big, w), matmul(big, w)), f"K={k} N={n}, M=4096: two runs differ"
+    assert torch.equal(linear(big, w), linear(big, w)), f"K={k} N={n}, M=4096: two runs differ"
 
 
 @pytest.mark.gpu_smoke
@@ -110,19 +110,19 @@ def test_every_tile_config_gives_the_same_bits(k, n):
     Control: the same kernel summing K's two halves apart (a split-K) gives other bits."""
     w = _weight(k, n)
     x = _randn(300, k, gen=_gen(3))
-    ref = matmul(x, w, config=TILES_16BIT[0])
+    ref = linear(x, w, config=TILES_16BIT[0])
     deeper = [TileConfig(bm, bn, warps, stages, tma=tma, block_k=bk) for bm, bn, warps, stages in
               ((16, 32, 1, 4), (64, 64, 4, 3), (128, 128, 8, 2)) for bk in (128, 256) for tma in (False, True)]
     deeper = [c for c in deeper if c.pipeline_bytes() <= 200 * 1024] + [TileConfig(128, 256, 8, 4, tma=True)]
     configs = [*TILES_16BIT, *(TileConfig(c.block_m, c.block_n, c.num_warps, c.num_stages, tma=True) for c in TILES_16BIT),
                *DENSE_TILES, *SKINNY_TILES, *SMALL_TILES, *dense_candidates(512), *deeper,
                *SWAP_TILES, *(replace(c, tma=False) for c in SWAP_TILES)]
-    outs = {c: matmul(x, w, config=c) for c in configs}
+    outs = {c: linear(x, w, config=c) for c in configs}
     bad = [(c, (out.float() - ref.float()).abs().max().item()) for c, out in outs.items() if not torch.equal(out, ref)]
     assert not bad, f"K={k} N={n}: configs whose bits differ from {TILES_16BIT[0]}: {bad}"
     half = k // 2
-    split = (matmul(x[:, :half], w[:, :half], out_dtype=torch.float32)
-             + matmul(x[:, half:], w[:, half:], out_dtype=torch.float32)).bfloat16()
+    split = (linear(x[:, :half], w[:, :half], out_dtype=torch.float32)
+             + linear(x[:, half:], w[:, half:], out_dtype=torch.float32)).bfloat16()
     assert not torch.equal(split, ref), "a split-K sum gave the same bits: the check cannot tell"
 
 
@@ -130,7 +130,7 @@ def test_every_tile_config_gives_the_same_bits(k, n):
 def test_bias_and_fp32_output(k, n):
     w = _weight(k, n)
     b = _randn(n, gen=_gen(4))
-    fn = lambda x: matmul(x, w, b, out_dtype=torch.float32)  # noqa: E731
+    fn = lambda x: linear(x, w, b, out_dtype=torch.float32)  # noqa: E731
     bad = _batch_mismatches(fn, k, [1, 64, 255, 4096], seed=5)
     assert not bad, f"K={k} N={n} bias, fp32 out: probe rows changed inside batches (M, max diff): {bad}"
     x = _randn(257, k, gen=_gen(6))
@@ -140,30 +140,30 @@ def test_bias_and_fp32_output(k, n):
     assert out.dtype == torch.float32
     assert (err <= _error_bound(x, w, exact, torch.float32)).all(), f"max err {err.max().item():.3g}"
     # the bias joins the FP32 accumulator; one round-to-nearest-even gives the bf16 result
-    assert torch.equal(matmul(x, w, b), out.to(torch.bfloat16))
+    assert torch.equal(linear(x, w, b), out.to(torch.bfloat16))
 
 
 def test_fp32_inputs_are_not_tf32():
     k, n = 1024, 3072
     w = _weight(k, n, dtype=torch.float32)
-    bad = _batch_mismatches(lambda x: matmul(x, w), k, [1, 64, 1000], seed=7, dtype=torch.float32)
+    bad = _batch_mismatches(lambda x: linear(x, w), k, [1, 64, 1000], seed=7, dtype=torch.float32)
     assert not bad, f"fp32: probe rows changed inside batches (M, max diff): {bad}"
     x = _randn(64, k, gen=_gen(8), dtype=torch.float32)
     exact = x.double() @ w.double().T
-    err = (matmul(x, w).double() - exact).abs()
+    err = (linear(x, w).double() - exact).abs()
     assert (err <= _error_bound(x, w, exact, torch.float32)).all(), f"fp32 max err {err.max().item():.3g}"
     # Exact case: +-1 times integers below 2^13, sums below 2^23: every fp32 step is exact, while
     # TF32 (10 mantissa bits) would round the weights (the TF32 mm bug of batch_invariant_ops #23).
     gen = _gen(10)
     signs = (torch.randint(0, 2, (5, k), generator=gen, device="cuda") * 2 - 1).float()
     ints = torch.randint(0, 8192, (n, k), generator=gen, device="cuda").float()
-    assert torch.equal(matmul(signs, ints), (signs.double() @ ints.double().T).float()), "fp32 inputs ran as TF32"
+    assert torch.equal(linear(signs, ints), (signs.double() @ ints.double().T).float()), "fp32 inputs ran as TF32"
 
 
 def test_fp16_rows_do_not_depend_on_the_batch():
     k, n = 1024, 3072
     w = _weight(k, n, dtype=torch.float16)
-    bad = _batch_mismatches(lambda x: matmul(x, w), k, [1, 7, 64, 255, 1000], seed=9, dtype=torch.float16)
+    bad = _batch_mismatches(lambda x: linear(x, w), k, [1, 7, 64, 255, 1000], seed=9, dtype=torch.float16)
     assert not bad, f"fp16: probe rows changed inside batches (M, max diff): {bad}"
 
 
@@ -176,4 +176,4 @@ def test_operand_alignment_does_not_change_bits():
     shifted = flat[1:].view(m, k)
     assert shifted.data_ptr() % 16 != 0
     for cfg in (None, TileConfig(64, 64, 4, 4, tma=True)):
-        assert torch.equal(matmul(shifted, w, config=cfg), matmul(shifted.clone(), w, config=cfg)), cfg
+        assert torch.equal(linear(shifted, w, config=cfg), linear(shifted.clone(), w, config=cfg)), cfg

@@ -45,8 +45,8 @@ def case(num_experts: int, n: int, k: int, tokens: int, gen: torch.Generator):
 @pytest.mark.parametrize("num_experts", [64, 128])
 @pytest.mark.parametrize("projection", list(PROJECTIONS))
 def test_grouped_rows_equal_dense_kernel(num_experts, projection):
-    from onepath.ops.cuda.linear_grouped import grouped_matmul
-    from onepath.ops.cuda.linear import matmul
+    from onepath.ops.cuda.linear_grouped import linear_grouped
+    from onepath.ops.cuda.linear import linear
 
     n, k, out_dtype = PROJECTIONS[projection]
     gen = torch.Generator(device="cuda").manual_seed(num_experts)
@@ -54,18 +54,18 @@ def test_grouped_rows_equal_dense_kernel(num_experts, projection):
     for tokens in TOKENS:
         x, w, counts = case(num_experts, n, k, tokens, gen)
         assert 0 in counts
-        y = grouped_matmul(x, w, counts, out_dtype=out_dtype)
+        y = linear_grouped(x, w, counts, out_dtype=out_dtype)
         # each expert's rows through the dense kernel (whose rows do not depend on M: test_linear_gpu.py)
-        dense = torch.cat([matmul(part, w[e], out_dtype=out_dtype) for e, part in enumerate(x.split(counts))])
+        dense = torch.cat([linear(part, w[e], out_dtype=out_dtype) for e, part in enumerate(x.split(counts))])
         if not torch.equal(y, dense):
             bad.append((tokens, "per expert", int((y != dense).any(-1).sum())))
         expert_of = torch.repeat_interleave(torch.arange(num_experts), torch.tensor(counts)).tolist()
         picks = torch.randint(x.shape[0], (min(ALONE_ROWS, x.shape[0]),), generator=gen, device="cuda").tolist()
-        alone = [torch.equal(y[r], matmul(x[r:r + 1], w[expert_of[r]], out_dtype=out_dtype)[0]) for r in picks]
+        alone = [torch.equal(y[r], linear(x[r:r + 1], w[expert_of[r]], out_dtype=out_dtype)[0]) for r in picks]
         if not all(alone):
             bad.append((tokens, "alone", alone.count(False)))
         # the same rows in reverse order, so in other tiles at other offsets
-        flipped = grouped_matmul(x.flip(0), w.flip(0), counts[::-1], out_dtype=out_dtype)
+        flipped = linear_grouped(x.flip(0), w.flip(0), counts[::-1], out_dtype=out_dtype)
         if not torch.equal(flipped.flip(0), y):
             bad.append((tokens, "reversed packing", int((flipped.flip(0) != y).any(-1).sum())))
     assert not bad, f"(tokens, check, rows differing): {bad}"
@@ -103,7 +103,7 @@ def test_decode_tiles_rows_equal_dense_kernel(projection):
     device sizes, one program per tile, two per SM, and in the masked buffer whose NaN tail a TMA tile
     covers but no stored row reads. Control: the same products with K's blocks reversed differ."""
     from onepath.ops.cuda import linear_grouped as gm
-    from onepath.ops.cuda.linear import matmul, sm_count
+    from onepath.ops.cuda.linear import linear, sm_count
 
     n, k, out_dtype = PROJECTIONS[projection]
     num_experts = 128
@@ -116,15 +116,15 @@ def test_decode_tiles_rows_equal_dense_kernel(projection):
         x = torch.randn(sum(counts), k, generator=gen, device="cuda").bfloat16()
         config = gm.pick_grouped_config(counts, n, x.dtype, sm_count(x.device), out_dtype)
         assert config.block_m == 64 and config.tma, f"{tokens} tokens picked {config}"
-        dense = torch.cat([matmul(part, w[e], out_dtype=out_dtype) for e, part in enumerate(x.split(counts))])
+        dense = torch.cat([linear(part, w[e], out_dtype=out_dtype) for e, part in enumerate(x.split(counts))])
         device_counts = torch.tensor(counts, device="cuda")
         tiles = (-(-x.shape[0] // 64) + num_experts) * -(-n // config.block_n)
-        runs = {"host sizes": gm.grouped_matmul(x, w, counts, out_dtype=out_dtype),
-                "device sizes": gm.grouped_matmul(x, w, device_counts, out_dtype=out_dtype),
-                "one program per tile": gm.grouped_matmul(x, w, device_counts, out_dtype=out_dtype, programs=tiles),
-                "two per SM": gm.grouped_matmul(x, w, counts, out_dtype=out_dtype, programs=2 * sm_count(x.device))}
+        runs = {"host sizes": gm.linear_grouped(x, w, counts, out_dtype=out_dtype),
+                "device sizes": gm.linear_grouped(x, w, device_counts, out_dtype=out_dtype),
+                "one program per tile": gm.linear_grouped(x, w, device_counts, out_dtype=out_dtype, programs=tiles),
+                "two per SM": gm.linear_grouped(x, w, counts, out_dtype=out_dtype, programs=2 * sm_count(x.device))}
         buffer, chunks = masked_buffer(x, counts)
-        masked = gm.grouped_matmul(buffer, w, torch.tensor(chunks, device="cuda"), out_dtype=out_dtype)
+        masked = gm.linear_grouped(buffer, w, torch.tensor(chunks, device="cuda"), out_dtype=out_dtype)
         runs["masked buffer"] = unmasked(masked, chunks, counts)
         for name, y in runs.items():
             if not torch.equal(y, dense):
@@ -134,9 +134,9 @@ def test_decode_tiles_rows_equal_dense_kernel(projection):
 
     # control, on the FP32 accumulator (a bf16 rounding hides most last-bit changes)
     reversed_k = torch.arange(k, device="cuda").view(-1, 64).flip(0).flatten()
-    y = gm.grouped_matmul(x[:, reversed_k].contiguous(), w[:, :, reversed_k].contiguous(), counts,
+    y = gm.linear_grouped(x[:, reversed_k].contiguous(), w[:, :, reversed_k].contiguous(), counts,
                           out_dtype=torch.float32)
-    dense = torch.cat([matmul(part, w[e], out_dtype=torch.float32) for e, part in enumerate(x.split(counts))])
+    dense = torch.cat([linear(part, w[e], out_dtype=torch.float32) for e, part in enumerate(x.split(counts))])
     assert not torch.equal(y, dense), "K blocks summed in reverse gave the same bits: the comparison sees no order"
 
 
@@ -148,8 +148,8 @@ def test_decode_graph_replays_other_routings_with_the_dense_bits(projection):
     sizes give other rows (a replay stuck on the sizes seen at capture would show), for the routings
     whose chunk sizes differ from the captured ones (two random routings of 64 tokens over 96 experts
     give every used expert one 16-row chunk: the same sizes, so the same rows)."""
-    from onepath.ops.cuda.linear_grouped import grouped_matmul
-    from onepath.ops.cuda.linear import matmul
+    from onepath.ops.cuda.linear_grouped import linear_grouped
+    from onepath.ops.cuda.linear import linear
 
     n, k, out_dtype = PROJECTIONS[projection]
     num_experts, tokens = 128, 64
@@ -167,23 +167,23 @@ def test_decode_graph_replays_other_routings_with_the_dense_bits(projection):
     side = torch.cuda.Stream()  # the first run compiles the kernel, outside the capture
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        grouped_matmul(static_buffer, w, static_sizes, out_dtype=out_dtype)
+        linear_grouped(static_buffer, w, static_sizes, out_dtype=out_dtype)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = grouped_matmul(static_buffer, w, static_sizes, out_dtype=out_dtype)
+        out = linear_grouped(static_buffer, w, static_sizes, out_dtype=out_dtype)
     bad, stale_equal = [], []
     for i, (x, counts, buffer, sizes) in enumerate(cases):
         static_buffer.copy_(buffer)
         static_sizes.copy_(sizes)
         graph.replay()
         got = unmasked(out, sizes.tolist(), counts)
-        dense = torch.cat([matmul(part, w[e], out_dtype=out_dtype) for e, part in enumerate(x.split(counts))])
+        dense = torch.cat([linear(part, w[e], out_dtype=out_dtype) for e, part in enumerate(x.split(counts))])
         if not torch.equal(got, dense):
             bad.append((i, int((got != dense).any(-1).sum())))
         if torch.equal(sizes, cases[0][3]):
             continue  # the same chunk sizes as at capture (whole 16-row chunks): no stale size to see
-        stale = grouped_matmul(buffer, w, cases[0][3], out_dtype=out_dtype)
+        stale = linear_grouped(buffer, w, cases[0][3], out_dtype=out_dtype)
         stale_equal.append(torch.equal(got, unmasked(stale, sizes.tolist(), counts)))
     assert not bad, f"(routing, rows differing from the dense kernel): {bad}"
     assert len(stale_equal) >= 2, "the routings give the captured chunk sizes: the control compares nothing"

@@ -27,9 +27,9 @@ def _run_checks() -> dict:
     patch_gemm_interpreter()
     import torch
 
-    from onepath.ops.cuda.linear_grouped import grouped_matmul
+    from onepath.ops.cuda.linear_grouped import linear_grouped
     from onepath.ops.cuda.linear_grouped import GROUPED_TILES
-    from onepath.ops.cuda.linear import TILES_16BIT, TileConfig, matmul
+    from onepath.ops.cuda.linear import TILES_16BIT, TileConfig, linear
 
     gen = torch.Generator().manual_seed(0)
     k, n = 200, 72
@@ -51,7 +51,7 @@ def _run_checks() -> dict:
     for dtype in (torch.bfloat16, torch.float32):
         w = rand(len(COUNTS), n, k, dtype=dtype)
         x = rand(sum(COUNTS), k, dtype=dtype)
-        y = grouped_matmul(x, w, COUNTS)
+        y = linear_grouped(x, w, COUNTS)
         exact = torch.einsum("mk,mnk->mn", x.double(), w.double()[group_of])
         u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -23
         scale = torch.einsum("mk,mnk->mn", x.double().abs(), w.double().abs()[group_of])
@@ -60,7 +60,7 @@ def _run_checks() -> dict:
                and bool((err <= u * exact.abs() + 2 * k * 2.0 ** -24 * scale + 1e-30).all()),
                f"{dtype}: max err {err.max().item():.3g}")
 
-        alone = torch.cat([matmul(x[r:r + 1], w[g]) for r, g in enumerate(group_of.tolist())])
+        alone = torch.cat([linear(x[r:r + 1], w[g]) for r, g in enumerate(group_of.tolist())])
         record("rows_equal_dense_alone", torch.equal(y, alone), f"{dtype}: {(y != alone).any(-1).sum()} rows differ")
 
         # The same rows packed otherwise: groups in reverse order, rows reversed inside each, and
@@ -71,32 +71,32 @@ def _run_checks() -> dict:
         parts = [rows_of[g] for g in groups[:-1]] + [tail]
         order = sum(parts, [])
         w2, counts2 = w[groups], [len(part) for part in parts]
-        y2 = grouped_matmul(x[order], w2, counts2)
+        y2 = linear_grouped(x[order], w2, counts2)
         record("packing_invariant", torch.equal(y2, y[order]), f"{dtype}")
 
         for name, cfg in configs.items():
             for x_tma in (None, True, False) if name.startswith("tma_16") else (None,):
-                record("configs_agree", torch.equal(grouped_matmul(x, w, COUNTS, config=cfg, x_tma=x_tma), y),
+                record("configs_agree", torch.equal(linear_grouped(x, w, COUNTS, config=cfg, x_tma=x_tma), y),
                        f"{dtype} {name} x_tma={x_tma}")
         # one program, two, one per tile, more programs than tiles: each tile computed once, the same bits
         for cfg in (configs["tma_16x16"], configs["16x32"]):
             for programs in (1, 2, 11, 200):
-                record("programs_agree", torch.equal(grouped_matmul(x, w, COUNTS, config=cfg, programs=programs), y),
+                record("programs_agree", torch.equal(linear_grouped(x, w, COUNTS, config=cfg, programs=programs), y),
                        f"{dtype} {cfg} programs={programs}")
 
     w = rand(len(COUNTS), n, k, dtype=torch.bfloat16)
     x = rand(sum(COUNTS), k, dtype=torch.bfloat16)
-    wide = grouped_matmul(x, w, COUNTS, out_dtype=torch.float32)
-    alone = torch.cat([matmul(x[r:r + 1], w[g], out_dtype=torch.float32) for r, g in enumerate(group_of.tolist())])
+    wide = linear_grouped(x, w, COUNTS, out_dtype=torch.float32)
+    alone = torch.cat([linear(x[r:r + 1], w[g], out_dtype=torch.float32) for r, g in enumerate(group_of.tolist())])
     record("fp32_out_one_rounding", wide.dtype == torch.float32 and torch.equal(wide, alone), "fp32 out vs dense")
-    record("fp32_out_one_rounding", torch.equal(grouped_matmul(x, w, COUNTS), wide.to(torch.bfloat16)),
+    record("fp32_out_one_rounding", torch.equal(linear_grouped(x, w, COUNTS), wide.to(torch.bfloat16)),
            "bf16 = fp32 rounded")
 
-    record("empty_groups", grouped_matmul(x[:0], w, [0] * len(COUNTS)).shape == (0, n), "M = 0")
-    one = grouped_matmul(x[:1], w, [0, 0, 0, 0, 1])
-    record("empty_groups", torch.equal(one, matmul(x[:1], w[4])), "only the last group has a row")
+    record("empty_groups", linear_grouped(x[:0], w, [0] * len(COUNTS)).shape == (0, n), "M = 0")
+    one = linear_grouped(x[:1], w, [0, 0, 0, 0, 1])
+    record("empty_groups", torch.equal(one, linear(x[:1], w[4])), "only the last group has a row")
     try:
-        grouped_matmul(x, w, [1, 1, 1, 1, 1])
+        linear_grouped(x, w, [1, 1, 1, 1, 1])
         record("empty_groups", False, "group sizes that do not sum to M were accepted")
     except ValueError:
         pass
@@ -105,17 +105,17 @@ def _run_checks() -> dict:
     # every config; sizes summing to less than M leave the rows past them unwritten and the others equal
     sizes = torch.tensor(COUNTS)
     for name, cfg in configs.items():
-        record("device_counts", torch.equal(grouped_matmul(x, w, sizes, config=cfg), grouped_matmul(x, w, COUNTS, config=cfg)),
+        record("device_counts", torch.equal(linear_grouped(x, w, sizes, config=cfg), linear_grouped(x, w, COUNTS, config=cfg)),
                name)
-    short = grouped_matmul(x, w, torch.tensor([0, 1, 30, 0, 6]))
-    record("device_counts", torch.equal(short[:31], grouped_matmul(x, w, COUNTS)[:31]), "first 31 rows")
-    record("device_counts", torch.equal(short[31:37], grouped_matmul(x[31:37], w[4:], [6])), "group 4's rows")
+    short = linear_grouped(x, w, torch.tensor([0, 1, 30, 0, 6]))
+    record("device_counts", torch.equal(short[:31], linear_grouped(x, w, COUNTS)[:31]), "first 31 rows")
+    record("device_counts", torch.equal(short[31:37], linear_grouped(x[31:37], w[4:], [6])), "group 4's rows")
     # control: the device sizes are what picks each row's weight (row 0 moved from group 1 to group 2)
-    moved = grouped_matmul(x, w, torch.tensor([0, 0, 38, 0, 6]))
-    record("device_counts", not torch.equal(moved[:1], grouped_matmul(x, w, COUNTS)[:1])
-           and torch.equal(moved[1:], grouped_matmul(x, w, COUNTS)[1:]), "moved row 0 kept its bits")
+    moved = linear_grouped(x, w, torch.tensor([0, 0, 38, 0, 6]))
+    record("device_counts", not torch.equal(moved[:1], linear_grouped(x, w, COUNTS)[:1])
+           and torch.equal(moved[1:], linear_grouped(x, w, COUNTS)[1:]), "moved row 0 kept its bits")
     try:
-        grouped_matmul(x, w, torch.tensor([1.0, 2, 3, 4, 5]))
+        linear_grouped(x, w, torch.tensor([1.0, 2, 3, 4, 5]))
         record("device_counts", False, "float group sizes were accepted")
     except ValueError:
         pass
@@ -123,12 +123,12 @@ def _run_checks() -> dict:
     # the masked layout's buffer: rows past the sizes are never read into a stored row, not even by a
     # TMA tile that covers them (NaN there would spread through any stored row that read it)
     tail = torch.cat([x, torch.full((9, k), float("nan"), dtype=x.dtype)])
-    want = grouped_matmul(x, w, COUNTS)
+    want = linear_grouped(x, w, COUNTS)
     for name in ("default", "16x32", "tma_16x16", "tma_16x32"):
         cfg = configs[name]
         for sizes in (torch.tensor(COUNTS), torch.tensor(COUNTS[:-1] + [0]), torch.tensor(COUNTS, dtype=torch.int32)):
             for x_tma in (None, True) if cfg is None or cfg.tma else (None,):
-                got = grouped_matmul(tail, w, sizes, config=cfg, x_tma=x_tma)[:int(sizes.sum())]
+                got = linear_grouped(tail, w, sizes, config=cfg, x_tma=x_tma)[:int(sizes.sum())]
                 record("tail_rows_unread", torch.equal(got, want[:got.shape[0]]),
                        f"{name} x_tma={x_tma} sizes {sizes.tolist()}")
 
@@ -238,7 +238,7 @@ def _compile_sm90(cfg, dtype: str, out: str, x_tma: bool | None = None):
         else:
             consts[name] = None
     aligned = ("x_ptr", "w_ptr", "out_ptr", "counts_ptr", "N", "K", "stride_xm", "stride_we", "stride_wn", "stride_om")
-    return compile_sm90(gm._grouped_matmul_kernel, sig, consts, aligned, cfg)
+    return compile_sm90(gm._linear_grouped_kernel, sig, consts, aligned, cfg)
 
 
 def test_every_grouped_config_compiles_for_sm90_on_wgmma_within_shared_memory():

@@ -22,7 +22,7 @@ def _run_checks() -> dict:
 
     patch_gemm_interpreter()
     from onepath.ops.cuda.linear import (DENSE_TILES, SKINNY_TILES, SMALL_TILES, SWAP_TILES, TILES_16BIT,
-                                        TileConfig, dense_candidates, matmul)
+                                        TileConfig, dense_candidates, linear)
 
     gen = torch.Generator().manual_seed(0)
     n, k = 48, 96  # K = 64 + 32: one full K tile and one masked tail
@@ -52,19 +52,19 @@ def _run_checks() -> dict:
             x = rand(m, k, dtype=dtype)
             exact = x.double() @ w.double().T
             for cname, cfg in configs.items():
-                y = matmul(x, w, config=cfg)
+                y = linear(x, w, config=cfg)
                 err = (y.double() - exact).abs()
                 record("values", y.dtype == x.dtype and y.shape == (m, n) and bool((err <= bound(x, w, y.dtype, exact)).all()),
                        f"{dtype} M={m} {cname}: max err {err.max().item():.3g}")
 
         for cname, cfg in configs.items():
             probe = rand(1, k, dtype=dtype)
-            alone = matmul(probe, w, config=cfg)
+            alone = linear(probe, w, config=cfg)
             for m in range(1, 41):
                 batch = rand(m, k, dtype=dtype)
                 pos = int(torch.randint(m, (1,), generator=gen))
                 batch[pos] = probe[0]
-                same = torch.equal(matmul(batch, w, config=cfg)[pos], alone[0])
+                same = torch.equal(linear(batch, w, config=cfg)[pos], alone[0])
                 record("rows_alone_equal_rows_in_batch", same, f"{dtype} {cname} M={m} pos={pos}")
 
     # Every config (and TMA, and its pointer fallback when K * 2 bytes is not a multiple of 16)
@@ -72,10 +72,10 @@ def _run_checks() -> dict:
     for dtype in DTYPES:
         for kk in (k, 100):
             x, w = rand(40, kk, dtype=dtype), rand(n, kk, dtype=dtype)
-            ref = matmul(x, w, config=configs["16x16"])
+            ref = linear(x, w, config=configs["16x16"])
             for cfg in (*configs.values(), *TILES_16BIT, *DENSE_TILES, *SKINNY_TILES, *SMALL_TILES, *SWAP_TILES,
                         *dense_candidates(512), TileConfig(64, 64, 4, 3, tma=True)):
-                record("configs_agree", torch.equal(matmul(x, w, config=cfg), ref), f"{dtype} K={kk} {cfg}")
+                record("configs_agree", torch.equal(linear(x, w, config=cfg), ref), f"{dtype} K={kk} {cfg}")
 
     # The last row tile moved back to end at M (rows computed twice, stored twice) or running past M: the same
     # output, at every M a tile does not divide, and with or without TMA.
@@ -84,17 +84,17 @@ def _run_checks() -> dict:
     for cname in ("16x16", "tma_16x32", "swap_16x16", "swap_tma_16x32"):
         for m in (17, 23, 31, 33, 40):
             x = rand(m, k, dtype="bfloat16")
-            back = matmul(x, w, config=configs[cname])
+            back = linear(x, w, config=configs[cname])
             mm.LAST_ROWS_BACK = False
             try:
-                past = matmul(x, w, config=configs[cname])
+                past = linear(x, w, config=configs[cname])
             finally:
                 mm.LAST_ROWS_BACK = True
             record("last_rows_back", torch.equal(back, past), f"{cname} M={m}")
 
     w, b = rand(n, k, dtype="bfloat16"), rand(n, dtype="bfloat16")
     probe = rand(2, k, dtype="bfloat16")
-    alone = matmul(probe, w, b, out_dtype=torch.float32)
+    alone = linear(probe, w, b, out_dtype=torch.float32)
     exact = probe.double() @ w.double().T + b.double()
     record("bias_fp32_out", alone.dtype == torch.float32, f"dtype {alone.dtype}")
     record("bias_fp32_out", bool(((alone.double() - exact).abs() <= bound(probe, w, torch.float32, exact)).all()),
@@ -103,19 +103,19 @@ def _run_checks() -> dict:
         batch = rand(m, k, dtype="bfloat16")
         pos = int(torch.randint(m - 1, (1,), generator=gen))
         batch[pos:pos + 2] = probe
-        record("bias_fp32_out", torch.equal(matmul(batch, w, b, out_dtype=torch.float32)[pos:pos + 2], alone), f"M={m}")
+        record("bias_fp32_out", torch.equal(linear(batch, w, b, out_dtype=torch.float32)[pos:pos + 2], alone), f"M={m}")
 
     # bias added in fp32 before a single round-to-nearest-even: the bf16 result is the fp32 one rounded.
     x = rand(7, k, dtype="bfloat16")
     for bias in (None, b):
-        wide = matmul(x, w, bias, out_dtype=torch.float32)
-        record("one_rounding", torch.equal(matmul(x, w, bias), wide.to(torch.bfloat16)), f"bias={bias is not None}")
+        wide = linear(x, w, bias, out_dtype=torch.float32)
+        record("one_rounding", torch.equal(linear(x, w, bias), wide.to(torch.bfloat16)), f"bias={bias is not None}")
 
     x3 = rand(2, 5, k, dtype="bfloat16")
-    y3 = matmul(x3, w)
-    record("leading_dims", y3.shape == (2, 5, n) and torch.equal(y3.reshape(10, n), matmul(x3.reshape(10, k), w)),
+    y3 = linear(x3, w)
+    record("leading_dims", y3.shape == (2, 5, n) and torch.equal(y3.reshape(10, n), linear(x3.reshape(10, k), w)),
            f"shape {tuple(y3.shape)}")
-    record("leading_dims", matmul(x3[:0].reshape(0, k), w).shape == (0, n), "M = 0")
+    record("leading_dims", linear(x3[:0].reshape(0, k), w).shape == (0, n), "M = 0")
     return results
 
 
@@ -179,7 +179,7 @@ def _compile_sm90(cfg, dtype: str, out: str):
     else:
         consts.update(x_desc=None, w_desc=None)
     aligned = ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
-    return compile_sm90(mm._matmul_kernel, sig, consts, aligned, cfg)
+    return compile_sm90(mm._linear_kernel, sig, consts, aligned, cfg)
 
 
 def test_every_config_compiles_for_sm90_on_wgmma_within_shared_memory():

@@ -1,4 +1,4 @@
-"""matmul: y = x W^T (+ b) on Hopper, batch-invariant and deterministic; every linear layer and the LM head.
+"""linear: y = x W^T (+ b) on Hopper, batch-invariant and deterministic; every linear layer and the LM head.
 
 The contract: a row's output bits depend only on that row, the weight and the bias; never on M, on
 the other rows or on the row's position. What keeps it:
@@ -196,7 +196,7 @@ def tile_offsets(tile_id, M, N, num_pid_m, num_pid_n, BLOCK_M: tl.constexpr, BLO
 
 
 @triton.jit(do_not_specialize=["M"])
-def _matmul_kernel(
+def _linear_kernel(
     x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_om,
@@ -250,21 +250,21 @@ def tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return row_bytes % 16 == 0 and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, config: TileConfig | None = None) -> torch.Tensor:
     """x [..., K] @ weight[N, K]^T (+ bias[N]) with FP32 accumulation, rounded once to out_dtype
     (default x.dtype). `config` forces a tile config (tests and benchmarks); by default it follows
     M, which cannot move a row's bits."""
     if x.dtype != weight.dtype:
-        raise TypeError(f"matmul: x is {x.dtype} but weight is {weight.dtype}; cast one so they match")
+        raise TypeError(f"linear: x is {x.dtype} but weight is {weight.dtype}; cast one so they match")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"matmul: dtype {x.dtype} unsupported; use bfloat16, float16 or float32")
+        raise TypeError(f"linear: dtype {x.dtype} unsupported; use bfloat16, float16 or float32")
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
+        raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
                          "(expected x [..., K], weight [N, K])")
     n, k = weight.shape
     if bias is not None and bias.shape != (n,):
-        raise ValueError(f"matmul: bias {tuple(bias.shape)} does not match weight rows N={n}")
+        raise ValueError(f"linear: bias {tuple(bias.shape)} does not match weight rows N={n}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).contiguous()
     weight = weight.contiguous()
@@ -279,7 +279,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return out.reshape(*lead, n)
 
     if max(x2.numel(), weight.numel()) >= 2 ** 31:
-        raise ValueError(f"matmul: x {tuple(x2.shape)} or weight {tuple(weight.shape)} has >= 2^31 elements "
+        raise ValueError(f"linear: x {tuple(x2.shape)} or weight {tuple(weight.shape)} has >= 2^31 elements "
                          "(32-bit load offsets); split the rows into several calls")
     num_sms = sm_count(x.device)
     config = config or pick_config(m, n, x.dtype, num_sms, out.dtype)
@@ -296,10 +296,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, m: int,
            config: TileConfig, x_desc=None, w_desc=None, last_rows_back: bool | None = None) -> None:
     """One launch of the kernel: out[:m] = x2[:m] weight^T (+ bias), TMA loads where descriptors are given.
-    matmul() calls it; bench/kernels_linear.py --past-m also launches over descriptors of other rows than m."""
+    linear() calls it; bench/kernels_linear.py --past-m also launches over descriptors of other rows than m."""
     n, k = weight.shape
     num_sms = sm_count(x2.device)
-    _matmul_kernel[(min(num_sms, config.tiles(m, n)),)](
+    _linear_kernel[(min(num_sms, config.tiles(m, n)),)](
         x2, weight, x_desc, w_desc, bias.contiguous() if bias is not None else None, out,
         m, n, k,
         x2.stride(0), weight.stride(0), out.stride(0),

@@ -1,4 +1,4 @@
-"""matmul_fp8: block-FP8 W8A8 y = (a W^T) (+ b) on Hopper, batch-invariant and deterministic.
+"""linear_fp8: block-FP8 W8A8 y = (a W^T) (+ b) on Hopper, batch-invariant and deterministic.
 
 Operands are ops/linear_quant.py's: activation codes [M, K] float8_e4m3fn with FP32 scales per row
 and 128-wide K group [M, ceil(K/128)]; weight codes [N, K] with FP32 scales per 128x128 block
@@ -30,7 +30,7 @@ import triton.language as tl
 from onepath.numerics.quant import FP8Tensor
 from onepath.ops.cuda import interpreting, sm_count
 from onepath.ops.cuda.linear import TileConfig, first_filling, tile_offsets
-from onepath.ops.cuda.linear_fp8_ws import OUT_DTYPES, TMA_ALIGN, WSConfig, matmul_fp8_ws
+from onepath.ops.cuda.linear_fp8_ws import OUT_DTYPES, TMA_ALIGN, WSConfig, linear_fp8_ws
 
 # One K step = one scale group: the partial a scale multiplies is exactly one tl.dot.
 BLOCK_K = 128
@@ -52,7 +52,7 @@ DECODE_WS_CONFIG = WSConfig(block_n=128, num_stages=8, persistent=True, wait1=Tr
 
 
 @triton.jit(do_not_specialize=["M", "NUM_PROGRAMS"])
-def _matmul_fp8_kernel(
+def _linear_fp8_kernel(
     a_ptr, sa_ptr, w_ptr, sw_ptr, bias_ptr, out_ptr,
     M, N, K,
     stride_am, stride_sam, stride_wn, stride_swn, stride_om,
@@ -112,16 +112,16 @@ def pick_kernel(m: int, n: int, k: int, out_dtype: torch.dtype, device: torch.de
     return pick_config(m, n, sm_count(device))
 
 
-def matmul_fp8(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None = None,
+def linear_fp8(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype = torch.bfloat16, config: TileConfig | WSConfig | None = None) -> torch.Tensor:
     """qa: codes [M, K] with (1, 128) groups; qw: codes [N, K] with (r, 128) blocks -> [M, N] in out_dtype.
     `config` forces a kernel (tests and benchmarks): a TileConfig the Triton kernel, a WSConfig the
     warp-specialized one; by default pick_kernel's, which follows M and cannot move a row's bits."""
     a, w = qa.codes, qw.codes
     if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
-        raise ValueError(f"matmul_fp8: codes {tuple(a.shape)} and {tuple(w.shape)} do not match (expected [M, K], [N, K])")
+        raise ValueError(f"linear_fp8: codes {tuple(a.shape)} and {tuple(w.shape)} do not match (expected [M, K], [N, K])")
     if qa.block != (1, BLOCK_K) or qw.block[1] != BLOCK_K:
-        raise ValueError(f"matmul_fp8: scale blocks {qa.block} x {qw.block} must be (1, {BLOCK_K}) x (r, {BLOCK_K}): "
+        raise ValueError(f"linear_fp8: scale blocks {qa.block} x {qw.block} must be (1, {BLOCK_K}) x (r, {BLOCK_K}): "
                          "one scale per operand per K step")
     (m, k), n = a.shape, w.shape[0]
     if m == 0 or n == 0 or k == 0:
@@ -129,13 +129,13 @@ def matmul_fp8(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None = None,
         return out if bias is None else out.copy_(bias.expand(m, n))
     config = config or pick_kernel(m, n, k, out_dtype, a.device)
     if isinstance(config, WSConfig):
-        return matmul_fp8_ws(qa, qw, bias, out_dtype, config)
+        return linear_fp8_ws(qa, qw, bias, out_dtype, config)
     out = torch.empty((m, n), device=a.device, dtype=out_dtype)
     a, w = a.contiguous(), w.contiguous()
     sa, sw = qa.scales.reshape(m, -1).contiguous(), qw.scales.contiguous()
     # one program per tile: the persistent walk (grid = #SMs) was slower here (docs/ops/linear.md)
     grid = (config.tiles(m, n),)
-    _matmul_fp8_kernel[grid](
+    _linear_fp8_kernel[grid](
         a, sa, w, sw, bias.contiguous() if bias is not None else None, out,
         m, n, k,
         a.stride(0), sa.stride(0), w.stride(0), sw.stride(0), out.stride(0),

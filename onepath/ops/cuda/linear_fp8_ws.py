@@ -1,11 +1,11 @@
-"""matmul_fp8_ws: ops/cuda/linear_fp8.py's block-FP8 GEMM as a warp-specialized Gluon kernel for Hopper,
+"""linear_fp8_ws: ops/cuda/linear_fp8.py's block-FP8 GEMM as a warp-specialized Gluon kernel for Hopper,
 with the Triton kernel's bits.
 
-The contract per output element is matmul_fp8's: for K blocks kb = 0, 1, ... (128 wide, ascending) a
+The contract per output element is linear_fp8's: for K blocks kb = 0, 1, ... (128 wide, ascending) a
 fresh FP32 wgmma partial of that block (four chained m64nNk32 steps, the first from zero), then
 acc = fma(partial, sa[m, kb] * sw[n // 128, kb], acc), then one rounding of acc (+ bias in FP32) to
 out_dtype. No split-K, no atomics, one program per output tile at a time: a row's bits depend on K
-alone, never on M, the tile or the kernel, which is why matmul_fp8 may pick this kernel or the Triton
+alone, never on M, the tile or the kernel, which is why linear_fp8 may pick this kernel or the Triton
 one by M (tests/ops/test_linear_fp8_gpu.py: torch.equal between them).
 
 Why warp specialization: Triton waits for every wgmma whose result feeds an FMA, so its tensor core
@@ -484,9 +484,9 @@ def launch(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out: torch.T
     return _fp8_gemm_ws_kernel[grid](*args, **consts, num_warps=4)
 
 
-def matmul_fp8_ws(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+def linear_fp8_ws(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                   config: WSConfig) -> torch.Tensor:
-    """matmul_fp8 by the warp-specialized kernel: operands as matmul_fp8 checks them, M, N, K > 0."""
+    """linear_fp8 by the warp-specialized kernel: operands as linear_fp8 checks them, M, N, K > 0."""
     (m, _), n = qa.codes.shape, qw.codes.shape[0]
     out = output(m, n, out_dtype, qa.codes.device)
     launch(qa, qw, bias, out, config)

@@ -1,9 +1,9 @@
-"""grouped_matmul: y[rows of group g] = x[rows of g] @ weight[g]^T in one launch; the MoE experts.
+"""linear_grouped: y[rows of group g] = x[rows of g] @ weight[g]^T in one launch; the MoE experts.
 
 The contract: every output row has the bits ops/cuda/linear.py's dense kernel gives that row alone
 against weight[g]. So a token's expert output depends neither on the layout (contiguous, masked) nor
 on how many tokens its expert got. What keeps it: the dense kernel's K walk, unchanged:
-- one program computes a whole output tile, walking K in ascending BLOCK_K = matmul.BLOCK_K steps
+- one program computes a whole output tile, walking K in ascending BLOCK_K = linear.BLOCK_K steps
   with one FP32 accumulator (`tl.dot(a, b, acc)`), the K tail zero-filled as there (masked pointer
   loads, or TMA's out-of-bounds zeros): no split-K, no atomics, no cross-program reduction;
 - the tile config is one of GROUPED_TILES (the dense kernel's ladder before its deeper K steps, which
@@ -17,7 +17,7 @@ Rows are packed by group (groups may be empty). Each program reads the group siz
 uploaded, or the MoE dispatch's tensor read in place: no host sync, no tile-list kernels before the
 launch) and finds the group, first row and end row of an M tile from their prefix sums: the groups'
 M tiles are numbered group by group, and the tile space is those M tiles by the N tiles, walked by
-`programs` programs with that stride, grouped along M (matmul.tile_coords). Decode shapes (~16 rows
+`programs` programs with that stride, grouped along M (linear.tile_coords). Decode shapes (~16 rows
 per expert, 128 experts) read every routed expert's weight once: an HBM stream, for which the weight
 tiles come by TMA, x's 64-row tiles by masked pointer loads (x_by_tma), and no program visits an
 empty tile. With tensor sizes the tile config and the grid follow M and G only, never the sizes: a
@@ -47,7 +47,7 @@ GROUPED_TILES = (
 
 def pick_grouped_config(counts: list[int], n: int, dtype: torch.dtype, num_sms: int,
                         out_dtype: torch.dtype | None = None) -> TileConfig:
-    """matmul.first_filling's rule over all groups' tiles, on the dense kernel's tiles: the largest
+    """linear.first_filling's rule over all groups' tiles, on the dense kernel's tiles: the largest
     that gives every SM a tile, 128-row tiles only once the largest group fills them; the smallest
     when none does. Integer arithmetic only: it runs at every MoE layer's launch, where triton.cdiv's
     host cost adds up over 128 groups (docs/ops/linear.md)."""
@@ -98,7 +98,7 @@ def _m_tile(pid_m, tile_start, tile_end, row_start, row_end, G_PAD: tl.constexpr
 
 
 @triton.jit(do_not_specialize=["NUM_PROGRAMS"])
-def _grouped_matmul_kernel(
+def _linear_grouped_kernel(
     x_ptr, w_ptr, x_desc, w_desc, out_ptr, counts_ptr,
     G, N, K, NUM_PROGRAMS,
     stride_xm, stride_we, stride_wn, stride_om,
@@ -142,7 +142,7 @@ def _grouped_matmul_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor,
+def linear_grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor,
                    out_dtype: torch.dtype | None = None, config: TileConfig | None = None,
                    programs: int | None = None, x_tma: bool | None = None) -> torch.Tensor:
     """x [M, K], its rows packed by group (counts[g] rows of group g, in order), weight [G, N, K]:
@@ -152,19 +152,19 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | to
     `config` forces a tile config, `programs` the number of programs, `x_tma` whether x's tiles come
     by TMA (where the config's weight tiles do) (tests, benchmarks: none can move a row's bits)."""
     if x.dtype != weight.dtype:
-        raise TypeError(f"grouped_matmul: x is {x.dtype} but weight is {weight.dtype}; cast one so they match")
+        raise TypeError(f"linear_grouped: x is {x.dtype} but weight is {weight.dtype}; cast one so they match")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"grouped_matmul: dtype {x.dtype} unsupported; use bfloat16, float16 or float32")
+        raise TypeError(f"linear_grouped: dtype {x.dtype} unsupported; use bfloat16, float16 or float32")
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != weight.shape[2]:
-        raise ValueError(f"grouped_matmul: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
+        raise ValueError(f"linear_grouped: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
                          "(expected x [M, K], weight [G, N, K])")
     on_device = isinstance(counts, torch.Tensor)
     if on_device and (counts.shape != (weight.shape[0],) or counts.device != x.device
                       or counts.dtype.is_floating_point):
-        raise ValueError(f"grouped_matmul: group sizes {counts.dtype} {tuple(counts.shape)} on {counts.device} must "
+        raise ValueError(f"linear_grouped: group sizes {counts.dtype} {tuple(counts.shape)} on {counts.device} must "
                          f"be integers [{weight.shape[0]}] on x's device {x.device}")
     if not on_device and (len(counts) != weight.shape[0] or sum(counts) != x.shape[0] or min(counts, default=0) < 0):
-        raise ValueError(f"grouped_matmul: group sizes (sum {sum(counts)}, {len(counts)} groups) do not pack "
+        raise ValueError(f"linear_grouped: group sizes (sum {sum(counts)}, {len(counts)} groups) do not pack "
                          f"x's {x.shape[0]} rows over weight's {weight.shape[0]} groups")
     groups, n, k = weight.shape
     x, weight = x.contiguous(), weight.contiguous()
@@ -175,7 +175,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | to
     if k == 0:
         return out.zero_()
     if max(x.numel(), n * k, groups * n) >= 2 ** 31:
-        raise ValueError(f"grouped_matmul: x {tuple(x.shape)}, one group's weight [{n}, {k}] or the weights' "
+        raise ValueError(f"linear_grouped: x {tuple(x.shape)}, one group's weight [{n}, {k}] or the weights' "
                          f"{groups * n} rows reach 2^31 (32-bit offsets); split the rows or groups into several calls")
     num_sms = sm_count(x.device)
     # device sizes are not read here: the config and the grid (speed only) assume groups of even size
@@ -196,7 +196,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | to
         if x_tma:
             x_desc = TensorDescriptor.from_tensor(x, [config.block_m, BLOCK_K])
     programs = programs or grouped_programs(m_tiles, n, config, num_sms)
-    _grouped_matmul_kernel[(programs,)](
+    _linear_grouped_kernel[(programs,)](
         x, weight, x_desc, w_desc, out, counts,
         groups, n, k, programs,
         x.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
