@@ -79,6 +79,9 @@ class ModelConfig:
             self._check_moe()
         self._check_rope()
         self._check_window()
+        if self.pad_token_id is not None and not -self.vocab_size <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id {self.pad_token_id} is outside the vocabulary [0, {self.vocab_size}): "
+                             "transformers' embedding refuses it too; set it to a token id or null in config.json")
 
     def _check_rope(self):
         params = self.rope_scaling or {}
@@ -105,6 +108,11 @@ class ModelConfig:
                 f"layers {windowed} are sliding_attention but the window is {self.window_size!r} "
                 f"(use_sliding_window {self.use_sliding_window}, sliding_window {self.sliding_window!r}): set "
                 "use_sliding_window true and sliding_window > 0, or mark them full_attention in layer_types")
+
+    @property
+    def padding_idx(self) -> int | None:
+        """The embedding row whose lookups add nothing to its gradient (transformers' nn.Embedding padding_idx)."""
+        return None if self.pad_token_id is None else self.pad_token_id % self.vocab_size
 
     @property
     def window_size(self) -> int | None:

@@ -221,7 +221,7 @@ class DenseDecoder(nn.Module):
         """Hidden states after the final norm, one row per token of the batch: [T, hidden].
         layer_fn(layer, *args), when given, runs each decoder layer in place of layer(*args): the
         trainer's activation recomputation wraps it so; the values must be layer(*args)'s."""
-        x = self.ops.embedding(batch.input_ids, self.model.embed_tokens.weight)
+        x = self.ops.embedding(batch.input_ids, self.model.embed_tokens.weight, self.config.padding_idx)
         for i, layer in enumerate(self.model.layers):
             args = (x, batch, cache.k[i], cache.v[i], self.rope_cos, self.rope_sin)
             x = layer(*args) if layer_fn is None else layer_fn(layer, *args)

@@ -14,8 +14,10 @@ from __future__ import annotations
 DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 
+# pad_token_id: the embedding's padding_idx (no value changes; that row's lookups add nothing to its gradient)
 SHAPE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-         "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
+         "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+         "pad_token_id")
 # rope_parameters (transformers 5); rope_theta and rope_scaling: the names transformers 4 wrote, read by its
 # standardisation into rope_parameters, as is a top-level original_max_position_embeddings (rope_scaling.py)
 ROPE = ("rope_parameters", "rope_theta", "rope_scaling", "original_max_position_embeddings")
@@ -61,8 +63,6 @@ NO_MATH: dict[str, str] = {
     "initializer_range": "the std of transformers' random init; a checkpoint's weights replace it",
     "bos_token_id": "a token id for the tokenizer and generate; the forward does not read it",
     "eos_token_id": "a stop token for the engine (ModelConfig.eos_token_ids); the forward does not read it",
-    "pad_token_id": "transformers' embedding padding_idx: the forward's values do not change; it freezes that "
-                    "row's gradient in transformers' trainer, onepath's trains it",
     "pretraining_tp": "transformers 5's Llama forward no longer reads it",
     "output_router_logits": "adds the router load-balancing loss to transformers' supervised loss; onepath's RL "
                             "loss has none and the logits do not change",

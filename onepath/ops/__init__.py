@@ -27,8 +27,8 @@ class Ops:
     def __init__(self, spec: ExecutionSpec):
         self.spec = spec
 
-    def embedding(self, token_ids, weight):
-        return _embedding.embedding(self.spec, token_ids, weight)
+    def embedding(self, token_ids, weight, padding_idx=None):
+        return _embedding.embedding(self.spec, token_ids, weight, padding_idx)
 
     def linear(self, x, weight, bias=None):
         return _linear.linear(self.spec, x, weight, bias)

@@ -243,11 +243,26 @@ def test_cli_backend_flag_and_repro_dir(tmp_path, capsys):
 
 def test_c0_knows_the_spec_entry_of_every_ops_method():
     """C0 flags a call it cannot place in the ExecutionSpec: each Ops method a model calls (Qwen3's fused QK-norm
-    and RoPE on CUDA, the MoE router and experts) names its entry, or is a query that computes nothing. softmax and
-    sigmoid (the MoE router's and shared-expert gate's FP32 math) have no entry yet and stay flagged."""
+    and RoPE on CUDA, the MoE router and experts) names its entry, is one of the FP32 ops whose recipe the mode
+    alone picks (softmax, sigmoid), or is a query that computes nothing."""
     import inspect
 
     from onepath.consistency.gates.inventory import OP_SPEC, QUERIES
-    from onepath.numerics.spec import OPS
+    from onepath.numerics.spec import FP32_OPS, OPS
     methods = {name for name, _ in inspect.getmembers(Ops) if not name.startswith("_")} - set(QUERIES)
-    assert sorted(m for m in methods if OP_SPEC.get(m, m) not in OPS) == ["sigmoid", "softmax"]
+    assert sorted(m for m in methods if OP_SPEC.get(m, m) not in OPS + FP32_OPS) == []
+    assert {"softmax", "sigmoid"} <= methods and not {"softmax", "sigmoid"} & set(OPS)
+
+
+def test_c0_places_the_moe_router_softmax_and_shared_gate_sigmoid(monkeypatch):
+    """On a Qwen2-MoE model (softmax router, sigmoid-gated shared expert) C0 passes with both ops recorded; the
+    control, the same run with the FP32 ops unknown to it, fails naming them."""
+    from onepath.consistency.gates import inventory
+    from tests.tiny import tiny_moe_config
+    ctx = GateContext.load(tiny_moe_config(model_type="qwen2_moe", shared_expert_intermediate_size=24))
+    result = inventory.gate_c0(ctx)
+    assert result.passed, result.detail
+    assert {"softmax", "sigmoid"} <= set(result.evidence["ops"])
+    monkeypatch.setattr(inventory, "FP32_OPS", ())
+    control = inventory.gate_c0(ctx)
+    assert not control.passed and "['sigmoid', 'softmax']" in control.detail, control.detail

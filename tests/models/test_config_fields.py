@@ -176,7 +176,9 @@ FAMILY_PROBES = {
                   "intermediate_size": ({"mlp_only_layers": [1]}, {"mlp_only_layers": [1], "intermediate_size": 80})},
 }
 # implemented fields no probe can isolate, with the test that covers them
-COVERED = {"model_type": "picks the decoder and its rules: every case here builds one per family"}
+COVERED = {"model_type": "picks the decoder and its rules: every case here builds one per family",
+           "pad_token_id": "moves no logit, only the pad row's gradient: test_dense_vs_transformers.py's "
+                           "test_pad_token_row_gets_transformers_gradient"}
 
 
 def probe(family, field):

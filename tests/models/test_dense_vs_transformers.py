@@ -149,3 +149,37 @@ def test_tolerance_catches_a_small_slip(tmp_path, slip):
     with pytest.raises(AssertionError):
         torch.testing.assert_close(torch.cat(our_logits(ours, seqs)), torch.cat(reference_logits(ref, seqs)),
                                    rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pad_token_row_gets_transformers_gradient(tmp_path, tied):
+    """pad_token_id is transformers' embedding padding_idx: the lookups of that row add nothing to its gradient
+    (tied, the LM head's share still does). The embedding gradient of a batch holding the pad token matches
+    transformers'; the control, the same forward without padding_idx, gives the pad row a gradient it lacks."""
+    name = "qwen3_tied_bias" if tied else "qwen2_qkv_bias"
+    config_cls, model_cls, fields = CASES[name]
+    pad = 7
+    torch.manual_seed(0)
+    ref = randomize(model_cls(config_cls(**{**BASE, **fields}, pad_token_id=pad, attn_implementation="eager")))
+    seq = [3, pad, 11, pad, 40, 2, pad, 9, 15]
+    ref(torch.tensor([seq])).logits.float().square().mean().backward()
+    want = ref.model.embed_tokens.weight.grad
+    ours = load_ours(saved(ref, tmp_path, name), "consistent")
+    assert ours.config.padding_idx == pad
+
+    def embedding_grad(model):
+        model.zero_grad(set_to_none=True)
+        batch, num_blocks = ForwardBatch.for_sequences([seq], BLOCK_SIZE)
+        logits = model.compute_logits(model(batch, KVCache(model.config, num_blocks, BLOCK_SIZE, torch.float32)))
+        logits.float().square().mean().backward()
+        return model.model.embed_tokens.weight.grad.clone()
+
+    got = embedding_grad(ours)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    if not tied:
+        assert not got[pad].any() and not want[pad].any(), "the pad row's lookups gave it a gradient"
+    ours.config.pad_token_id = None  # the control: the same forward, padding_idx off
+    control = embedding_grad(ours)
+    assert not torch.allclose(control[pad], want[pad], rtol=1e-4, atol=1e-6), "the control matched transformers"
+    others = torch.arange(BASE["vocab_size"]) != pad
+    assert torch.equal(control[others], got[others]), "padding_idx moved another row's gradient"
