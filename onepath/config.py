@@ -127,14 +127,19 @@ class DataSection(_Section):
 @dataclass(slots=True)
 class WarmStartSection(_Section):
     NAME: ClassVar[str] = "warm_start"
-    steps: int = 450  # supervised steps on the task before RL; 0 disables
+    EMBEDDED_STEPS: ClassVar[int] = 450
+    # supervised steps on the dataset's answers before RL. null = auto, which RunConfig resolves:
+    # EMBEDDED_STEPS for the embedded model, 0 with model.path (a checkpoint is not fine-tuned
+    # unless asked); an explicit N is obeyed, 0 disables
+    steps: int | None = None
     batch_size: int = 64
     lr: float = 3e-3
     seed: int = 0
 
     def __post_init__(self):
         self._coerce()
-        self._require("steps", self.steps >= 0, "must be >= 0", "0 disables the warm start")
+        self._require("steps", self.steps is None or self.steps >= 0, "must be >= 0",
+                      "0 disables the warm start, null = on for the embedded model only")
         self._positive("batch_size")
         self._finite_positive("lr")
 
@@ -312,6 +317,8 @@ class RunConfig(_Section):
     def __post_init__(self):
         for name, cls in SECTIONS.items():
             self._require(name, isinstance(getattr(self, name), cls), f"must be a {cls.__name__}")
+        if self.warm_start.steps is None:
+            self.warm_start.steps = 0 if self.model.path else WarmStartSection.EMBEDDED_STEPS
         self.mode = _convert("mode", self.mode, str)
         self.out = _convert("out", self.out, str)
         self.device = _convert("device", self.device, str)

@@ -14,6 +14,9 @@ decodes is timed against the decode roofline of its batch and context. A measure
 recorded with its error and the run goes on; the JSON is rewritten after every measurement.
 An MoE model (qwen3-30b-a3b-12l, tiny-moe) decodes eagerly (it reads expert counts on the host) and
 is held to its own consistent/baseline target (summary.TARGETS).
+
+Each generate shows a progress bar with its time left; on the CPU the run first prints its estimated
+length: the engine tokens it will run times the seconds a token took in a first timed step.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from onepath.bench.results import environment, save_json
 from onepath.bench.roofline import COPY_CEILING_B_S, COPY_CEILING_SOURCE, HBM_PEAK_B_S, HBM_PEAK_SOURCE
 from onepath.bench.summary import TARGETS, WORKLOAD_ROOFLINE, checks, derive, errors, print_summary
 from onepath.bench.workloads import MODELS, WORKLOADS, Workload, model_config, workload
+from onepath.engine.device import require_device
 from onepath.engine.llm_engine import LLMEngine, young_collections_only
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
@@ -46,6 +50,11 @@ from onepath.ops import Ops
 
 
 DECODE_SKIP = 2            # decode steps run before the timed window
+PROBE_TOKENS = 256         # the CPU estimate's first step: as many rows as a full batch's decode step
+LONG_RUN_S = 600           # a CPU run estimated longer than this is told how to make it short
+EXAMPLE = "example: onepath bench rollout --model tiny --device cpu --requests 8 --scale 0.02 --no-hf"
+SHORT_RUN = ("for a short run pass --model tiny, or --requests 8 --scale 0.02 (fewer requests, prompts and "
+             "outputs scaled down), or --workloads fixed-1000 --modes consistent")
 
 
 def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
@@ -100,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None, prog: str = "python bench/rollout.py") -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0], epilog=EXAMPLE)
     add_arguments(parser)
     return run(parser.parse_args(argv), f"{prog} {shlex.join(argv)}")
 
@@ -155,8 +164,7 @@ def _names(values: list[str], known, what: str) -> list[str]:
 
 
 def _check(args) -> None:
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but torch sees no CUDA device: run on a CUDA GPU or pass --device cpu")
+    require_device(args.device)
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization {args.gpu_memory_utilization} must be in (0, 1]")
     for name in ("requests", "hf_requests", "decode_steps", "threads"):
@@ -181,10 +189,15 @@ def bench_model(name: str, workloads: list[Workload], modes: list[str], args, en
         entry["error"] = f"random weights: {type(e).__name__}: {e}"[:2000]
         return
     entry["weight_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+    plan = []
     for w in workloads:
         prompts, outputs = w.sample(config.vocab_size, seed=args.seed * 1000 + list(WORKLOADS).index(w.name))
         max_model_len = 16 + max([max(map(len, prompts)) + max(outputs),
                                   *(n + _window_tokens(w, n, args) for n in windows if w is decode_on)])
+        plan.append((w, prompts, outputs, max_model_len))
+    if args.device == "cpu":
+        announce_estimate(name, config, state, plan, modes, windows, decode_on, args)
+    for w, prompts, outputs, max_model_len in plan:
         row = entry["workloads"][w.name] = dict(
             requests=w.requests, prompt_len=list(w.prompt_len), output_len=list(w.output_len),
             prompt_tokens=sum(map(len, prompts)), output_tokens=sum(outputs), max_model_len=max_model_len, modes={})
@@ -195,6 +208,59 @@ def bench_model(name: str, workloads: list[Workload], modes: list[str], args, en
             bench_hf(name, config, state, w, prompts, args, row)
             save()
     derive(entry, state, config, args.max_num_seqs, _kv_bytes_per_token(config, args))
+
+
+def announce_estimate(name: str, config: ModelConfig, state: dict, plan: list, modes: list[str], windows: list[int],
+                      decode_on: Workload | None, args) -> None:
+    """Print how long the engine runs should take on this CPU: the tokens they run (warm-up, timed generate,
+    decode windows) times the seconds per token of a first step of PROBE_TOKENS prompt tokens."""
+    tokens = 0
+    for w, prompts, outputs, max_model_len in plan:
+        batch = min(args.max_num_seqs, w.requests)
+        calls = warm_up_calls(max_model_len, batch, args, [len(p) for p in prompts])
+        calls.append(([len(p) for p in prompts], outputs))
+        calls += [([n] * batch, [_window_tokens(w, n, args)] * batch) for n in windows if w is decode_on]
+        tokens += len(modes) * sum(tokens_run(lengths, max_tokens, max_model_len) for lengths, max_tokens in calls)
+    try:
+        probe, seconds = first_step(config, state, modes[0], args)
+    except Exception as e:  # noqa: BLE001 -- the measurement itself records what fails
+        print(f"{name}: no time estimate ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        return
+    total = tokens * seconds / probe
+    params = sum(t.numel() for t in state.values())
+    print(f"{name} on the cpu ({params / 1e9:.3g}B parameters): about {_duration(total)} for the engine's "
+          f"{tokens / 1e6:.3g}M tokens ({len(plan)} workloads x {len(modes)} modes, warm-up included) at "
+          f"{1e3 * seconds / probe:.3g} ms a token, from a first step of {probe} tokens in {modes[0]} mode; attention "
+          f"over long contexts{' and HF generate' if args.hf else ''} add to it", flush=True)
+    if total > LONG_RUN_S:
+        print(f"  {SHORT_RUN}", flush=True)
+
+
+def first_step(config: ModelConfig, state: dict, mode: str, args) -> tuple[int, float]:
+    """(tokens, seconds) of a prefill of PROBE_TOKENS random tokens on a fresh engine, the second of two
+    (the first pays one-off costs: allocations, lazy initialisation)."""
+    tokens = min(PROBE_TOKENS, args.max_num_batched_tokens)
+    engine, _ = build_engine(config, mode, state, tokens + 16, 1, args)
+    g = torch.Generator().manual_seed(args.seed)
+    for _ in range(2):
+        prompt = torch.randint(0, config.vocab_size, (tokens,), generator=g).tolist()  # fresh: no prefix-cache hit
+        start = time.perf_counter()
+        engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True, seed=args.seed))
+        seconds = time.perf_counter() - start
+    del engine
+    _free(args.device)
+    return tokens, seconds
+
+
+def tokens_run(prompt_lens: list[int], max_tokens: list[int], max_model_len: int) -> int:
+    """Tokens the engine runs for these requests: each prompt, then every sampled token but the last."""
+    return sum(min(p + n, max_model_len) - 1 for p, n in zip(prompt_lens, max_tokens))
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def random_weights(config: ModelConfig, args) -> dict[str, torch.Tensor]:
@@ -214,14 +280,17 @@ def bench_engine(name, config, mode, state, w: Workload, prompts, outputs, max_m
     try:
         batch = min(args.max_num_seqs, w.requests)
         engine, used = build_engine(config, mode, state, max_model_len, batch, args)
-        warm_up(engine, max_model_len, batch, args, [len(p) for p in prompts])
+        label = f"{name} {w.name} {mode}"
+        warm_up(engine, max_model_len, batch, args, [len(p) for p in prompts], label=f"{label} warm-up")
         stage = "the timed generate"
-        rows[mode] = dict(timed_generate(engine, prompts, outputs, args), engine=used, memory=memory(engine))
+        rows[mode] = dict(timed_generate(engine, prompts, outputs, args, label=label), engine=used,
+                          memory=memory(engine))
         print(f"{name} {w.name} {mode}: {rows[mode]['tokens_per_s']:.1f} output tokens/s", flush=True)
         for window in entry["decode_steps"] if decode else ():
             stage = "the decode window"
             rows = window["modes"]
-            rows[mode] = decode_window(engine, w, window["prompt_len"], args)
+            rows[mode] = decode_window(engine, w, window["prompt_len"], args,
+                                       label=f"{label} decode window at {window['prompt_len']}")
     except Exception as e:  # noqa: BLE001 -- a failed mode is a result; the run goes on
         error = f"{stage}: {type(e).__name__}: {e}"[:2000]
         rows[mode] = dict(error=error)
@@ -270,43 +339,50 @@ def memory(engine: LLMEngine) -> dict:
                 source="computed by the benchmark: the engine reports no .memory")
 
 
-def warm_up(engine: LLMEngine, max_model_len: int, batch: int, args, prompt_lens: list[int] = ()) -> None:
-    """Prefill steps of budget, budget/2, ... rows, then decode steps at batch sizes `batch`, the
-    multiples of 16 below it, 8, 4, 2, 1; then, given the workload's prompt lengths, its own prefill:
-    prompts of those lengths (fresh tokens, no prefix-cache hit) decoding until all are prefilled, so
-    that the timed run's steps have the row counts of steps run here. Kernels compile per tile config and
-    per whether M fills its tiles (a launch at a new row count may need a new build, a slow step inside the
-    timed run without this: rollout-qwen3-0.6b-step-profile.json); here, not in the timed region."""
-    g = torch.Generator().manual_seed(args.seed + 7919)
+def warm_up_calls(max_model_len: int, batch: int, args, prompt_lens: list[int] = ()) -> list[tuple[list, list]]:
+    """The warm-up's generate calls, each (prompt lengths, max_tokens): prefill steps of budget, budget/2, ...
+    rows, then decode steps at batch sizes `batch`, the multiples of 16 below it, 8, 4, 2, 1; then, given the
+    workload's prompt lengths, its own prefill: prompts of those lengths decoding until all are prefilled,
+    so that the timed run's steps have the row counts of steps run here."""
     length = max(1, min(64, max_model_len // 4))
-
-    def prompts(n, length=length):
-        return torch.randint(0, engine.model.config.vocab_size, (n, length), generator=g).tolist()
-
-    rows = args.max_num_batched_tokens
+    calls, rows = [], args.max_num_batched_tokens
     while rows >= length:
-        engine.generate(prompts(min(args.max_num_seqs, rows // length)),
-                        SamplingParams(max_tokens=1, ignore_eos=True, seed=args.seed))
+        n = min(args.max_num_seqs, rows // length)
+        calls.append(([length] * n, [1] * n))
         rows //= 2
     sizes = {b for b in (1, 2, 4, 8) if b < batch} | set(range(16, batch, 16)) | {batch}
     # request i stops once the batch has shrunk below i + 1: decode runs at each size once
-    max_tokens = [min(1 + sum(s > i for s in sizes), max_model_len - length) for i in range(batch)]
-    engine.generate(prompts(batch), [SamplingParams(max_tokens=n, ignore_eos=True, seed=args.seed) for n in max_tokens])
+    decode = [min(1 + sum(s > i for s in sizes), max_model_len - length) for i in range(batch)]
+    calls.append(([length] * batch, decode))
     if prompt_lens:
         steps = math.ceil(sum(prompt_lens) / args.max_num_batched_tokens) + 2
-        engine.generate([prompts(1, n)[0] for n in prompt_lens],
-                        [SamplingParams(max_tokens=max(1, min(steps, max_model_len - n)), ignore_eos=True, seed=args.seed)
-                         for n in prompt_lens])
+        calls.append((list(prompt_lens), [max(1, min(steps, max_model_len - n)) for n in prompt_lens]))
+    return calls
+
+
+def warm_up(engine: LLMEngine, max_model_len: int, batch: int, args, prompt_lens: list[int] = (),
+            label: str | None = None) -> None:
+    """Run warm_up_calls on fresh random tokens (no prefix-cache hit). Kernels compile per tile config and
+    per whether M fills its tiles (a launch at a new row count may need a new build, a slow step inside the
+    timed run without this: rollout-qwen3-0.6b-step-profile.json); here, not in the timed region.
+    label: a progress bar per call."""
+    g = torch.Generator().manual_seed(args.seed + 7919)
+    calls = warm_up_calls(max_model_len, batch, args, prompt_lens)
+    for i, (lengths, max_tokens) in enumerate(calls):
+        prompts = [torch.randint(0, engine.model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+        engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True, seed=args.seed) for n in max_tokens],
+                        progress=None if label is None else f"{label} {i + 1}/{len(calls)}")
     _sync(args.device)
 
 
-def timed_generate(engine: LLMEngine, prompts: list[list[int]], outputs: list[int], args) -> dict:
+def timed_generate(engine: LLMEngine, prompts: list[list[int]], outputs: list[int], args,
+                   label: str | None = None) -> dict:
     params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=args.seed) for n in outputs]
     before = _counters(engine.stats)
     engine.step_times = []
     _sync(args.device)
     start = time.perf_counter()
-    outs = engine.generate(prompts, params)
+    outs = engine.generate(prompts, params, progress=label)
     _sync(args.device)
     seconds = time.perf_counter() - start
     stats = _delta(before, _counters(engine.stats))
@@ -346,19 +422,25 @@ def _window_tokens(w: Workload, prompt_len: int, args) -> int:
     return 2 * prefill_steps + 2 + DECODE_SKIP + args.decode_steps
 
 
-def decode_window(engine: LLMEngine, w: Workload, prompt_len: int, args) -> dict:
+def decode_window(engine: LLMEngine, w: Workload, prompt_len: int, args, label: str | None = None) -> dict:
     """Time --decode-steps engine steps in which every sequence decodes, after prompts of prompt_len tokens
-    (fresh prompts: no prefix-cache hits)."""
+    (fresh prompts: no prefix-cache hits). label: a progress bar (updated outside the timed steps)."""
     batch, max_tokens = min(w.requests, args.max_num_seqs), _window_tokens(w, prompt_len, args)
     g = torch.Generator().manual_seed(args.seed + 104729)
-    for p in torch.randint(0, engine.model.config.vocab_size, (batch, prompt_len), generator=g).tolist():
-        engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=args.seed))
-    scheduler = engine.scheduler
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=args.seed))
+           for p in torch.randint(0, engine.model.config.vocab_size, (batch, prompt_len), generator=g).tolist()]
+    scheduler, bar = engine.scheduler, engine.progress_bar(label, ids)
+    before_window = engine.stats.prefill_tokens + engine.stats.generated_tokens
+
+    def show():
+        if bar is not None:
+            bar.update(engine.stats.prefill_tokens + engine.stats.generated_tokens - before_window - bar.n)
     with young_collections_only():  # as generate() steps
         for _ in range(max_tokens):
             if not scheduler.waiting and all(s.num_uncomputed_tokens == 1 for s in scheduler.running):
                 break
             engine.step()
+            show()
         for _ in range(DECODE_SKIP):
             engine.step()
         running, preemptions = list(scheduler.running), scheduler.num_preemptions
@@ -373,8 +455,12 @@ def decode_window(engine: LLMEngine, w: Workload, prompt_len: int, args) -> dict
         _sync(args.device)
         seconds = time.perf_counter() - start
         stats = _delta(before, _counters(engine.stats))
+        show()
         while engine.has_unfinished():
             engine.step()
+            show()
+    if bar is not None:
+        bar.close()
     pure = (len(running) == batch and stats.get("generated_tokens") == batch * args.decode_steps
             and stats.get("prefill_tokens") == 0 and scheduler.num_preemptions == preemptions)
     return dict(batch=len(running), context=context + (args.decode_steps - 1) / 2, steps=args.decode_steps,
@@ -389,6 +475,8 @@ def bench_hf(name: str, config: ModelConfig, state: dict, w: Workload, prompts, 
             raise ValueError(f"--hf-workload {w.name} has ragged lengths; HF generate takes one max_new_tokens "
                              "per batch: choose a fixed workload")
         prompts = prompts[:args.hf_requests or w.requests]
+        print(f"{name} {w.name} HF generate: {len(prompts)} requests x {w.output_len[0]} tokens "
+              "(no progress bar: one transformers call)", flush=True)
         model = hf_model(config, state, _dtype(args), args.device)
         pad = config.pad_token_id or 0
         hf_generate(model, prompts, 2, pad, args.seed)  # warm-up: first-call allocations, cuBLAS handles

@@ -27,7 +27,9 @@ import torch
 from safetensors.torch import save_file
 
 from onepath.consistency.recorder import Layout, Site, SiteRows, check_same_sites, snapshot, trace
+from onepath.engine.device import require_device
 from onepath.models import build_decoder
+from onepath.models.config import ModelConfig
 from onepath.models.dense import DenseDecoder
 from onepath.models.kv_cache import BLOCK_SIZE
 from onepath.numerics.spec import ExecutionSpec
@@ -321,7 +323,13 @@ def write_repro(out: Path, first: SiteDiff, positions: list[int], calls: dict) -
     return script
 
 
-# ---- command line: `onepath bisect` (diagnose reuses the model and sequence arguments) ----
+# ---- command line: `onepath bisect` (diagnose and check reuse the model and sequence arguments) ----
+
+# 'tiny': the built-in random model that check, bisect and diagnose accept in place of a checkpoint
+TINY = dict(vocab_size=53, hidden_size=48, intermediate_size=136, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, model_type="qwen3", max_position_embeddings=256, eos_token_id=2)
+MODEL_HELP = ("a Hugging Face checkpoint directory (config.json, safetensors; tokenizer.json for text prompts) "
+              "or 'tiny' (a built-in random model for smoke runs)")
 
 PRESETS = {  # --sides: (layout A, layout B, spec B)
     "batch": ("", "batch=4,at=1", "consistent"),
@@ -332,7 +340,7 @@ PRESETS = {  # --sides: (layout A, layout B, spec B)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="a Hugging Face checkpoint directory (config.json, safetensors)")
+    parser.add_argument("model", help=MODEL_HELP)
     parser.add_argument("--spec-a", default="consistent", help="'consistent', 'baseline' (with presets: "
                         "'consistent+fp8+fp8_kv') or a spec.json path")
     parser.add_argument("--spec-b", default=None, help="as --spec-a (default: set by --sides)")
@@ -345,9 +353,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", action="append", default=[], help="a sequence as comma-separated token ids")
     parser.add_argument("--prompt", action="append", default=[], help="a sequence as text (needs tokenizer.json)")
     parser.add_argument("--length", type=int, default=24, help="length of random sequences when none is given")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0, help="random sequences and 'tiny''s weights (default 0)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where both sides run (default cpu)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV-cache block size in tokens (default 16)")
     parser.add_argument("--json", default=None, help="also write the report as JSON to this path")
 
 
@@ -387,10 +395,25 @@ def load_class(text: str | None):
                          "run from the directory it imports from") from None
 
 
-def load_models(args, max_positions: int) -> tuple[DenseDecoder, DenseDecoder]:
+def load_weights(model: str | ModelConfig, seed: int = 0) -> tuple[ModelConfig, dict, object, str]:
+    """(config, weights, tokenizer or None, label) of `model`: 'tiny' (the built-in random model, weights from
+    `seed`), a ModelConfig (random weights from `seed`) or a Hugging Face checkpoint directory."""
+    from onepath.models.checkpoint import TOKENIZER, load_config, load_state_dict, load_tokenizer
+    if isinstance(model, ModelConfig) or model == "tiny":
+        config, label = (ModelConfig(**TINY), "tiny") if model == "tiny" else (model, model.model_type)
+        built = build_decoder(config, Ops(ExecutionSpec("baseline", "cpu")), max_positions=2)
+        built.init_weights(seed, std=0.15)  # large enough that distributions are far from uniform
+        return config, built.hf_state_dict(), None, label
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {model!r} is neither a checkpoint directory nor 'tiny': give a directory "
+                                "holding config.json and safetensors, or 'tiny' for the built-in random model")
+    tokenizer = load_tokenizer(path) if (path / TOKENIZER).is_file() else None
+    return load_config(path), load_state_dict(path), tokenizer, str(path)
+
+
+def load_models(args, config: ModelConfig, state: dict, max_positions: int) -> tuple[DenseDecoder, DenseDecoder]:
     """Sides A and B over the same weights, each with its backend and spec."""
-    from onepath.models.checkpoint import load_config, load_state_dict
-    config, state = load_config(args.model), load_state_dict(args.model)
     models = []
     for spec, ops in ((args.spec_a, args.ops_a), (args.spec_b, args.ops_b)):
         model = build_decoder(config, load_class(ops)(load_spec(spec, args.device)), max_positions=max_positions)
@@ -399,16 +422,16 @@ def load_models(args, max_positions: int) -> tuple[DenseDecoder, DenseDecoder]:
     return models[0], models[1]
 
 
-def sequences_from_args(args, count: int = 1) -> list[list[int]]:
-    from onepath.models.checkpoint import load_config, load_tokenizer
+def sequences_from_args(args, config: ModelConfig, tokenizer, count: int = 1) -> list[list[int]]:
     seqs = [[int(t) for t in s.split(",") if t.strip()] for s in args.tokens]
     if args.prompt:
-        tokenizer = load_tokenizer(args.model)
+        if tokenizer is None:
+            raise ValueError(f"--prompt needs a tokenizer and model {args.model} has no tokenizer.json: "
+                             "give the sequence as token ids, e.g. --tokens 5,17,3")
         seqs += [tokenizer.encode(p).ids for p in args.prompt]
     if not seqs:
-        vocab = load_config(args.model).vocab_size
         gen = torch.Generator().manual_seed(args.seed)
-        seqs = [torch.randint(0, vocab, (args.length,), generator=gen).tolist() for _ in range(count)]
+        seqs = [torch.randint(0, config.vocab_size, (args.length,), generator=gen).tolist() for _ in range(count)]
     if any(not s for s in seqs):
         raise ValueError("a sequence is empty: give at least one token")
     return seqs
@@ -423,7 +446,8 @@ def random_others(count: int, probe_len: int, vocab: int, seed: int) -> list[lis
 def main(argv: list[str]) -> int:
     """`onepath bisect`: exit 0 when the sides agree bitwise, 1 on a divergence (report and repro written)."""
     parser = argparse.ArgumentParser(prog="onepath bisect", description="find the first operator whose outputs "
-                                     "differ between two sides and write a standalone repro of it")
+                                     "differ between two sides and write a standalone repro of it; exit 1 when "
+                                     "one differs", epilog="example: onepath bisect tiny --sides spec --out repro")
     add_model_args(parser)
     parser.add_argument("--sides", default="batch", choices=sorted(PRESETS),
                         help="batch: alone vs in a batch; prefill-decode; engine-trainer: the trainer's whole-sequence "
@@ -432,15 +456,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default="bisect_repro", help="directory for the repro (inputs, case.json, repro.py)")
     parser.add_argument("--sites", action="store_true", help="print every site's comparison")
     args = parser.parse_args(argv)
+    require_device(args.device)
     layout_a, layout_b, spec_b = PRESETS[args.sides]
     args.spec_b = args.spec_b or spec_b
-    probe = sequences_from_args(args)[0]
+    config, state, tokenizer, _ = load_weights(args.model, args.seed)
+    probe = sequences_from_args(args, config, tokenizer)[0]
     prompt = args.prompt_len or max(1, len(probe) // 2)
     sides = []
     for text, preset in ((args.layout_a, layout_a), (args.layout_b, layout_b)):
         sides.append(parse_layout(preset.format(prompt=prompt) if text is None else text))
     longest = 2 * len(probe) + 1
-    model_a, model_b = load_models(args, max_positions=longest)
+    model_a, model_b = load_models(args, config, state, max_positions=longest)
     vocab = model_a.config.vocab_size
     labels = ("trainer", "engine") if args.sides == "engine-trainer" else ("", "")
     a, b = [Side(model, layout, random_others(batch, len(probe), vocab, args.seed + i), at, label)

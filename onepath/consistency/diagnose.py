@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from onepath.consistency.bisect import Side, add_model_args, load_models, parse_layout, sequences_from_args
+from onepath.consistency.bisect import (Side, add_model_args, load_models, load_weights, parse_layout,
+                                        sequences_from_args)
+from onepath.engine.device import require_device
 from onepath.consistency.recorder import Layout, Site, check_same_sites, trace
 from onepath.models.dense import DenseDecoder
 from onepath.models.kv_cache import BLOCK_SIZE
@@ -123,7 +125,8 @@ def format_table(result: dict) -> str:
 def main(argv: list[str]) -> int:
     """`onepath diagnose`: print the table (and write JSON with --json); exit 0."""
     parser = argparse.ArgumentParser(prog="onepath diagnose", description="teacher-force the same sequences "
-                                     "through two sides and report log-prob, ratio, KL and per-module differences")
+                                     "through two sides and report log-prob, ratio, KL and per-module differences",
+                                     epilog="example: onepath diagnose tiny --sides spec --num-sequences 4")
     add_model_args(parser)
     parser.add_argument("--sides", default="spec", choices=("spec", "prefill-decode"),
                         help="spec: --spec-a vs --spec-b (default consistent vs baseline), both whole prefill; "
@@ -131,6 +134,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--num-sequences", type=int, default=8, help="random sequences when none is given")
     parser.add_argument("--eps", type=float, default=0.2, help="PPO clip range: ratios outside 1 +- eps are counted")
     args = parser.parse_args(argv)
+    require_device(args.device)
     if args.sides == "spec":
         args.spec_b = args.spec_b or "baseline"
         presets = ("", "")
@@ -143,8 +147,9 @@ def main(argv: list[str]) -> int:
         if batch:
             raise ValueError("diagnose runs all its sequences in each pass: drop batch= from the layout")
         layouts.append(layout)
-    sequences = sequences_from_args(args, count=args.num_sequences)
-    model_a, model_b = load_models(args, max_positions=max(len(s) for s in sequences))
+    config, state, tokenizer, _ = load_weights(args.model, args.seed)
+    sequences = sequences_from_args(args, config, tokenizer, count=args.num_sequences)
+    model_a, model_b = load_models(args, config, state, max_positions=max(len(s) for s in sequences))
     result = diagnose(model_a, model_b, sequences, layouts[0], layouts[1], args.eps, args.block_size)
     print(format_table(result))
     if args.json:

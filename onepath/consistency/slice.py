@@ -196,7 +196,9 @@ def main(argv: list[str]) -> int:
     """`onepath slice MODEL OUT --layers N [--start S]`: write the slice, print what it holds; exit 0."""
     parser = argparse.ArgumentParser(prog="onepath slice", description="cut N consecutive layers of a Hugging Face "
                                      "checkpoint, with its embeddings, final norm, lm_head and tokenizer, into a "
-                                     "small model of the same layer sizes and dtypes")
+                                     "small model of the same layer sizes and dtypes",
+                                     epilog="example: onepath slice ~/models/Qwen3-8B runs/qwen3-8b-2layers --layers 2 "
+                                            "--start 10")
     parser.add_argument("model", help="a Hugging Face checkpoint directory (config.json, safetensors)")
     parser.add_argument("out", help="directory for the sliced checkpoint (must not exist, unless --overwrite)")
     parser.add_argument("--layers", type=int, required=True, help="number of consecutive layers to keep (2 or more "

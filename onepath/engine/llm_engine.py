@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import time
 from dataclasses import dataclass, replace
 
 import torch
+from tqdm import tqdm
 
 from onepath.engine.block_manager import BlockManager
 from onepath.engine import memory
@@ -182,9 +184,11 @@ class LLMEngine:
         return not self.scheduler.is_finished() or self.pending is not None
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
-                 request_ids: list[int] | None = None) -> list[RequestOutput]:
+                 request_ids: list[int] | None = None, progress: str | None = None) -> list[RequestOutput]:
         """Run requests to completion; outputs come back in input order. A request that is bad
-        (empty, too long, unknown token id) gets an output with `error` set; the others still finish."""
+        (empty, too long, unknown token id) gets an output with `error` set; the others still finish.
+        progress: a label; a bar of the tokens run so far (prompt and sampled), their rate and the time
+        left, on stderr."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         request_ids = request_ids or [self.next_request_id + i for i in range(len(prompts))]
         outputs: dict[int, RequestOutput] = {}
@@ -194,21 +198,38 @@ class LLMEngine:
             except ValueError as e:
                 ids = prompt if isinstance(prompt, list) else []
                 outputs[rid] = RequestOutput(rid, list(ids), [], [], "error", str(e))
+        bar = self.progress_bar(progress, [rid for rid in request_ids if rid not in outputs])
         start = time.perf_counter()
         preemptions, cached = self.scheduler.num_preemptions, self.block_manager.num_cached_tokens_hit
         with young_collections_only():
             while self.has_unfinished():
                 began = time.perf_counter() if self.step_times is not None else None
+                done = self.stats.prefill_tokens + self.stats.generated_tokens
                 for seq in self.step():
                     outputs[seq.request_id] = self.output(seq)
                 if began is not None:
                     self.step_times.append((time.perf_counter() - began, self.runner.replayed_graph))
+                if bar is not None:
+                    bar.update(self.stats.prefill_tokens + self.stats.generated_tokens - done)
+        if bar is not None:
+            bar.close()
         self.stats.seconds += time.perf_counter() - start
         self.stats.preemptions += self.scheduler.num_preemptions - preemptions
         self.stats.cached_tokens += self.block_manager.num_cached_tokens_hit - cached
         if self.model.device.type == "cuda":
             self.memory["peak_gib"] = torch.cuda.max_memory_allocated(self.model.device) / memory.GIB
         return [outputs[rid] for rid in request_ids]
+
+    def progress_bar(self, label: str | None, request_ids: list[int]) -> tqdm | None:
+        """A bar over the most tokens these queued requests may run: the prompt, then each sampled token but
+        the last (EOS may stop them sooner; a prefix-cache hit skips prompt tokens)."""
+        if label is None:
+            return None
+        live, limit = self.scheduler.live, self.scheduler_config.max_model_len
+        total = sum(min(live[r].num_tokens + live[r].params.max_tokens, limit) - 1 for r in request_ids)
+        # shown after 2 s only (a short call prints nothing); in a log file a redraw every half minute
+        return tqdm(total=total, desc=label, unit="tok", leave=False, delay=2,
+                    mininterval=0.5 if sys.stderr.isatty() else 30)
 
     def output(self, seq: Sequence) -> RequestOutput:
         text = self.tokenizer.decode(seq.completion_token_ids) if self.tokenizer is not None else ""

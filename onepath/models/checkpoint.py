@@ -105,6 +105,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise ValueError(f"{file} is not a valid tokenizers file ({e}): {REDOWNLOAD}") from None
 
 
+def unknown_characters(tokenizer: Tokenizer, text: str) -> list[str]:
+    """The pieces of `text` the tokenizer encodes as its unknown token, each once (none for a byte-level one)."""
+    unk = getattr(tokenizer.model, "unk_token", None)
+    unk_id = tokenizer.token_to_id(unk) if unk else None
+    if unk_id is None:
+        return []
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    return list(dict.fromkeys(text[a:b] for i, (a, b) in zip(encoding.ids, encoding.offsets) if i == unk_id))
+
+
 def load_tokenizer_config(path: str | Path) -> dict:
     file = _checkpoint_dir(path) / TOKENIZER_CONFIG
     return read_json(file) if file.is_file() else {}

@@ -8,6 +8,7 @@ recomputed layer runs the same kernels on the same inputs.
 """
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
@@ -20,6 +21,7 @@ from onepath.models.batch import ForwardBatch
 from onepath.models.moe import RoutingRecorder
 from onepath.models.dense import DenseDecoder
 from onepath.models.kv_cache import KVCache
+from onepath.train.grpo import NonFiniteError
 
 
 @dataclass(slots=True)
@@ -197,11 +199,14 @@ class Actor:
             for p in trained:
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
-        grad_norm = self.clip(trained)
+        grad_norm = float(self.clip(trained))  # one sync a step: the norm must be known before the weights move
+        if not math.isfinite(grad_norm):
+            raise NonFiniteError(f"the gradient norm is {grad_norm}: the backward met a NaN or an overflow; the "
+                                 "weights were left unchanged: lower train.lr and resume from the last checkpoint")
         self.optimizer.step()
         self.schedule.step()
         self.publish()
-        return float(grad_norm)
+        return grad_norm
 
     def reduce_gradients(self) -> None:
         """Sum the gradients over the ranks that share the step's batch: none on one process."""

@@ -3,29 +3,36 @@
     step_N/config.json, model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json
     step_N/trainer_state.json   step, sampler cursor, ExecutionSpec hash, config hash, config, model config
     step_N/trainer_state.pt     AdamW state (full tensors per parameter name: any layout resumes it), LR schedule, RNG
+    step_N/manifest.json        the sha256 of every other file, taken as it was written
 
 The whole directory is written under a temporary name and renamed into place, so a run killed at
-any moment leaves only complete step_N directories; a leftover `.step_N.tmp-*` is never read.
+any moment leaves only complete step_N directories; a leftover `.step_N.tmp-*` is never read. A
+checkpoint damaged later (a truncated or edited file) fails its checksums or its parse on resume,
+which then falls back to the newest intact one (load_intact).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
 import uuid
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from onepath.config import RunConfig
-from onepath.models.checkpoint import atomic_directory, save_checkpoint
+from onepath.models.checkpoint import atomic_directory, load_state_dict, save_checkpoint
 from onepath.train.data import read_jsonl
 
 STATE_JSON = "trainer_state.json"
 STATE_PT = "trainer_state.pt"
+MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"step_(\d+)")
 LEFTOVER = re.compile(r"\.+(step_\d+|metrics\.jsonl)\..*(tmp|old)-")
 # Settings a resumed run may change: how far to go, what to keep, where the run lives and logs, the
@@ -65,16 +72,89 @@ def save(run_dir: Path, step: int, weights: dict, setup, state: dict, tensors: d
         save_checkpoint(tmp, weights, setup.model_config, setup.tokenizer, setup.tokenizer_config)
         torch.save(tensors, tmp / STATE_PT)
         (tmp / STATE_JSON).write_text(json.dumps(state, indent=2) + "\n")
+        sums = {file.name: _sha256(file) for file in sorted(tmp.iterdir())}
+        (tmp / MANIFEST).write_text(json.dumps({"sha256": sums}, indent=2) + "\n")
     for old in complete_steps(run_dir)[:-keep_last]:
         _remove(run_dir / f"step_{old}")
     return path
 
 
+class CorruptCheckpoint(ValueError):
+    """A checkpoint file that does not verify; str() names the file and what is wrong with it."""
+
+
 def load(path: Path) -> tuple[dict, dict]:
-    """(trainer_state.json, trainer_state.pt) of a checkpoint."""
-    state = json.loads((path / STATE_JSON).read_text())
-    tensors = torch.load(path / STATE_PT, map_location="cpu", weights_only=True)
-    return state, tensors
+    """(trainer_state.json, trainer_state.pt) of a checkpoint; CorruptCheckpoint when either does not parse."""
+    state = _load_json(path / STATE_JSON)
+    if not isinstance(state, dict) or "step" not in state:
+        raise CorruptCheckpoint(f"{path / STATE_JSON} holds no trainer state (no step)")
+    return state, _load_tensors(path / STATE_PT)
+
+
+def verify(path: Path) -> dict:
+    """The checkpoint's weights, once every file matches its sha256 in manifest.json (a checkpoint written
+    before manifests has none: its files need only parse); CorruptCheckpoint naming the file otherwise."""
+    manifest = _load_json(path / MANIFEST) if (path / MANIFEST).is_file() else {"sha256": {}}
+    sums = manifest.get("sha256") if isinstance(manifest, dict) else None
+    if not isinstance(sums, dict):
+        raise CorruptCheckpoint(f"{path / MANIFEST} holds no sha256 table")
+    for name, digest in sums.items():
+        if not (path / name).is_file():
+            raise CorruptCheckpoint(f"{path / name} is missing ({MANIFEST} lists it)")
+        if _sha256(path / name) != digest:
+            raise CorruptCheckpoint(f"{path / name} is truncated or changed since it was written (its sha256 "
+                                    f"differs from {MANIFEST}'s)")
+    try:
+        return load_state_dict(path)
+    except (ValueError, FileNotFoundError) as e:  # its message names the file
+        raise CorruptCheckpoint(str(e).removesuffix(": re-download or re-export the checkpoint")) from None
+
+
+def load_intact(run_dir: Path, say: Callable[[str], None]) -> tuple[Path, dict, dict, dict] | None:
+    """The newest checkpoint in run_dir that verifies, as (path, state, tensors, weights); each newer one that
+    does not is said in a line naming its bad file. None when run_dir holds no checkpoint, ValueError when none
+    verifies."""
+    bad = []
+    for step in reversed(complete_steps(run_dir)):
+        path = run_dir / f"step_{step}"
+        try:
+            state, tensors = load(path)
+            weights = verify(path)
+        except CorruptCheckpoint as e:
+            bad.append(str(e))
+            continue
+        for problem in bad:
+            say(f"{problem}: resuming from {path.name}")
+        return path, state, tensors, weights
+    if bad:
+        raise ValueError(f"no intact checkpoint in {run_dir} ({'; '.join(bad)}): remove its step_N directories "
+                         "to start afresh there, or choose another --out")
+    return None
+
+
+def _load_json(file: Path):
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpoint(f"{file} is truncated or corrupt (not JSON: {e})") from None
+
+
+def _load_tensors(file: Path) -> dict:
+    try:
+        with warnings.catch_warnings():  # an odd pickle protocol warns before it is refused
+            warnings.simplefilter("ignore")
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # damaged bytes raise whatever torch's parser meets: RuntimeError, EOFError, KeyError...
+        if isinstance(e, pickle.UnpicklingError) and "GLOBAL" in str(e):
+            # torch's own message suggests weights_only=False, which would run the code the file names
+            raise CorruptCheckpoint(f"{file} holds Python objects that onepath never writes (it was tampered with "
+                                    "or written by another tool): onepath will not unpickle it") from None
+        raise CorruptCheckpoint(f"{file} is truncated or corrupt (torch.load fails: {type(e).__name__})") from None
+
+
+def _sha256(file: Path) -> str:
+    with open(file, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def remove_leftovers(run_dir: Path) -> None:
@@ -124,6 +204,10 @@ def config_hash(cfg: RunConfig | dict) -> str:
 def check_compatible(path: Path, state: dict, spec, model_config: dict, cfg: RunConfig) -> None:
     """Raise ValueError naming what differs when the checkpoint cannot continue under this config."""
     again = "resume with the settings the run started with (its config.yaml), or start a new run in another --out"
+    saved_mode = state["spec"]["mode"]
+    if saved_mode != spec.mode:
+        raise ValueError(f"{path} is a checkpoint of a --mode {saved_mode} run, not of --mode {spec.mode}: resume it "
+                         f"with --mode {saved_mode}, or start the {spec.mode} run in another --out")
     if state["spec_hash"] != spec.hash():
         raise ValueError(f"{path} was written under ExecutionSpec {state['spec_hash']} "
                          f"({state['spec']['mode']}, {state['spec']['device']}), this run's is {spec.hash()} "

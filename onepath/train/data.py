@@ -8,6 +8,7 @@ import json
 import random
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from onepath.tasks.rows import prompt_text
@@ -23,8 +24,7 @@ def load_rows(path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"dataset {path} not found: check the path")
     if path.suffix == ".parquet":
-        rows = pq.read_table(path).to_pylist()
-        lines = None
+        rows, lines = _read_parquet(path), None
     else:
         rows, lines = _read_json(path)
     if not rows:
@@ -35,8 +35,20 @@ def load_rows(path) -> list[dict]:
     return rows
 
 
+def _read_parquet(path: Path) -> list[dict]:
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as e:  # an empty, cut-short or non-parquet file
+        raise ValueError(f"dataset {path} is not a readable parquet file ({e}): write it again (pandas "
+                         "DataFrame.to_parquet or pyarrow.parquet.write_table), or point to another file") from None
+
+
 def _read_json(path: Path):
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"dataset {path} is not UTF-8 text (byte {e.start}): save it as UTF-8 JSON, "
+                         "or as parquet with a .parquet name") from None
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             return json.loads(text), None

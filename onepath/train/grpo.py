@@ -14,6 +14,11 @@ LEVELS = ("token", "sequence")
 LOG_RATIO_BOUND = 20.0
 
 
+class NonFiniteError(ValueError):
+    """A step met a NaN or inf (or a reward that is no number) and stopped before the weights
+    changed, so the last checkpoint stays the run's state; the message names the value's source."""
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """rewards [B] ordered group by group -> one advantage per response [B] (verl's GRPO outcome advantage)."""
     if rewards.numel() % group_size:

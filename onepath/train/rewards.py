@@ -6,6 +6,7 @@ extra_info; the trainer adds response_length (completion tokens).
 
 import functools
 import importlib.util
+import math
 import threading
 from pathlib import Path
 
@@ -73,10 +74,41 @@ def get_reward(name_or_path: str):
                                 "check the path")
     spec = importlib.util.spec_from_file_location(f"onepath_reward_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: its own error, in one line
+        raise ValueError(f"reward file {file} failed to import: {type(e).__name__}: {e}: fix the file") from None
     fn = getattr(module, name, None)
+    if fn is None:
+        raise ValueError(f"reward file {file} has no function {name!r}: define "
+                         f"def {name}(prompt, completion, **row) -> float there, "
+                         "or fix the name after ':'")
     if not callable(fn):
-        raise AttributeError(f"reward file {file} has no function {name!r}: define "
-                             f"def {name}(prompt, completion, **row) -> float there, "
-                             "or fix the name after ':'")
+        raise ValueError(f"reward file {file}: {name!r} is a {type(fn).__name__}, not a function: define "
+                         f"def {name}(prompt, completion, **row) -> float")
     return fn
+
+
+def reward_problem(value) -> str | None:
+    """None when value is a usable reward, a finite number (bool, int and numpy or 0-d torch
+    scalars count), else what it is, for an error message."""
+    if getattr(type(value), "__float__", None) is None:
+        return f"{value!r:.80} (a {type(value).__name__}), not a number"
+    try:
+        number = float(value)
+    except (TypeError, ValueError, RuntimeError):  # e.g. a tensor of several numbers
+        return f"{value!r:.80} (a {type(value).__name__}), not one number"
+    return None if math.isfinite(number) else str(number)
+
+
+def check_reward(fn, name: str, prompt: str, completion: str, row: dict) -> None:
+    """Call the reward once, before any training, so that a broken one fails in a line at start."""
+    where = f"reward {name} on the first training row (its ground truth as the completion)"
+    try:
+        value = fn(prompt, completion, **row)
+    except Exception as e:
+        raise ValueError(f"{where} raised {type(e).__name__}: {e}: it is called as "
+                         "fn(prompt, completion, **row) with row's keys " + ", ".join(row)) from None
+    problem = reward_problem(value)
+    if problem is not None:
+        raise ValueError(f"{where} returned {problem}: return a finite float (bool and int are fine)")

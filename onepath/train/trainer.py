@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import resource
 import tempfile
 import time
 import uuid
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -59,10 +60,10 @@ from onepath.train import checkpoint
 from onepath.train.actor import Responses
 from onepath.train.data import PromptSampler, load_rows, prompt_text, reward_kwargs
 from onepath.train.episodes import episode_metrics, episode_responses, masked_logprobs, run_episodes
-from onepath.train.grpo import group_advantages, policy_loss, rollout_correction
+from onepath.train.grpo import NonFiniteError, group_advantages, policy_loss, rollout_correction
 from onepath.train.metrics import MetricsLogger, Timer, require_wandb
 from onepath.train.parallel import ACTORS, World, generate_in_lockstep, sync_weights
-from onepath.train.rewards import get_reward, overlong_penalty
+from onepath.train.rewards import check_reward, get_reward, overlong_penalty, reward_problem
 from onepath.train.warm_start import warm_start
 
 
@@ -94,13 +95,13 @@ def prepare(cfg: RunConfig, out: Path, progress: bool = True, world: World = Wor
     if world.size > 1 and not world.first:
         world.barrier()
         with tempfile.TemporaryDirectory() as scratch:
-            return _prepare(cfg, out, False, Path(scratch))
+            return _prepare(cfg, out, False, Path(scratch), first=False)
     setup = _prepare(cfg, out, progress, out / "data")
     world.barrier()
     return setup
 
 
-def _prepare(cfg: RunConfig, out: Path, progress: bool, data_dir: Path) -> Setup:
+def _prepare(cfg: RunConfig, out: Path, progress: bool, data_dir: Path, first: bool = True) -> Setup:
     if cfg.logger.wandb:
         require_wandb()  # before the warm start, not after it
     torch.manual_seed(cfg.train.seed)
@@ -132,18 +133,26 @@ def _prepare(cfg: RunConfig, out: Path, progress: bool, data_dir: Path) -> Setup
             norm_topk_prob=m.norm_topk_prob)
         state = None
     eos = model_config.eos_token_ids or (arithmetic.EOS_ID,)
-    state = warm_started(cfg, out, model_config, state, tokenizer, tok_config, train_rows, eos, progress)
     reward_fn = get_reward(cfg.train.reward)
     if cfg.train.overlong_buffer:
         reward_fn = overlong_penalty(reward_fn, cfg.rollout.max_tokens, cfg.train.overlong_buffer,
                                      cfg.train.overlong_penalty_factor)
+    if train_rows:  # before the warm start: a broken reward fails in a line, not after minutes
+        answer = str(train_rows[0]["reward_model"]["ground_truth"])
+        check_reward(reward_fn, cfg.train.reward, prompt_text(train_rows[0]), answer,
+                     {**reward_kwargs(train_rows[0]),
+                      "response_length": len(tokenizer.encode(answer, add_special_tokens=False).ids)})
+    state = warm_started(cfg, out, model_config, state, tokenizer, tok_config, train_rows, eos, progress, first)
     return Setup(tokenizer, tok_config, model_config, state, train_rows, test_rows, reward_fn, eos)
 
 
-def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos, progress) -> dict:
-    """Warm-start weights, reused from out/warm_start when its settings match."""
-    ws = cfg.warm_start
+def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos, progress, first=True) -> dict:
+    """Warm-start weights, reused from out/warm_start when its settings match; says which (rank 0)."""
+    ws, say = cfg.warm_start, (tqdm.write if first else lambda line: None)
+    whose = "the embedded model" if cfg.model.path is None else f"model.path {cfg.model.path}"
     if ws.steps == 0:
+        say("no warm start: model.path given; set --warm_start.steps N to ask for one" if cfg.model.path else
+            "no warm start: warm_start.steps is 0")
         if state is None:
             state = build_model(model_config, ExecutionSpec("baseline"), cfg.rollout.max_model_len, None).hf_state_dict()
         return state
@@ -151,7 +160,9 @@ def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos
                                             sort_keys=True).encode()).hexdigest()[:16]
     where = out / "warm_start"
     if (where / "fingerprint.txt").exists() and (where / "fingerprint.txt").read_text() == fingerprint:
+        say(f"warm start: {ws.steps} steps on the dataset's answers ({whose}), reused from {where}")
         return load_state_dict(where)
+    say(f"warm start: {ws.steps} steps on the dataset's answers ({whose})")
     model = build_model(model_config, ExecutionSpec.default("baseline", cfg.device), cfg.rollout.max_model_len, state)
     examples = []
     for row in rows:
@@ -161,13 +172,13 @@ def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos
     losses = warm_start(model, examples, ws.steps, ws.batch_size, ws.lr, ws.seed, cfg.rollout.block_size, progress)
     save_checkpoint(where, model.hf_state_dict(), model_config, tokenizer, tok_config)
     (where / "fingerprint.txt").write_text(fingerprint)
-    tqdm.write(f"warm start: {ws.steps} steps, loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    say(f"warm start: loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f}")
     return model.hf_state_dict()
 
 
 class GRPOTrainer:
-    """`resume`: continue from the latest complete run_dir/step_N (weights into policy and engine,
-    optimizer, LR schedule, RNG, sampler cursor, step); with none there, start at step 1.
+    """`resume`: continue from the latest intact run_dir/step_N (weights into policy and engine,
+    optimizer, LR schedule, RNG, sampler cursor, step); with none there, start at step 1 and say so.
 
     `world`: this process's rank and the layouts (train/parallel.py); every rank runs this same loop.
     Rollout ranks sample their share of the prompts, every rank then holds every response; trainer
@@ -184,12 +195,15 @@ class GRPOTrainer:
             raise ValueError(f"{run_dir} holds checkpoints of an earlier run ({found.name} the latest): pass --resume "
                              "to continue it, or remove them or choose another --out to start afresh")
         self.start, saved, init_state = 0, None, setup.init_state
-        if found is not None:
-            saved = checkpoint.load(found)
-            checkpoint.check_compatible(found, saved[0], self.spec, setup.model_config.to_dict(), cfg)
-            self.start, init_state = saved[0]["step"], load_state_dict(found)
+        # a checkpoint damaged since it was written gives way to the newest intact one, said in a line
+        loaded = checkpoint.load_intact(run_dir, lambda line: self.say(f"[{mode}] {line}")) if found else None
+        if loaded is not None:
+            found, state, tensors, init_state = loaded
+            checkpoint.check_compatible(found, state, self.spec, setup.model_config.to_dict(), cfg)
+            self.start, saved = state["step"], (state, tensors)
         elif resume:
-            self.say(f"[{mode}] --resume: no complete step_N checkpoint in {run_dir}, starting at step 1")
+            self.say(f"[{mode}] --resume: no complete step_N checkpoint in {run_dir}: nothing to resume, "
+                     "starting at step 1")
         max_len, r, t = cfg.rollout.max_model_len, cfg.rollout, cfg.train
         # MoE: the engine records its routing, the trainer compares it with its own (moe/routing_agreement)
         self.routing_check = setup.model_config.is_moe and r.env is None
@@ -322,12 +336,20 @@ class GRPOTrainer:
     def decode(self, outputs) -> list[str]:
         return [self.setup.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
 
-    def score(self, rows, texts: list[str], lengths: list[int], n: int) -> torch.Tensor:
+    def score(self, rows, texts: list[str], lengths: list[int], n: int, data: str = "train") -> torch.Tensor:
         """Rewards of completions texts[i] of rows[i // n]; lengths[i] is its response length in tokens."""
         rewards = [self.setup.reward_fn(prompt_text(rows[i // n]), text, **reward_kwargs(rows[i // n]),
                                         response_length=length)
                    for i, (text, length) in enumerate(zip(texts, lengths))]
-        return torch.tensor(rewards, dtype=torch.float32)
+        for i, value in enumerate(rewards):
+            problem = reward_problem(value)
+            if problem is not None:
+                source = self.setup.train_rows if data == "train" else self.setup.test_rows
+                row = next((j for j, r in enumerate(source) if r is rows[i // n]), "?")
+                where = "prompt row" if data == "train" else "held-out row"
+                raise NonFiniteError(f"reward of sample {i} ({where} {row}) is {problem}; the reward function "
+                                     f"({self.cfg.train.reward}) must return a finite float")
+        return torch.tensor([float(value) for value in rewards], dtype=torch.float32)
 
     def verifies(self, step: int) -> bool:
         """Whether this step recomputes the old log-probs and reports their diff to the rollout's."""
@@ -338,7 +360,8 @@ class GRPOTrainer:
         with self.timer("step"):
             if self.cfg.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            metrics = self.train_step(step)
+            with at_step(step):
+                metrics = self.train_step(step)
         metrics.update(self.timer.metrics())
         metrics["perf/rollout_tokens_per_s"] = metrics.pop("generated_tokens") / max(metrics["timing_s/gen"], 1e-9)
         metrics.update(memory_metrics(self.cfg.device))
@@ -352,6 +375,8 @@ class GRPOTrainer:
         lengths = responses.mask.sum(1)  # policy tokens only: env tokens are outside the mask
         with self.timer("reward"):
             rewards = self.score(rows, texts, lengths.tolist(), self.cfg.rollout.n)
+        first_nan(responses.rollout_logprobs, "the engine's log-prob",
+                  "the engine's weights or logits hold a NaN: check the checkpoint (model.path)")
         advantages = group_advantages(rewards, self.cfg.rollout.n, t.norm_adv_by_std)
         verify = self.verifies(step)
         valid_tokens = float(responses.mask.sum())
@@ -361,6 +386,11 @@ class GRPOTrainer:
         device = self.policy.device if self.policy is not None else torch.device("cpu")
         mask, rollout_logprobs = responses.mask.to(device), responses.rollout_logprobs.to(device)
         logprobs, entropy = logprobs.to(device), entropy.to(device)
+        # before actor.step, on every rank alike: a NaN must not reach the weights
+        first_nan(logprobs, "the trainer's log-prob", "the policy's weights or logits hold a NaN; the weights were "
+                  "left unchanged: check the weights it started from (model.path or the last step_N)")
+        if "actor/pg_loss" in pg and not math.isfinite(pg["actor/pg_loss"]):
+            raise NonFiniteError(f"the policy loss is {pg['actor/pg_loss']}{loss_cause(logprobs, mask)}")
         routing = {} if routing is None else routing_agreement(responses.routing, routing)
         with self.timer("old_logprob" if verify else "update"):
             old = logprobs if verify else rollout_logprobs
@@ -443,7 +473,8 @@ class GRPOTrainer:
         # the next rollout must find the prefix cache as the weight sync left it: empty
         if self.engine is not None:
             self.engine.block_manager.reset_prefix_cache()
-        rewards = self.score(rows, self.decode(outputs), [len(o.token_ids) for o in outputs], 1)
+        with at_step(step):
+            rewards = self.score(rows, self.decode(outputs), [len(o.token_ids) for o in outputs], 1, "val")
         length = sum(len(o.token_ids) for o in outputs) / len(outputs)
         return {"val/score": rewards.mean().item(), "val/response_length/mean": length,
                 "timing_s/val": time.perf_counter() - start}
@@ -496,6 +527,34 @@ class GRPOTrainer:
                 if step == t.steps or (t.save_every and step % t.save_every == 0):
                     self.save(step)
         return history
+
+
+@contextmanager
+def at_step(step: int):
+    """A NonFiniteError raised inside names the step."""
+    try:
+        yield
+    except NonFiniteError as e:
+        raise NonFiniteError(f"step {step}: {e}") from None
+
+
+def first_nan(values: torch.Tensor, what: str, cause: str) -> None:
+    """NonFiniteError naming the first NaN of values [B, T]: one device sync, more only to name it."""
+    if torch.isnan(values).any():
+        sample, token = (int(i) for i in torch.isnan(values).nonzero()[0])
+        raise NonFiniteError(f"{what} of sample {sample} (token {token}) is nan: {cause}")
+
+
+def loss_cause(logprobs: torch.Tensor, mask: torch.Tensor) -> str:
+    """Why a loss is not finite when no reward or log-prob is NaN: a -inf log-prob (a sampled token
+    the trainer's top-k / top-p mask drops, possible in baseline mode) makes a ratio exp(-inf + inf)."""
+    dropped = (torch.isinf(logprobs) & mask).nonzero()
+    if len(dropped):
+        sample, token = (int(i) for i in dropped[0])
+        return (f": the trainer's log-prob of sample {sample} (token {token}) is -inf, its top-k / top-p mask "
+                "drops a token the engine sampled; sample with rollout.top_k 0 and rollout.top_p 1, or in the "
+                "consistent mode")
+    return ": the rewards and log-probs are finite; lower train.lr"
 
 
 def memory_metrics(device: str) -> dict[str, float]:

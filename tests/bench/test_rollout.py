@@ -1,6 +1,8 @@
 """`onepath bench rollout` on the tiny presets (CPU, dense and MoE): every measurement a real positive number,
 both modes generating every requested token, the HF reference the same model, a failed mode recorded not
-fatal, the roofline reading the experts a batch touches."""
+fatal, the roofline reading the experts a batch touches, the CPU estimate printed first and counting the
+tokens the engine runs."""
+import argparse
 import json
 import math
 
@@ -189,3 +191,31 @@ def test_graph_batch_sizes_reach_the_engine_and_bad_ones_fail_by_name(tmp_path):
     for bad in ([], [0, 8]):
         with pytest.raises(ValueError, match=r"graph_batch_sizes .* must be batch sizes >= 1"):
             LLMEngine(model, num_blocks=8, graph_batch_sizes=bad)
+
+
+def test_a_cpu_run_prints_its_estimate_first_and_a_long_one_how_to_make_it_short(tmp_path, monkeypatch, capsys):
+    args = [*SMALL, "--workloads", "fixed-1000", "--modes", "consistent", "--no-hf", "--out", str(tmp_path / "r.json")]
+    assert main(["bench", "rollout", *args]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("tiny on the cpu (") and "for the engine's" in printed
+    assert printed.index("tiny on the cpu") < printed.index("tiny fixed-1000 consistent:")
+    monkeypatch.setattr(rollout, "first_step", lambda *a: (1, 3600.0))  # an hour a token: a run of hours
+    assert main(["bench", "rollout", *args]) == 0
+    first = capsys.readouterr().out.splitlines()[:2]
+    assert " h for the engine's" in first[0] and first[1].strip() == rollout.SHORT_RUN
+
+
+def test_the_estimate_counts_the_tokens_the_warm_up_runs():
+    """announce_estimate counts warm_up_calls with tokens_run: the engine's own count of a warm-up agrees."""
+    parser = argparse.ArgumentParser()
+    rollout.add_arguments(parser)
+    args = parser.parse_args(SMALL)
+    config = model_config("tiny")
+    state = rollout.random_weights(config, args)
+    max_model_len, batch, prompt_lens = 40, 3, [5, 17, 9]
+    engine, _ = rollout.build_engine(config, "consistent", state, max_model_len, batch, args)
+    rollout.warm_up(engine, max_model_len, batch, args, prompt_lens)
+    calls = rollout.warm_up_calls(max_model_len, batch, args, prompt_lens)
+    assert len(calls) > 2
+    assert engine.stats.prefill_tokens + engine.stats.generated_tokens == sum(
+        rollout.tokens_run(lengths, max_tokens, max_model_len) for lengths, max_tokens in calls)

@@ -181,6 +181,9 @@ def test_mismatched_checkpoint_is_a_clear_error(tmp_path, reward, monkeypatch):
         GRPOTrainer(tiny_cfg(tmp_path, 3, reward, "--train.lr", "1e-3"), "consistent", setup, run_dir, resume=True)
     with pytest.raises(ValueError, match=r"step_2 is past train.steps = 1: raise --train.steps to at least 2"):
         GRPOTrainer(tiny_cfg(tmp_path, 1, reward), "consistent", setup, run_dir, resume=True)
+    with pytest.raises(ValueError, match=r"step_2 is a checkpoint of a --mode consistent run, not of --mode baseline: "
+                                         r"resume it with --mode consistent"):
+        GRPOTrainer(tiny_cfg(tmp_path, 3, reward), "baseline", setup, run_dir, resume=True)
     may_change = tiny_cfg(tmp_path, 3, reward, "--rollout.max_num_seqs", "3", "--train.keep_last", "1")
     GRPOTrainer(may_change, "consistent", setup, run_dir, resume=True)  # capacity knobs, what to keep, how far
     other = prepare(tiny_cfg(tmp_path, 3, reward, "--model.intermediate_size", "96"), tmp_path, progress=False)

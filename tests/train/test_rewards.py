@@ -72,7 +72,7 @@ def test_get_reward_from_file(tmp_path):
                     "    return float(len(completion)) + row['extra_info']['bonus']\n")
     reward = get_reward(f"{file}:length_reward")
     assert reward("q", "abc", ground_truth="x", data_source="d", extra_info={"bonus": 1}) == 4.0
-    with pytest.raises(AttributeError, match=f"{file}.*'nope'"):
+    with pytest.raises(ValueError, match=f"{file}.*'nope'"):
         get_reward(f"{file}:nope")
     with pytest.raises(FileNotFoundError, match="missing.py"):
         get_reward(f"{tmp_path / 'missing.py'}:length_reward")

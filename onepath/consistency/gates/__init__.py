@@ -30,8 +30,9 @@ relative-error bound where it compares against float64 (C7), and records numbers
   run.py         GATES in order, run_gate, run_gates
   cli.py         `onepath check` (main)
 """
+from onepath.consistency.bisect import TINY
 from onepath.consistency.gates.cli import format_result, main
-from onepath.consistency.gates.context import (SAMPLING, TINY, TITLES, GateContext, GateResult, Workload,
+from onepath.consistency.gates.context import (SAMPLING, TITLES, GateContext, GateResult, Workload,
                                                compare_traces, diff_evidence, engine_has_graphs, first_difference,
                                                locate, recompute, rollout, sampling_params, site_summary)
 from onepath.consistency.gates.inventory import OP_SPEC, gate_c0

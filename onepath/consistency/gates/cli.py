@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from onepath.consistency.bisect import load_class
+from onepath.consistency.bisect import MODEL_HELP, load_class
 from onepath.consistency.gates.context import TITLES, GateContext, GateResult
 from onepath.consistency.gates.run import parse_gates, run_gate
 
@@ -21,17 +21,17 @@ def format_result(r: GateResult, width: int = 150) -> str:
 def main(argv: list[str]) -> int:
     """`onepath check`: exit 0 when every gate run passes, 1 when one fails."""
     parser = argparse.ArgumentParser(prog="onepath check", description="run the consistency gates C0..C10 in order "
-                                     "and print PASS/FAIL with evidence for each")
-    parser.add_argument("model", help="a Hugging Face checkpoint directory (config.json, safetensors) or 'tiny' "
-                                      "(a built-in random model for smoke runs)")
+                                     "and print PASS/FAIL with evidence for each; exit 1 when one fails",
+                                     epilog="example: onepath check tiny --gates C2,C3,C4,C5")
+    parser.add_argument("model", help=MODEL_HELP)
     parser.add_argument("--gates", default=None, help="comma-separated subset, e.g. C2,C3 (default: all, in order)")
     parser.add_argument("--json", default=None, help="also write every gate's result as JSON to this path (CI)")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the gates run (default cpu)")
     parser.add_argument("--spec", default="consistent", help="'consistent', 'baseline' (a negative control: gates "
                                                              "C2..C6 should fail) or a spec.json path")
     parser.add_argument("--ops", default=None, help="backend class 'module:Class' (an Ops subclass; default Ops)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-model-len", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0, help="prompts, sampling and 'tiny''s weights (default 0)")
+    parser.add_argument("--max-model-len", type=int, default=256, help="the engines' longest sequence (default 256)")
     parser.add_argument("--repro-dir", default=None, help="write bisect's standalone repro of a C3..C6 divergence "
                                                           "under this directory")
     parser.add_argument("--min-ratio", type=float, default=0.0, help="C10 fails below this consistent/baseline "

@@ -9,12 +9,12 @@ from typing import Callable
 
 import torch
 
-from onepath.consistency.bisect import BisectReport, Side, bisect, compare_site, load_spec
+from onepath.consistency.bisect import BisectReport, Side, bisect, compare_site, load_spec, load_weights
 from onepath.consistency.recorder import Layout, check_same_sites, trace
+from onepath.engine.device import require_device
 from onepath.engine.llm_engine import LLMEngine, RequestOutput
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
-from onepath.models.checkpoint import load_config, load_state_dict, load_tokenizer
 from onepath.models.config import ModelConfig
 from onepath.models import build_decoder
 from onepath.models.dense import DenseDecoder
@@ -28,8 +28,6 @@ TITLES = {"C0": "inventory", "C1": "baseline throughput", "C2": "kernel determin
           "C4": "phase consistency", "C5": "trainer equals engine", "C6": "layer-by-layer trainer vs engine",
           "C7": "gradients vs float64 reference", "C8": "two RL updates", "C9": "checkpoint and HF export",
           "C10": "consistent / baseline throughput"}
-TINY = dict(vocab_size=53, hidden_size=48, intermediate_size=136, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, model_type="qwen3", max_position_embeddings=256, eos_token_id=2)
 SAMPLING = [{}, {"temperature": 0.7, "top_k": 9}, {"temperature": 1.3, "top_p": 0.8}]
 
 
@@ -80,22 +78,13 @@ class GateContext:
     def load(cls, model, device: str = "cpu", spec: ExecutionSpec | str | None = None, **options) -> "GateContext":
         """model: 'tiny' (built-in random model), a Hugging Face checkpoint directory, or a ModelConfig
         (random weights)."""
+        require_device(device)
         if isinstance(spec, str) or spec is None:
             spec = load_spec(spec or "consistent", device)
         if spec.device != device:
             raise ValueError(f"the spec is for device {spec.device!r}, the check runs on {device!r}: "
                              "give a spec for the same device")
-        tokenizer, seed = None, options.get("seed", 0)
-        if isinstance(model, ModelConfig) or model == "tiny":
-            config, label = (ModelConfig(**TINY), "tiny") if model == "tiny" else (model, model.model_type)
-            built = build_decoder(config, Ops(ExecutionSpec("baseline", "cpu")), max_positions=2)
-            built.init_weights(seed, std=0.15)  # large enough that distributions are far from uniform
-            state = built.state_dict()
-        else:
-            path = Path(model)
-            config, state, label = load_config(path), load_state_dict(path), str(path)
-            if (path / "tokenizer.json").is_file():
-                tokenizer = load_tokenizer(path)
+        config, state, tokenizer, label = load_weights(model, options.get("seed", 0))
         built = build_decoder(config, Ops(ExecutionSpec("baseline", "cpu", spec.ops)), max_positions=2)
         built.load_hf_state_dict(state)
         return cls(config, built.hf_state_dict(), spec, tokenizer=tokenizer, label=label, **options)
