@@ -77,7 +77,7 @@ def x_by_tma(config: TileConfig) -> bool:
 
 
 @triton.jit
-def _group_tables(counts_ptr, G, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr):
+def group_tables(counts_ptr, G, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr):
     """Per group (padded to G_PAD with empty groups): its first M tile, one past its last, its first
     row, one past its last; and the number of M tiles of all groups."""
     g = tl.arange(0, G_PAD)
@@ -88,13 +88,26 @@ def _group_tables(counts_ptr, G, BLOCK_M: tl.constexpr, G_PAD: tl.constexpr):
 
 
 @triton.jit
-def _m_tile(pid_m, tile_start, tile_end, row_start, row_end, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+def m_tile(pid_m, tile_start, tile_end, row_start, row_end, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     """(group, first row, end row) of M tile pid_m: its group is the number of groups whose tiles
     end at or before it (an empty group ends where the one before it does: it is passed over)."""
     group = tl.sum((tile_end <= pid_m).to(tl.int32), 0)
     here = tl.arange(0, G_PAD) == group
     first = tl.sum(tl.where(here, row_start + (pid_m - tile_start) * BLOCK_M, 0), 0)
     return group, first, tl.sum(tl.where(here, row_end, 0), 0)
+
+
+@triton.jit
+def group_tile(tile_id, num_m_tiles, num_pid_n, tile_start, tile_end, row_start, row_end, N,
+               G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Output tile tile_id: (group, its first row, pid_n, offs_m, offs_n, the rows inside the group, those rows
+    and the columns clamped in range for the loads)."""
+    pid_m, pid_n = tile_coords(tile_id, num_m_tiles, num_pid_n, GROUP_M)
+    group, first, end = m_tile(pid_m, tile_start, tile_end, row_start, row_end, G_PAD, BLOCK_M)
+    offs_m = first + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = offs_m < end
+    return group, first, pid_n, offs_m, offs_n, row_ok, tl.where(row_ok, offs_m, 0), tl.where(offs_n < N, offs_n, 0)
 
 
 @triton.jit(do_not_specialize=["NUM_PROGRAMS"])
@@ -105,19 +118,15 @@ def _linear_grouped_kernel(
     X_TMA: tl.constexpr, W_TMA: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    tile_start, tile_end, row_start, row_end, num_m_tiles = _group_tables(counts_ptr, G, BLOCK_M, G_PAD)
+    tile_start, tile_end, row_start, row_end, num_m_tiles = group_tables(counts_ptr, G, BLOCK_M, G_PAD)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
 
     for tile_id in tl.range(tl.program_id(axis=0), num_m_tiles * num_pid_n, NUM_PROGRAMS, flatten=True):
-        pid_m, pid_n = tile_coords(tile_id, num_m_tiles, num_pid_n, GROUP_M)
-        group, first, end = _m_tile(pid_m, tile_start, tile_end, row_start, row_end, G_PAD, BLOCK_M)
-        offs_m = first + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = offs_m < end
-        rows = tl.where(row_ok, offs_m, 0)
-        cols = tl.where(offs_n < N, offs_n, 0)
+        group, first, pid_n, offs_m, offs_n, row_ok, rows, cols = group_tile(
+            tile_id, num_m_tiles, num_pid_n, tile_start, tile_end, row_start, row_end, N, G_PAD, BLOCK_M, BLOCK_N,
+            GROUP_M)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # The dense kernel's walk: ascending BLOCK_K steps, one accumulator, the tail zero-filled.
