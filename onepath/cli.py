@@ -96,15 +96,19 @@ def train(argv: list[str]) -> int:
 def report(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="onepath report", description="draw report.png from run directories",
                                      epilog="example: onepath report runs/demo --out runs/demo/report.png")
-    parser.add_argument("runs", nargs="+", help="run directories (or a parent holding consistent/ and baseline/)")
+    parser.add_argument("runs", nargs="+", help="run directories (or parents of runs, e.g. the --out of --mode both)")
     parser.add_argument("--out", default=None, help="directory or .png path (default: the first run directory)")
     args = parser.parse_args(argv)
     from onepath.train.report import draw_report, report_summary
     runs = [Path(p) for p in args.runs]
     path = draw_report(runs, Path(args.out) if args.out else runs[0])
     for label, s in report_summary(runs).items():
+        val = "" if s["val_score_last"] is None else f", val {s['val_score_last']:.3f}"
         print(f"{label}: {s['steps']} steps, diff = 0 on {s['steps_with_diff_exactly_0']}, "
-              f"max |dp| {s['max_probs_diff']:.3g}, reward {s['reward_first5']:.3f} -> {s['reward_last5']:.3f}")
+              f"max |dp| {s['max_probs_diff']:.3g}, reward {s['reward_first5']:.3f} -> {s['reward_last5']:.3f}{val}")
+        if s["wall"] is not None:
+            split = " + ".join(f"{key} {seconds:.1f}" for key, seconds in s["wall"]["split_s"].items())
+            print(f"  wall {s['wall']['total_s']:.1f} s = {split}")
     print(f"wrote {path}")
     return 0
 

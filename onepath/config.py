@@ -18,7 +18,7 @@ from onepath.models.kv_cache import BLOCK_SIZE
 from onepath.numerics.spec import ExecutionSpec
 
 MODES = ("consistent", "baseline", "both")
-EMBEDDED_TASKS = ("arithmetic",)
+EMBEDDED_TASKS = ("arithmetic", "word_problems")  # onepath/tasks/<name>.py
 OLD_LOGPROB = ("verify", "every_n", "skip")
 CORRECTION_LEVELS = ("token", "sequence")
 ENVIRONMENTS = ("calculator",)
@@ -103,7 +103,10 @@ class ModelSection(_Section):
 @dataclass(slots=True)
 class DataSection(_Section):
     NAME: ClassVar[str] = "data"
-    task: str = "arithmetic"  # the embedded task, used when train_path is null
+    # the embedded task, when train_path is null: arithmetic | word_problems (both read n_train, n_test,
+    # max_operand, seed). With the embedded model its tokenizer is the task's, for a data file too.
+    # max_operand: arithmetic's operands are in [0, N]; the amounts a word problem states in [1, N] (N >= 2)
+    task: str = "arithmetic"
     train_path: str | None = None
     val_path: str | None = None
     n_train: int = 3000
@@ -113,9 +116,9 @@ class DataSection(_Section):
 
     def __post_init__(self):
         self._coerce()
+        self._require("task", self.task in EMBEDDED_TASKS, "is not an embedded task",
+                      f"use one of {', '.join(EMBEDDED_TASKS)}")
         if self.train_path is None:
-            self._require("task", self.task in EMBEDDED_TASKS, "is not an embedded task",
-                          f"use one of {', '.join(EMBEDDED_TASKS)}, or set data.train_path to a data file")
             self._require("val_path", self.val_path is None, "is set but data.train_path is not",
                           "the embedded task makes its own test split; set data.train_path too, or drop val_path")
         self._require("train_path", self.train_path != "", "is empty", "give a data file, or null")
@@ -312,6 +315,10 @@ class RunConfig(_Section):
     mode: str = "consistent"
     device: str = "cpu"
     quant: str | None = None
+    # the trainer's formats in a baseline run, where they may differ from the rollout's `quant` (the fast
+    # path users run: FP8 rollout, an unquantised trainer): presets joined by '+', or "none"; null = quant.
+    # A consistent run computes both sides under one spec and refuses it.
+    trainer_quant: str | None = None
     out: str = "runs/demo"
 
     def __post_init__(self):
@@ -328,6 +335,13 @@ class RunConfig(_Section):
         if self.quant is not None:
             self.quant = _convert("quant", self.quant, str)
             ExecutionSpec.default("consistent", self.device, quant=self.quant)  # names the bad preset
+        if self.trainer_quant is not None:
+            self.trainer_quant = _convert("trainer_quant", self.trainer_quant, str)
+            self._require("trainer_quant", self.mode != "consistent", "applies to baseline runs only",
+                          "a consistent run computes the rollout and the trainer under one spec (quant); "
+                          "use --mode baseline or both, or drop trainer_quant")
+            if self.trainer_quant != "none":
+                ExecutionSpec.default("baseline", self.device, quant=self.trainer_quant)
         if self.train.overlong_buffer > self.rollout.max_tokens:
             raise ValueError(f"train.overlong_buffer = {self.train.overlong_buffer} > rollout.max_tokens = "
                              f"{self.rollout.max_tokens}: the penalty window must fit in the response length")
@@ -344,7 +358,10 @@ class RunConfig(_Section):
     def to_dict(self) -> dict:
         out = {name: {f.name: _plain(getattr(getattr(self, name), f.name)) for f in fields(cls)}
                for name, cls in SECTIONS.items()}
-        return {**out, "mode": self.mode, "device": self.device, "quant": self.quant, "out": self.out}
+        out = {**out, "mode": self.mode, "device": self.device, "quant": self.quant, "out": self.out}
+        if self.trainer_quant is not None:  # only when set: the config hash of every other run stays as it was
+            out["trainer_quant"] = self.trainer_quant
+        return out
 
     @classmethod
     def from_dict(cls, raw: dict) -> RunConfig:
@@ -366,6 +383,14 @@ class RunConfig(_Section):
                 _section_field(name, key)
             kwargs[name] = SECTIONS[name](**value)
         return cls(**kwargs)
+
+
+def trainer_spec(cfg: RunConfig, spec: ExecutionSpec) -> ExecutionSpec:
+    """The trainer's spec beside the rollout's `spec`: the same but in a baseline run with trainer_quant set."""
+    if spec.mode != "baseline" or cfg.trainer_quant is None:
+        return spec
+    quant = None if cfg.trainer_quant == "none" else cfg.trainer_quant
+    return ExecutionSpec.default("baseline", cfg.device, quant=quant)
 
 
 def engine_settings(cfg: RunConfig) -> dict:

@@ -35,3 +35,24 @@ def test_bad_override_is_a_clear_error(tmp_path, capsys):
 def test_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "nowhere"), "1+1="]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_a_shared_warm_start_gives_the_runs_of_the_embedded_model(tmp_path, capsys):
+    """train.steps 0 prepares alone (the data and out/warm_start); a run from that checkpoint (model.path, no
+    warm start of its own) trains exactly as the embedded model's run with its own warm start: the same seeds
+    and data order, so several runs (bench/evidence.sh's four) can share one warm start."""
+    from onepath.models.checkpoint import load_state_dict
+    from onepath.train.metrics import read_metrics
+    import torch
+    shared = tmp_path / "shared"
+    assert main(["train", "--out", str(shared), *TINY, "--train.steps", "0"]) == 0
+    assert "no RL step" in capsys.readouterr().out
+    assert (shared / "warm_start" / "model.safetensors").is_file() and not (shared / "metrics.jsonl").exists()
+    assert main(["train", "--out", str(tmp_path / "own"), *TINY]) == 0
+    assert main(["train", "--out", str(tmp_path / "from"), *TINY, "--model.path", str(shared / "warm_start"),
+                 "--warm_start.steps", "0"]) == 0
+    own, loaded = read_metrics(tmp_path / "own"), read_metrics(tmp_path / "from")
+    keys = ("critic/score/mean", "training/rollout_probs_diff_max", "actor/pg_loss", "actor/grad_norm")
+    assert [[m[k] for k in keys] for m in own] == [[m[k] for k in keys] for m in loaded]
+    a, b = load_state_dict(tmp_path / "own" / "step_2"), load_state_dict(tmp_path / "from" / "step_2")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

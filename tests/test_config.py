@@ -113,7 +113,7 @@ def test_validation_errors(make, match):
 
 def test_valid_edge_values():
     assert RolloutSection(max_num_batched_tokens=32, prefill_chunk_size=16).prefill_chunk_size == 16
-    assert DataSection(task="anything", train_path="t.parquet", val_path="v.parquet").val_path == "v.parquet"
+    assert DataSection(task="word_problems", train_path="t.parquet", val_path="v.parquet").val_path == "v.parquet"
     assert WarmStartSection(steps=0).steps == 0
 
 
@@ -147,3 +147,11 @@ def test_engine_and_sampling_settings_come_from_the_rollout_section():
     assert settings["scheduler"].max_model_len == 48 and settings["scheduler"].prefill_chunk_size == 16
     params = sampling_params(cfg, seed=3, max_tokens=2)
     assert (params.temperature, params.seed, params.max_tokens) == (0.5, 3, 2)
+
+
+def test_every_shipped_config_loads():
+    """Each YAML file under onepath/configs is a valid run config (on the CPU for the GPU ones: the check is
+    of the keys and values, not of the device)."""
+    for path in sorted(DEMO.parent.glob("*.yaml")):
+        cfg = load_run_config(path, ["--device", "cpu"])
+        assert cfg.out, path

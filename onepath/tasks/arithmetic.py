@@ -19,8 +19,9 @@ ALPHABET = "0123456789+-*/=() ."
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-def build_tokenizer() -> Tokenizer:
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(ALPHABET))}
+def build_tokenizer(alphabet: str = ALPHABET) -> Tokenizer:
+    """One token per character of alphabet, after the special tokens (their ids are every task's)."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(alphabet))}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
@@ -83,11 +84,12 @@ def make_problems(n: int, seed: int, max_operand: int = 99, ops=("+", "-"),
     return rows
 
 
-def train_test_split(seed: int, n_train: int, n_test: int, **problem_kwargs):
-    rows = make_problems(n_train + n_test, seed, **problem_kwargs)
+def train_test_split(seed: int, n_train: int, n_test: int, make=make_problems, **problem_kwargs):
+    """make(n, seed, **problem_kwargs)'s distinct rows, the first n_train for training, the rest held out."""
+    rows = make(n_train + n_test, seed, **problem_kwargs)
     for split, part in (("train", rows[:n_train]), ("test", rows[n_train:])):
         for i, row in enumerate(part):
-            row["extra_info"] = {"split": split, "index": i}
+            row["extra_info"] = {**row["extra_info"], "split": split, "index": i}
     return rows[:n_train], rows[n_train:]
 
 
@@ -95,11 +97,11 @@ def sft_text(row: dict) -> tuple[str, str]:
     return prompt_text(row), str(row["reward_model"]["ground_truth"])
 
 
-def write_dataset(dir, seed: int, n_train: int, n_test: int, **problem_kwargs):
+def write_dataset(dir, seed: int, n_train: int, n_test: int, make=make_problems, **problem_kwargs):
     """Write train.parquet and test.parquet under dir; return their paths."""
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
     paths = dir / "train.parquet", dir / "test.parquet"
-    for path, rows in zip(paths, train_test_split(seed, n_train, n_test, **problem_kwargs)):
+    for path, rows in zip(paths, train_test_split(seed, n_train, n_test, make, **problem_kwargs)):
         pq.write_table(pa.Table.from_pylist(rows), path)
     return paths

@@ -25,6 +25,10 @@ def run(cfg: RunConfig, resume: bool = False, progress: bool = True) -> int:
         start = time.perf_counter()
         world = parallel.world_for(cfg, rank, size)  # before the warm start: a layout the model cannot take
         setup = prepare(cfg, out, progress=progress, world=world)
+        if cfg.train.steps == 0:  # the data and the warm start alone (out/warm_start), for runs to share
+            if rank == 0:
+                print(f"train.steps 0: prepared {out} (data, warm start), no RL step")
+            return 0
         histories = {}
         for mode, run_dir in run_dirs.items():
             trainer = GRPOTrainer(cfg, mode, setup, run_dir, resume=resume, world=world)

@@ -6,6 +6,24 @@ from pathlib import Path
 
 DIFF_KEYS = ("training/rollout_probs_diff_max", "training/rollout_probs_diff_mean", "training/rollout_probs_diff_std",
              "rollout_corr/k3_kl", "rollout_corr/logprob_abs_diff_max", "rollout_corr/tokens_differing_frac")
+# the step's timed phases (trainer.py's Timer keys, timing_s/<phase>)
+PHASES = ("gen", "old_logprob", "update", "sync", "reward")
+
+
+def wall_time(history: list[dict]) -> dict | None:
+    """The run's logged time: total = the steps' timing_s/step plus the validations' timing_s/val, with
+    its split into PHASES, val and the step's other work; None when no step logged timing_s/step.
+    Checkpoint saves and the warm start are outside it."""
+    if not any("timing_s/step" in m for m in history):
+        return None
+
+    def total(key):
+        return sum(m.get(f"timing_s/{key}", 0.0) for m in history)
+
+    steps = total("step")
+    split = {key: total(key) for key in (*PHASES, "val") if any(f"timing_s/{key}" in m for m in history)}
+    split["other"] = max(steps - sum(v for k, v in split.items() if k in PHASES), 0.0)
+    return {"total_s": steps + split.get("val", 0.0), "split_s": split}
 
 
 def mode_summary(history: list[dict]) -> dict:
@@ -25,6 +43,7 @@ def mode_summary(history: list[dict]) -> dict:
         "reward_last5": sum(tail) / max(len(tail), 1),
         "rollout_tokens_per_s": sum(m["perf/rollout_tokens_per_s"] for m in history) / max(len(history), 1),
         "val_score_last": scores[-1] if scores else None,
+        "wall": wall_time(history),
     }
 
 

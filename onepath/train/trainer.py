@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from onepath.config import RunConfig, dump_yaml, engine_settings, sampling_params
+from onepath.config import RunConfig, dump_yaml, engine_settings, sampling_params, trainer_spec
 from onepath.numerics.diff import rollout_diff
 from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
@@ -54,7 +54,7 @@ from onepath.models.dense import DenseDecoder
 from onepath.models.moe import routing_agreement
 from onepath.numerics.spec import DTYPES, ExecutionSpec, check_same_spec
 from onepath.ops import Ops
-from onepath.tasks import arithmetic
+from onepath.tasks import arithmetic, word_problems
 from onepath.tasks.calculator import CalculatorEnv
 from onepath.train import checkpoint
 from onepath.train.actor import Responses
@@ -106,12 +106,13 @@ def _prepare(cfg: RunConfig, out: Path, progress: bool, data_dir: Path, first: b
         require_wandb()  # before the warm start, not after it
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
+    task = embedded_task(cfg.data.task)  # its tokenizer too, with the embedded model
     if cfg.data.train_path:
         train_rows = load_rows(cfg.data.train_path)
         test_rows = load_rows(cfg.data.val_path) if cfg.data.val_path else []
     else:
-        train_path, test_path = arithmetic.write_dataset(data_dir, cfg.data.seed, cfg.data.n_train, cfg.data.n_test,
-                                                         max_operand=cfg.data.max_operand)
+        train_path, test_path = task.write_dataset(data_dir, cfg.data.seed, cfg.data.n_train, cfg.data.n_test,
+                                                   max_operand=cfg.data.max_operand)
         train_rows, test_rows = load_rows(train_path), (load_rows(test_path) if cfg.data.n_test else [])
     if cfg.model.path:
         tokenizer = load_tokenizer(cfg.model.path)
@@ -119,20 +120,20 @@ def _prepare(cfg: RunConfig, out: Path, progress: bool, data_dir: Path, first: b
         model_config = load_config(cfg.model.path)
         state = load_state_dict(cfg.model.path)
     else:
-        tokenizer = arithmetic.build_tokenizer()
-        tok_config = arithmetic.tokenizer_config(tokenizer, model_max_length=cfg.rollout.max_model_len)
+        tokenizer = task.build_tokenizer()
+        tok_config = task.tokenizer_config(tokenizer, model_max_length=cfg.rollout.max_model_len)
         m = cfg.model
         model_config = ModelConfig(
             vocab_size=tokenizer.get_vocab_size(), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
             num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
             num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, model_type=m.model_type,
             max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
-            tie_word_embeddings=m.tie_word_embeddings, bos_token_id=arithmetic.BOS_ID,
-            eos_token_id=arithmetic.EOS_ID, pad_token_id=arithmetic.PAD_ID, num_experts=m.num_experts,
+            tie_word_embeddings=m.tie_word_embeddings, bos_token_id=task.BOS_ID,
+            eos_token_id=task.EOS_ID, pad_token_id=task.PAD_ID, num_experts=m.num_experts,
             num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
             norm_topk_prob=m.norm_topk_prob)
         state = None
-    eos = model_config.eos_token_ids or (arithmetic.EOS_ID,)
+    eos = model_config.eos_token_ids or (task.EOS_ID,)
     reward_fn = get_reward(cfg.train.reward)
     if cfg.train.overlong_buffer:
         reward_fn = overlong_penalty(reward_fn, cfg.rollout.max_tokens, cfg.train.overlong_buffer,
@@ -159,21 +160,38 @@ def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos
     fingerprint = hashlib.sha256(json.dumps([cfg.to_dict()[k] for k in ("model", "data", "warm_start")],
                                             sort_keys=True).encode()).hexdigest()[:16]
     where = out / "warm_start"
+    what = "worked solutions" if any(solution_of(row) for row in rows) else "answers"
     if (where / "fingerprint.txt").exists() and (where / "fingerprint.txt").read_text() == fingerprint:
-        say(f"warm start: {ws.steps} steps on the dataset's answers ({whose}), reused from {where}")
+        say(f"warm start: {ws.steps} steps on the dataset's {what} ({whose}), reused from {where}")
         return load_state_dict(where)
-    say(f"warm start: {ws.steps} steps on the dataset's answers ({whose})")
+    say(f"warm start: {ws.steps} steps on the dataset's {what} ({whose})")
     model = build_model(model_config, ExecutionSpec.default("baseline", cfg.device), cfg.rollout.max_model_len, state)
     examples = []
     for row in rows:
         p = tokenizer.encode(prompt_text(row)).ids
-        c = tokenizer.encode(str(row["reward_model"]["ground_truth"]), add_special_tokens=False).ids + [eos[0]]
+        c = tokenizer.encode(supervised_completion(row), add_special_tokens=False).ids + [eos[0]]
         examples.append((p, c))
     losses = warm_start(model, examples, ws.steps, ws.batch_size, ws.lr, ws.seed, cfg.rollout.block_size, progress)
     save_checkpoint(where, model.hf_state_dict(), model_config, tokenizer, tok_config)
     (where / "fingerprint.txt").write_text(fingerprint)
     say(f"warm start: loss {losses[0]:.3f} -> {sum(losses[-20:]) / len(losses[-20:]):.3f}")
     return model.hf_state_dict()
+
+
+def solution_of(row: dict) -> str | None:
+    """The row's worked solution (extra_info.solution: the embedded word problems', or a user's GSM8K-style), if any."""
+    solution = (row.get("extra_info") or {}).get("solution")
+    return solution if isinstance(solution, str) and solution.strip() else None
+
+
+def supervised_completion(row: dict) -> str:
+    """What the warm start teaches for a row: its worked solution where it has one, else its ground truth."""
+    return solution_of(row) or str(row["reward_model"]["ground_truth"])
+
+
+def embedded_task(name: str):
+    """The module of an embedded task (config.EMBEDDED_TASKS): its rows, tokenizer and special token ids."""
+    return {"arithmetic": arithmetic, "word_problems": word_problems}[name]
 
 
 class GRPOTrainer:
@@ -189,7 +207,8 @@ class GRPOTrainer:
     def __init__(self, cfg: RunConfig, mode: str, setup: Setup, run_dir: Path, resume: bool = False,
                  world: World = World()):
         self.cfg, self.setup, self.run_dir, self.world = cfg, setup, run_dir, world
-        self.spec = ExecutionSpec.default(mode, cfg.device, quant=cfg.quant)
+        self.spec = ExecutionSpec.default(mode, cfg.device, quant=cfg.quant)  # the rollout's
+        self.trainer_spec = trainer_spec(cfg, self.spec)  # the same but in a baseline run with trainer_quant
         found = checkpoint.latest(run_dir)
         if found is not None and not resume:
             raise ValueError(f"{run_dir} holds checkpoints of an earlier run ({found.name} the latest): pass --resume "
@@ -218,11 +237,11 @@ class GRPOTrainer:
             self.engine = LLMEngine(engine_model, **settings, eos_token_ids=setup.eos_token_ids,
                                     tokenizer=setup.tokenizer, record_routing=self.routing_check)
         if world.trains:
-            self.policy = build_model(setup.model_config, self.spec, max_len, init_state)
+            self.policy = build_model(setup.model_config, self.trainer_spec, max_len, init_state)
             self.actor = ACTORS[world.trainer](
                 self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm, t.lr_warmup_steps,
                 recompute=t.recompute, master_dtype=DTYPES[t.master_dtype] if t.master_dtype else None)
-        if self.engine is not None and self.policy is not None:
+        if self.engine is not None and self.policy is not None and self.trainer_spec is self.spec:
             check_same_spec(self.engine.model.ops.spec, self.policy.ops.spec)
         # every rank walks the same weight names in the sync (a rank with neither side walks none)
         holder = self.policy if self.policy is not None else self.engine.model if self.engine is not None else None
@@ -506,9 +525,13 @@ class GRPOTrainer:
         if first:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_yaml(self.cfg, self.run_dir / "config.yaml")
-            (self.run_dir / "spec.json").write_text(json.dumps({"hash": self.spec.hash(), "spec": self.spec.to_dict()},
-                                                               indent=2))
-            tqdm.write(f"[{self.spec.mode}] ExecutionSpec {self.spec.hash()} (engine and trainer)")
+            specs = {"hash": self.spec.hash(), "spec": self.spec.to_dict()}
+            if self.trainer_spec is not self.spec:
+                specs.update(trainer_hash=self.trainer_spec.hash(), trainer_spec=self.trainer_spec.to_dict())
+            (self.run_dir / "spec.json").write_text(json.dumps(specs, indent=2))
+            sides = ("(engine and trainer)" if self.trainer_spec is self.spec else
+                     f"(engine; the trainer's {self.trainer_spec.hash()}, trainer_quant {self.cfg.trainer_quant})")
+            tqdm.write(f"[{self.spec.mode}] ExecutionSpec {self.spec.hash()} {sides}")
             checkpoint.remove_leftovers(self.run_dir)
             kept = checkpoint.rewind_metrics(self.run_dir, self.start)
             history = [{k: v for k, v in r.items() if k != "step"} for r in kept]
