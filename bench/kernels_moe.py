@@ -15,8 +15,17 @@ and grouped / dense TFLOP/s (target >= 0.70). At decode the grouped call reads 1
 dense one reads one, so there it is bound by HBM: grouped_roofline_us = the bytes it must move /
 4.8 TB/s, grouped_fraction_of_hbm = roofline / grouped us (grouped_graph_...: of the graph replays),
 and grouped_over_dense_bound = dense us / roofline us, the most grouped / dense that reading those
-bytes allows (below the 0.70 target where the target cannot be met). Without CUDA it says so and
-exits 0.
+bytes allows (below the 0.70 target where the target cannot be met). The HBM peak is the device's
+(onepath/bench/roofline.hbm_peak: H200 4.8 TB/s, H100 3.35 TB/s).
+
+Block-FP8 W8A8 (ops/cuda/linear_grouped_fp8.py; the experts of an FP8 MoE, each expert's weight quantised
+128x128, the rows 1x128), per row as well:
+  grouped_fp8        one grouped FP8 launch on pre-quantised operands (the launcher's host work included);
+  grouped_fp8_graph  the same with the counts on the device, replayed from a CUDA graph;
+  quant_grouped_fp8_graph  the activation quantiser and the grouped launch together, replayed (the MoE's path);
+fp8_over_bf16 = grouped_graph us / grouped_fp8_graph us (target >= 1.5 at 8192 tokens), and
+grouped_fp8_fraction_of_hbm = the FP8 bytes the call must move / the HBM peak / grouped_fp8_graph us
+(target >= 0.8 at 256 tokens). Without CUDA it says so and exits 0.
 """
 from __future__ import annotations
 
@@ -37,7 +46,7 @@ PROJECTIONS = [("gate_up", 2 * MOE_INTERMEDIATE, HIDDEN, torch.bfloat16),
                ("down", HIDDEN, MOE_INTERMEDIATE, torch.float32)]
 TOKENS = [256, 8192]  # a decode step's batch, a training micro-batch
 TARGET = 0.70
-HBM_BYTES_PER_S = 4.8e12  # the H200's HBM3e peak
+FP8_TARGETS = {"fp8_over_bf16_at_8192": 1.5, "grouped_fp8_fraction_of_hbm_at_256": 0.8}
 
 
 def must_move(counts: list[int], n: int, k: int, out_dtype: torch.dtype) -> int:
@@ -45,6 +54,14 @@ def must_move(counts: list[int], n: int, k: int, out_dtype: torch.dtype) -> int:
     once, x's counted rows once, the output rows once."""
     rows = sum(counts)
     return 2 * (sum(1 for c in counts if c) * n * k + rows * k) + rows * n * torch.finfo(out_dtype).bits // 8
+
+
+def must_move_fp8(counts: list[int], n: int, k: int, out_dtype: torch.dtype) -> int:
+    """Bytes a grouped block-FP8 call must move at least: every routed expert's codes and 128x128 block
+    scales once, x's codes and 1x128 scales once, the output rows once."""
+    rows, kb = sum(counts), -(-k // 128)
+    weights = sum(1 for c in counts if c) * (n * k + 4 * -(-n // 128) * kb)
+    return weights + rows * (k + 4 * kb) + rows * n * torch.finfo(out_dtype).bits // 8
 
 
 def routed_counts(tokens: int, gen: torch.Generator) -> list[int]:
@@ -83,7 +100,24 @@ def graph_us(fn, rep_ms: int) -> float | None:
         return None
 
 
+def fp8_us(x, w, counts, out_dtype, rep_ms: int) -> dict:
+    """The grouped block-FP8 timings of the module docstring, on x and w quantised as an FP8 MoE does."""
+    from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
+    from onepath.ops.cuda.linear_grouped_fp8 import linear_grouped_fp8
+    from onepath.ops.cuda.quant import quantize_fp8
+    from onepath.ops.linear_quant import quantize_experts
+
+    qw, qa = quantize_experts(w, FP8_WEIGHT), quantize_fp8(x, FP8_ACT)
+    sizes = torch.tensor(counts, device="cuda")
+    return dict(
+        grouped_fp8=kernel_us(lambda: linear_grouped_fp8(qa, qw, counts, out_dtype), rep_ms),
+        grouped_fp8_graph=graph_us(lambda: linear_grouped_fp8(qa, qw, sizes, out_dtype), rep_ms),
+        quant_grouped_fp8_graph=graph_us(lambda: linear_grouped_fp8(quantize_fp8(x, FP8_ACT), qw, sizes, out_dtype),
+                                         rep_ms))
+
+
 def run(args) -> dict:
+    from onepath.bench.roofline import hbm_peak
     from onepath.ops.cuda.linear_grouped import linear_grouped, pick_grouped_config
     from onepath.ops.cuda.linear import linear, sm_count
 
@@ -91,11 +125,13 @@ def run(args) -> dict:
     sms = sm_count(torch.device("cuda"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     grouped_mm = stock_grouped_mm()
+    hbm, hbm_source = hbm_peak(torch.cuda.get_device_name())
     result = dict(environment("cuda"), command="python bench/kernels_moe.py " + " ".join(sys.argv[1:]),
                   shape=dict(hidden=HIDDEN, moe_intermediate=MOE_INTERMEDIATE, experts=NUM_EXPERTS, top_k=TOP_K),
-                  timing=KERNEL_TIMING + "; grouped_graph: CUDA graph replays (triton do_bench_cudagraph), median",
-                  target_grouped_over_dense=TARGET, hbm_bytes_per_s=HBM_BYTES_PER_S, rows=[])
-    table = []
+                  timing=KERNEL_TIMING + "; *_graph: CUDA graph replays (triton do_bench_cudagraph), median",
+                  target_grouped_over_dense=TARGET, fp8_targets=FP8_TARGETS, hbm_bytes_per_s=hbm,
+                  hbm_source=hbm_source, rows=[])
+    table, fp8_table = [], []
     for tokens in args.tokens:
         counts = routed_counts(tokens, gen)
         offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
@@ -106,7 +142,7 @@ def run(args) -> dict:
             cfg = pick_grouped_config(counts, n, x.dtype, sms, out_dtype)
             flops = 2.0 * rows * n * k
             moved = must_move(counts, n, k, out_dtype)
-            roofline_us = moved / HBM_BYTES_PER_S * 1e6
+            roofline_us = moved / hbm * 1e6
             sizes = torch.tensor(counts, device="cuda")
             per_expert = lambda fn: [fn(p, w[e]) for e, p in enumerate(x.split(counts)) if p.shape[0]]
             us = dict(
@@ -117,6 +153,8 @@ def run(args) -> dict:
                 torch_grouped_mm=stock_us(time_us, lambda: grouped_mm(x, w, offs)) if grouped_mm else None,
                 grouped_graph=graph_us(lambda: linear_grouped(x, w, sizes, out_dtype=out_dtype), args.rep_ms),
             )
+            if args.fp8:
+                us.update(fp8_us(x, w, counts, out_dtype, args.rep_ms))
             tflops = {key: flops / t * 1e-6 if t else None for key, t in us.items()}
             row = dict(tokens=tokens, rows=rows, projection=name, N=n, K=k, out_dtype=str(out_dtype),
                        config=f"{cfg.block_m}x{cfg.block_n}w{cfg.num_warps}s{cfg.num_stages}" + " tma" * cfg.tma,
@@ -127,13 +165,27 @@ def run(args) -> dict:
                        grouped_fraction_of_hbm=roofline_us / us["grouped"],
                        grouped_graph_fraction_of_hbm=roofline_us / us["grouped_graph"] if us["grouped_graph"] else None,
                        grouped_over_dense_bound=us["dense"] / roofline_us)
+            if args.fp8:
+                fp8_roofline_us = must_move_fp8(counts, n, k, out_dtype) / hbm * 1e6
+                fp8_graph, bf16_graph = us["grouped_fp8_graph"], us["grouped_graph"]
+                row.update(grouped_fp8_roofline_us=fp8_roofline_us,
+                           grouped_fp8_fraction_of_hbm=fp8_roofline_us / fp8_graph if fp8_graph else None,
+                           fp8_over_bf16=bf16_graph / fp8_graph if fp8_graph and bf16_graph else None)
             result["rows"].append(row)
             save_json(result, Path(args.out))
             table.append([str(tokens), name, row["config"], us["grouped"], us["grouped_graph"], us["dense"], us["loop"],
                           us["cublas_loop"], us["torch_grouped_mm"], tflops["grouped"], tflops["dense"],
                           row["grouped_gb_s"], row["grouped_fraction_of_hbm"], row["grouped_graph_fraction_of_hbm"],
                           row["grouped_over_dense"], row["grouped_over_dense_bound"]])
+            if args.fp8:
+                fp8_table.append([str(tokens), name, us["grouped_fp8"], us["grouped_fp8_graph"],
+                                  us["quant_grouped_fp8_graph"], us["grouped_graph"], row["fp8_over_bf16"],
+                                  row["grouped_fp8_fraction_of_hbm"]])
         torch.cuda.empty_cache()
+    if args.fp8:
+        print_table("Block-FP8 grouped expert GEMM (us: median; targets " + str(FP8_TARGETS) + ")",
+                    ["tokens", "proj", "fp8 us", "fp8 graph us", "quant+fp8 graph us", "bf16 graph us",
+                     "fp8/bf16 speed", "fp8 of HBM"], fp8_table)
     print_table(f"MoE expert GEMMs, {NUM_EXPERTS} experts top-{TOP_K}, hidden {HIDDEN}, moe_intermediate "
                 f"{MOE_INTERMEDIATE} (us: median; target grouped/dense >= {TARGET})",
                 ["tokens", "proj", "config", "grouped us", "graph us", "dense us", "loop us", "cuBLAS loop us",
@@ -147,6 +199,7 @@ def main():
     p.add_argument("--out", default="bench/results/moe/kernels-moe.json")
     p.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="tokens per call (rows = tokens x top-8)")
     p.add_argument("--rep-ms", type=int, default=200, help="do_bench time budget per measurement")
+    p.add_argument("--no-fp8", dest="fp8", action="store_false", help="leave out the block-FP8 grouped timings")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("kernels_moe: no CUDA device here; nothing timed (run it on a CUDA GPU)")

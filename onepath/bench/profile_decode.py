@@ -61,7 +61,7 @@ def timed_phases(engine: LLMEngine, steps: int) -> dict:
         t3 = time.perf_counter()
         for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2)):
             phases[name].append(seconds * 1e3)
-    graphs = getattr(engine.model, "capturable", True)  # a quantised or expert-parallel MoE decodes eagerly
+    graphs = getattr(engine.model, "capturable", True)  # an expert-parallel MoE decodes eagerly
     assert engine.runner.replayed_graph == graphs, f"the profiled steps {'did not replay' if graphs else 'replayed'} " \
         "a CUDA graph"
     return {name: statistics.median(v) for name, v in phases.items()}

@@ -17,8 +17,19 @@ from onepath.models.config import ModelConfig
 
 HBM_PEAK_B_S = 4.8e12
 HBM_PEAK_SOURCE = "NVIDIA H200 datasheet: HBM3e peak 4.8 TB/s"
+# HBM peaks by the device name torch reports: the H100 SXM5's HBM3, the H200's HBM3e (datasheets)
+HBM_PEAKS = {"H200": (4.8e12, HBM_PEAK_SOURCE), "H100": (3.35e12, "NVIDIA H100 SXM5 datasheet: HBM3 peak 3.35 TB/s")}
 COPY_CEILING_B_S = 4.2e12
 COPY_CEILING_SOURCE = "device-to-device copy (read+write) measured on the lent H200, ../shared/GPU.md"
+
+
+def hbm_peak(device_name: str) -> tuple[float, str]:
+    """(bytes/s, source) of the named GPU's HBM peak; the H200's where the name is not one of HBM_PEAKS'
+    (the source then says so)."""
+    for key, peak in HBM_PEAKS.items():
+        if key in device_name:
+            return peak
+    return HBM_PEAK_B_S, f"{HBM_PEAK_SOURCE} (assumed: {device_name!r} is not in HBM_PEAKS)"
 
 
 def experts_touched(config: ModelConfig, batch: int) -> float:

@@ -261,8 +261,8 @@ class MoeDecoder(DenseDecoder):
     @property
     def capturable(self) -> bool:
         """Whether decode steps may run in CUDA graphs: every sparse layer's experts read their counts on
-        the device (grouped launches; on the CPU and with quantised experts, loops read them on the host)
-        and none is expert-parallel (its all-to-alls take their split sizes on the host)."""
+        the device (grouped launches, quantised or not; on the CPU, loops read them on the host) and none
+        is expert-parallel (its all-to-alls take their split sizes on the host)."""
         return all(m.ep is None and m.experts.counts_on_device for m in self.modules() if isinstance(m, SparseMoeBlock))
 
     def __init__(self, config: ModelConfig, ops: Ops, max_positions: int | None = None):

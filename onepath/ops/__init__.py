@@ -47,9 +47,10 @@ class Ops:
 
     @property
     def grouped_experts(self) -> bool:
-        """True where the experts' GEMMs run as one grouped launch per projection (CUDA: consistent, our
-        kernel; baseline BF16, torch._grouped_mm)."""
-        return _linear.grouped_kernel(self.spec)
+        """True where the experts' GEMMs run through grouped_linear: one grouped launch per projection on
+        CUDA (consistent: our kernels, quantised too; baseline BF16 and FP8: torch._grouped_mm), and for
+        quantised experts on the CPU (a GEMM per expert on the stacked quantised weights)."""
+        return _linear.grouped_experts(self.spec)
 
     def grouped_on_device(self, weight) -> bool:
         """True where grouped_linear over `weight` [G, N, K] reads the counts on the device only (no host

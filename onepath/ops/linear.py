@@ -10,7 +10,7 @@ rounds to the weights' dtype first, as the stock engines do. A quantised op (its
 runs ops/linear_quant.py's forward on both sides instead. Backward: `reference` on the unquantised operands
 (straight-through). grouped_linear (the MoE experts, rows packed by expert) picks from GROUPED: our grouped
 kernel on consistent CUDA (each row the dense kernel's bits), torch._grouped_mm on baseline CUDA BF16, else
-linear() per group. Design notes and measurements: docs/ops/linear.md.
+linear() per group; quantised experts take linear_quant.grouped_quant_linear (each row quant_linear's bits). Design notes and measurements: docs/ops/linear.md.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops.autograd import apply_kernel
 from onepath.ops.host import to_device
-from onepath.ops.linear_quant import is_quantised, quant_linear
+from onepath.ops.linear_quant import grouped_quant_linear, is_quantised, quant_linear
 from onepath.ops.pinned import row_chunks
 
 
@@ -110,11 +110,22 @@ def grouped_reference(x, weight, counts: list[int] | torch.Tensor):
 
 
 def grouped_kernel(spec: ExecutionSpec, op: str = "linear") -> bool:
-    """True where grouped_linear is one grouped-GEMM launch rather than a linear() per group: our
-    kernel on consistent CUDA, torch._grouped_mm (where this torch has it) on baseline CUDA BF16."""
-    if is_quantised(spec.op(op)) or (spec.mode, spec.device) not in GROUPED:
+    """True where grouped_linear is one grouped-GEMM launch rather than a GEMM per group: our kernels on
+    consistent CUDA (quantised too), torch._grouped_mm (where this torch has it) on baseline CUDA BF16
+    (quantised: on the dequantised operands)."""
+    linear_op = spec.op(op)
+    if spec.device != "cuda":
         return False
-    return spec.mode == "consistent" or (spec.op(op).dtype == "bfloat16" and hasattr(torch, "_grouped_mm"))
+    if spec.mode == "consistent":
+        return True
+    return linear_op.dtype == "bfloat16" and hasattr(torch, "_grouped_mm")
+
+
+def grouped_experts(spec: ExecutionSpec, op: str = "linear") -> bool:
+    """True where the MoE experts run through grouped_linear rather than a linear() per expert: where it is
+    one launch, and for quantised experts on every backend (their stacked weights quantised once per
+    version, the groups looped over where no grouped kernel runs)."""
+    return grouped_kernel(spec, op) or is_quantised(spec.op(op))
 
 
 def stock_grouped_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -152,11 +163,14 @@ def grouped_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, c
     no host sync; the per-group loop reads it on the host. Such counts may sum to less than M (a fixed-size
     buffer): the rows past them are left unwritten by the grouped launches, zero by the loop."""
     out_dtype = out_dtype or x.dtype
+    reference = lambda x, w: grouped_reference(x, w, counts).to(out_dtype)
+    if is_quantised(spec.op(op)):
+        return apply_kernel(lambda x, w: grouped_quant_linear(spec, x, w, counts, out_dtype, op), reference, x, weight)
     make = GROUPED.get((spec.mode, spec.device)) if grouped_kernel(spec, op) else None
     if make is None or (make is stock_grouped_kernel and not stock_grouped_fits(x, weight)):
         return per_group(lambda part, g: linear(spec, part, weight[g], op=op, out_dtype=out_dtype),
                          x, counts, weight.shape[1], out_dtype)
-    return apply_kernel(make(counts, out_dtype), lambda x, w: grouped_reference(x, w, counts).to(out_dtype), x, weight)
+    return apply_kernel(make(counts, out_dtype), reference, x, weight)
 
 
 def grouped_cuda_kernel(counts, out_dtype: torch.dtype) -> Callable:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from onepath.numerics.quant import FP8Tensor, NVFP4Tensor, quantize
 from onepath.numerics.spec import ExecutionSpec, OpSpec, QuantSpec
-from onepath.ops.host import capturing
+from onepath.ops.host import capturing, to_device
 from onepath.ops.pinned import row_chunks
 
 FP8_BLOCK_K = 128
@@ -70,25 +70,47 @@ def check_formats(op: OpSpec, name: str) -> str:
                      "(fp8_e4m3 both), NVFP4 W4A16 (weight nvfp4, act None) or W4A4 (nvfp4 both)")
 
 
-def prepared_weight(weight: torch.Tensor, q: QuantSpec, operand_dtype: torch.dtype):
+def prepared_weight(weight: torch.Tensor, q: QuantSpec, operand_dtype: torch.dtype, dequantized: bool = False):
     """The weight as the GEMM takes it: an FP8Tensor, or (code * s_blk in operand_dtype, s_dec) for NVFP4;
-    from the parameter's cache while its version and storage are unchanged. A stale cache is rewritten
+    stacked expert weights [G, N, K] are quantised expert by expert (quantize_experts). `dequantized`: the
+    FP8 codes times their scales in operand_dtype instead (the baseline's stock grouped GEMM takes them).
+    From the parameter's cache while its version and storage are unchanged. A stale cache is rewritten
     in place, so a CUDA graph captured on it reads the new weights (refresh_quantized does it eagerly)."""
-    key = (q, operand_dtype, weight._version, weight.data_ptr(), tuple(weight.shape), weight.device)
+    key = (q, operand_dtype, dequantized, weight._version, weight.data_ptr(), tuple(weight.shape), weight.device)
     use_cache = getattr(weight, "quant_cache", True)
     hit = getattr(weight, "_quantized", None) if use_cache else None
     if hit is not None and (hit[0] == key or capturing(weight)):
         # while capturing, the graph reads the cache's storage; refresh_quantized keeps it current
         return hit[1]
     with torch.no_grad():
-        prepared = quantize(weight.detach(), q)
+        prepared = quantize_experts(weight.detach(), q) if weight.dim() == 3 else quantize(weight.detach(), q)
         if isinstance(prepared, NVFP4Tensor):
             prepared = (prepared.dequantize(operand_dtype, outer=False), torch.reciprocal(prepared.encode_scale))
-        if hit is not None and hit[0][:2] == key[:2] and _copy_into(hit[1], prepared):
+        elif dequantized:
+            per_expert = [expert(prepared, g) for g in range(weight.shape[0])] if weight.dim() == 3 else [prepared]
+            prepared = (torch.stack([q.dequantize(operand_dtype) for q in per_expert]).reshape(weight.shape),)
+        if hit is not None and hit[0][:3] == key[:3] and _copy_into(hit[1], prepared):
             prepared = hit[1]
     if use_cache:
         weight._quantized = (key, prepared)
     return prepared
+
+
+def quantize_experts(weight: torch.Tensor, q: QuantSpec) -> FP8Tensor | NVFP4Tensor:
+    """Stacked expert weights [G, N, K], each expert quantised alone as quantize(weight[g], q) would:
+    FP8 codes [G, N, K] with scales [G, ceil(N/r), ceil(K/128)]; NVFP4 codes [G, N, K], block scales
+    [G, N, ceil(K/16)] and an outer scale s_enc [G] (an expert's own amax). Blocks of whole rows never
+    straddle two experts, so their FP8 codes come from one call over [G * N, K]."""
+    g, n, k = weight.shape
+    if q.format == "fp8_e4m3" and n % q.block[0] == 0:
+        flat = quantize(weight.reshape(g * n, k), q)
+        return FP8Tensor(flat.codes.reshape(g, n, k), flat.scales.reshape(g, n // q.block[0], -1), flat.block, flat.rule)
+    parts = [quantize(w, q) for w in weight.unbind(0)]
+    if q.format == "fp8_e4m3":
+        return FP8Tensor(torch.stack([p.codes for p in parts]), torch.stack([p.scales for p in parts]),
+                         parts[0].block, parts[0].rule)
+    return NVFP4Tensor(torch.stack([p.codes for p in parts]), torch.stack([p.scales for p in parts]),
+                       torch.stack([p.encode_scale for p in parts]))
 
 
 def _tensors(q) -> list[torch.Tensor]:
@@ -117,7 +139,7 @@ def refresh_quantized(module: torch.nn.Module) -> None:
             hit = getattr(t, "_quantized", None)
             if hit is not None and id(t) not in seen:
                 seen.add(id(t))
-                prepared_weight(t, *hit[0][:2])
+                prepared_weight(t, *hit[0][:3])
 
 
 def fused_act_rule(spec: ExecutionSpec, block: int) -> QuantSpec | None:
@@ -213,6 +235,128 @@ def quant_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bia
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype).reshape(*lead, weight.shape[0])
+
+
+def group_of_rows(counts: list[int] | torch.Tensor, m: int, device) -> torch.Tensor:
+    """The group of each of m rows packed by group (counts[g] rows each), on the device, with no host sync
+    for tensor counts; rows past the counts' sum (a fixed-size buffer's unused tail) get the last group."""
+    if not isinstance(counts, torch.Tensor):
+        counts = to_device(counts, torch.int64, device)
+    ends = torch.cumsum(counts, 0)
+    rows = torch.arange(m, device=device, dtype=ends.dtype)
+    return torch.searchsorted(ends, rows, right=True).clamp_(max=counts.shape[0] - 1)
+
+
+def expert(q: FP8Tensor, g: int) -> FP8Tensor:
+    """Expert g's weight of stacked FP8 expert weights (quantize_experts)."""
+    return FP8Tensor(q.codes[g], q.scales[g], q.block, q.rule)
+
+
+def per_group_rows(fn, m: int, counts: list[int] | torch.Tensor, n: int, device) -> torch.Tensor:
+    """fn(rows, g) -> FP32 [len(rows), n] for each group's rows (a slice of 0..m, packed by group, the
+    counts read on the host); rows past the counts' sum come out zero."""
+    counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+    out = torch.zeros(m, n, dtype=torch.float32, device=device)
+    start = 0
+    for g, c in enumerate(counts):
+        if c:
+            out[start:start + c] = fn(slice(start, start + c), g)
+        start += c
+    return out
+
+
+def grouped_fp8_cuda(op: OpSpec, x, x2, qw, counts, out_dtype):
+    from onepath.ops.cuda.linear_grouped_fp8 import linear_grouped_fp8
+    from onepath.ops.cuda.quant import quantize_fp8
+    qa = attached_quantized(x, op.act)
+    return linear_grouped_fp8(qa if qa is not None else quantize_fp8(x2, op.act), qw, counts, out_dtype)
+
+
+def grouped_fp8_cpu(op: OpSpec, x, x2, qw, counts, out_dtype):
+    qa = quantize(x2, op.act)  # per row: each group's rows get the codes they would get alone
+    rows = lambda r, g: fp8_gemm(FP8Tensor(qa.codes[r], qa.scales[r], qa.block, qa.rule), expert(qw, g))
+    return per_group_rows(rows, x2.shape[0], counts, qw.codes.shape[1], x2.device).to(out_dtype)
+
+
+def grouped_fp8_library(op: OpSpec, x, x2, qw, counts, out_dtype):
+    (w,) = qw  # the dequantised weights
+    a = quantize(x2, op.act).dequantize(w.dtype)
+    return per_group_rows(lambda r, g: F.linear(a[r], w[g]).float(), x2.shape[0], counts, w.shape[1],
+                          x2.device).to(out_dtype)
+
+
+def grouped_fp8_stock(op: OpSpec, x, x2, qw, counts, out_dtype):
+    from onepath.ops.linear import stock_grouped, stock_grouped_fits
+    (w,) = qw  # the dequantised weights, in x's dtype: torch's grouped GEMM takes BF16
+    a = quantize(x2, op.act).dequantize(w.dtype)
+    if not stock_grouped_fits(a, w):
+        return grouped_fp8_library(op, x, x2, qw, counts, out_dtype)
+    return stock_grouped(a, w, counts).to(out_dtype)
+
+
+def grouped_nvfp4_cuda(op: OpSpec, a_op, w_op, counts):
+    from onepath.ops.cuda.linear_grouped import linear_grouped
+    return linear_grouped(a_op, w_op, counts, out_dtype=torch.float32)
+
+
+def grouped_nvfp4_cpu(op: OpSpec, a_op, w_op, counts):
+    return per_group_rows(lambda r, g: nvfp4_cpu(op, a_op[r], w_op[g]), a_op.shape[0], counts, w_op.shape[1],
+                          a_op.device)
+
+
+def grouped_nvfp4_library(op: OpSpec, a_op, w_op, counts):
+    return per_group_rows(lambda r, g: F.linear(a_op[r], w_op[g]).float(), a_op.shape[0], counts, w_op.shape[1],
+                          a_op.device)
+
+
+def grouped_nvfp4_stock(op: OpSpec, a_op, w_op, counts):
+    from onepath.ops.linear import stock_grouped, stock_grouped_fits
+    if not stock_grouped_fits(a_op, w_op):
+        return grouped_nvfp4_library(op, a_op, w_op, counts)
+    return stock_grouped(a_op, w_op, counts).float()
+
+
+# (mode, device) -> the grouped block-FP8 GEMM (op, x, x2 [M, K], prepared experts, counts, out_dtype) -> [M, N]
+GROUPED_FP8 = {
+    ("consistent", "cuda"): grouped_fp8_cuda,
+    ("consistent", "cpu"): grouped_fp8_cpu,
+    ("baseline", "cuda"): grouped_fp8_stock,
+    ("baseline", "cpu"): grouped_fp8_library,
+}
+# (mode, device) -> the grouped NVFP4 GEMM on the dequantised operands (op, a_op, w_op [G, N, K], counts) -> FP32 acc
+GROUPED_NVFP4 = {
+    ("consistent", "cuda"): grouped_nvfp4_cuda,
+    ("consistent", "cpu"): grouped_nvfp4_cpu,
+    ("baseline", "cuda"): grouped_nvfp4_stock,
+    ("baseline", "cpu"): grouped_nvfp4_library,
+}
+
+
+def grouped_quant_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor,
+                         out_dtype: torch.dtype, name: str = "linear") -> torch.Tensor:
+    """quant_linear's forward values for x [M, K], rows packed by group (counts[g] rows each), against the
+    stacked expert weights [G, N, K]: each row the bits quant_linear gives it against its expert's weight
+    alone (the same quantisers, per row; the consistent GEMMs' rows do not depend on the other rows). On
+    consistent CUDA one launch reads tensor counts on the device (no host sync: a CUDA graph holds it);
+    the baseline on CUDA runs torch's grouped GEMM on the dequantised operands (BF16: NVFP4's are exact
+    in it, FP8's rounded to it); the CPU loops over the groups. Rows past the counts' sum may be left
+    unwritten."""
+    op = spec.op(name)
+    fmt = check_formats(op, name)
+    backend = spec.mode, spec.device
+    operand_dtype = x.dtype if spec.device == "cuda" else torch.float32
+    x2 = x.reshape(-1, x.shape[-1])
+    if fmt == "fp8":
+        qw = prepared_weight(weight, op.weight, operand_dtype, dequantized=spec.mode == "baseline")
+        return GROUPED_FP8[backend](op, x, x2, qw, counts, out_dtype)
+    w_op, s_dec = prepared_weight(weight, op.weight, operand_dtype)
+    scale = s_dec[group_of_rows(counts, x2.shape[0], x.device)]  # each row's expert's outer scale
+    if fmt == "w4a4":
+        qa = quantize(x2, op.act)
+        a_op, scale = qa.dequantize(operand_dtype, outer=False), torch.reciprocal(qa.encode_scale) * scale[:, None]
+    else:
+        a_op, scale = x2.to(operand_dtype), scale[:, None]
+    return (GROUPED_NVFP4[backend](op, a_op, w_op, counts) * scale).to(out_dtype)
 
 
 def fp8_gemm(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

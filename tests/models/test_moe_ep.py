@@ -1,7 +1,8 @@
 """Expert parallelism over torch.distributed (gloo, 1, 2 and 4 processes): a token's log-probs have
 the same bits under every EP degree and either expert layout, and as in one process without EP, so an
 engine at EP a and a trainer at EP b agree. Each rank holds only its experts and its share of the
-sequences; the all-to-alls move rows, the merge runs on the token's rank in slot order. Negative
+sequences; the all-to-alls move rows, the merge runs on the token's rank in slot order; quantised experts
+(block-FP8, NVFP4 W4A4) keep it too. Negative
 controls: a merge in another order must show a difference under EP, and the baseline backend must move a
 row's bits with the batch (a one-token sequence alone against the batch: the one row size at which every CPU
 GEMM measured takes another kernel)."""
@@ -47,12 +48,14 @@ SEQUENCES = random_prompts(torch.Generator().manual_seed(3), 5, low=1, high=9)
 BOUNDS = {1: [0, 37], 2: [0, 37, 37], 4: [0, 10, 30, 37, 37]}  # block rows per rank: the last has none
 SLOT_SUM = moe.slot_sum
 GRAD_WEIGHTS = torch.randn(37, 48, generator=torch.Generator().manual_seed(6))
-CASES = [("consistent", "float32", "slot"), ("consistent", "bfloat16", "slot"),
-         ("consistent", "float32", "reversed")]
+# (mode, dtype, merge, quant): quantised experts (block-FP8, NVFP4 W4A4) run grouped on their stacked weights
+CASES = [("consistent", "float32", "slot", None), ("consistent", "bfloat16", "slot", None),
+         ("consistent", "float32", "reversed", None), ("consistent", "bfloat16", "slot", "fp8"),
+         ("consistent", "float32", "slot", "nvfp4_w4a4")]
 
 
-def model_for(mode: str, dtype: str):
-    return tiny_moe_model(mode, dtype=dtype, num_experts_per_tok=TOP_K)
+def model_for(mode: str, dtype: str, quant: str | None = None):
+    return tiny_moe_model(mode, dtype=dtype, num_experts_per_tok=TOP_K, quant=quant)
 
 
 def logprobs(model, sequences: list[list[int]]) -> list[torch.Tensor]:
@@ -84,18 +87,18 @@ def worker(rank: int, world: int, port: int, queue):
         degrees = [ep for ep in (1, 2, 4) if ep <= world]
         groups = {ep: [dist.new_group(list(range(g, g + ep))) for g in range(0, world, ep)] for ep in degrees}
         results = {}
-        for mode, dtype, merge in CASES:
+        for mode, dtype, merge, quant in CASES:
             moe.slot_sum = SLOT_SUM if merge == "slot" else reversed_slot_sum
             for ep in degrees:
                 group = groups[ep][rank // ep]
                 for layout in ("masked", "contiguous"):
-                    model = model_for(mode, dtype).expert_parallel(group)
+                    model = model_for(mode, dtype, quant).expert_parallel(group)
                     for block in model.modules():
                         if isinstance(block, moe.SparseMoeBlock):
                             block.layout = layout
                     mine = list(range(len(SEQUENCES)))[rank % ep::ep]
                     lps = logprobs(model, [SEQUENCES[i] for i in mine])
-                    results[mode, dtype, merge, ep, layout, rank] = dict(zip(mine, lps))
+                    results[mode, dtype, merge, quant, ep, layout, rank] = dict(zip(mine, lps))
             moe.slot_sum = SLOT_SUM
         # one block, the tokens split unevenly, the last rank with none: it still serves its experts
         block = model_for("consistent", "float32").expert_parallel().model.layers[0].mlp
@@ -129,13 +132,13 @@ def run(world: int) -> dict:
 @pytest.fixture(scope="module")
 def reference() -> dict:
     """One process, no EP, every sequence in one forward (the trainer's contiguous layout)."""
-    return {(mode, dtype): logprobs(model_for(mode, dtype), SEQUENCES) for mode, dtype, _ in CASES}
+    return {(mode, dtype, quant): logprobs(model_for(mode, dtype, quant), SEQUENCES) for mode, dtype, _, quant in CASES}
 
 
 def per_sequence(results: dict, case: tuple, ep: int, layout: str) -> list[torch.Tensor]:
     merged = {}
     for key, lps in results.items():
-        if key[:3] == case and key[3:5] == (ep, layout):
+        if key[:4] == case and key[4:6] == (ep, layout):
             merged.update(lps)
     return [merged[i] for i in range(len(SEQUENCES))]
 
@@ -144,19 +147,18 @@ def per_sequence(results: dict, case: tuple, ep: int, layout: str) -> list[torch
 def test_every_ep_degree_and_layout_gives_the_bits_of_one_process(world, reference):
     results = run(world)
     pairs = [(ep, layout) for ep in (1, 2, 4) if ep <= world for layout in ("masked", "contiguous")]
-    for mode, dtype, merge in CASES:
-        ref = reference[mode, dtype]
-        same = [all(torch.equal(a, b) for a, b in zip(per_sequence(results, (mode, dtype, merge), *p), ref))
-                for p in pairs]
+    for mode, dtype, merge, quant in CASES:
+        ref = reference[mode, dtype, quant]
+        case = (mode, dtype, merge, quant)
+        same = [all(torch.equal(a, b) for a, b in zip(per_sequence(results, case, *p), ref)) for p in pairs]
         if mode == "consistent" and merge == "slot":
-            assert all(same), (mode, dtype, dict(zip(pairs, same)))
+            assert all(same), (case, dict(zip(pairs, same)))
             # engine at EP a vs trainer at EP b: every pairing of (degree, layout) agrees
             for a in pairs:
                 for b in pairs:
-                    assert all(map(torch.equal, per_sequence(results, (mode, dtype, merge), *a),
-                                   per_sequence(results, (mode, dtype, merge), *b))), (a, b)
+                    assert all(map(torch.equal, per_sequence(results, case, *a), per_sequence(results, case, *b))), (a, b)
         else:  # negative control: another merge order moves bits
-            assert not all(same), (mode, dtype, merge)
+            assert not all(same), case
     block = model_for("consistent", "float32").model.layers[0].mlp
     x = torch.randn(37, 48, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():

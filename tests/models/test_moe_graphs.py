@@ -109,10 +109,13 @@ def on_cuda(mode: str, **options):
 def test_capturable_where_every_expert_count_stays_on_the_device():
     assert on_cuda("consistent").capturable and on_cuda("consistent", dtype="float32").capturable
     assert on_cuda("baseline").capturable  # torch._grouped_mm takes device offsets
-    # host counts: the CPU's per-expert loops, quantised experts, torch._grouped_mm refusing the shapes
-    # (FP32, or rows of 36 BF16 = 72 bytes), expert parallelism's all-to-all split sizes
+    # quantised experts: grouped launches on the stacked weights (ours; the baseline's torch._grouped_mm)
+    assert all(on_cuda(mode, quant=preset).capturable for mode in ("consistent", "baseline")
+               for preset in ("fp8", "nvfp4_w4a16", "nvfp4_w4a4"))
+    # host counts: the CPU's per-expert loops, torch._grouped_mm refusing the shapes (FP32, or rows of
+    # 36 BF16 = 72 bytes), expert parallelism's all-to-all split sizes
     assert not tiny_moe_model("consistent").capturable and not tiny_moe_model("baseline").capturable
-    assert not on_cuda("consistent", quant="fp8").capturable and not on_cuda("baseline", quant="fp8").capturable
+    assert not tiny_moe_model("consistent", quant="fp8").capturable
     assert not on_cuda("baseline", dtype="float32").capturable
     assert not on_cuda("baseline", moe_intermediate_size=36).capturable
     model = on_cuda("consistent")

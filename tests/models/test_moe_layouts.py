@@ -5,7 +5,7 @@ kernel chosen by M) must show a difference (negative control). Routing follows t
 import pytest
 import torch
 
-from onepath.models.moe import SparseMoeBlock, experts_contiguous, experts_masked
+from onepath.models.moe import LAYOUTS, SparseMoeBlock, experts_contiguous, experts_masked
 from tests.tiny import tiny_moe_model
 
 TOKENS = (1, 7, 33, 100)  # one token, under a chunk, two chunks, several chunks per expert
@@ -115,3 +115,55 @@ def test_baseline_cuda_experts_run_one_stock_grouped_gemm_per_projection(monkeyp
                 got = stock(x, experts, layout)
                 assert len(calls) == 2 and got.dtype == torch.float32, (layout, calls)
                 torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+
+
+def quantised_layouts_agree(mode: str, preset: str) -> list[bool]:
+    """Each case's expert rows through the block's experts (grouped_linear on the stacked quantised weights) in
+    both layouts, against every (token, slot) pair alone through the per-expert linear()."""
+    block = block_of(tiny_moe_model(mode, quant=preset))
+    results = []
+    with torch.no_grad():
+        for x, experts in cases(block, block.gate.weight.dtype):
+            want = alone(block, x, experts)
+            results += [torch.equal(block.experts(x, experts, layout), want) for layout in LAYOUTS]
+    return results
+
+
+@pytest.mark.parametrize("preset", ["fp8", "nvfp4_w4a16", "nvfp4_w4a4"])
+def test_quantised_experts_in_both_layouts_give_the_bits_of_each_pair_alone(preset):
+    assert block_of(tiny_moe_model("consistent", quant=preset)).experts.ops.grouped_experts
+    assert all(quantised_layouts_agree("consistent", preset))
+
+
+def test_negative_control_baseline_quantised_experts_move_with_the_layout():
+    assert not all(quantised_layouts_agree("baseline", "fp8"))
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+@pytest.mark.parametrize("preset", ["fp8", "nvfp4_w4a16", "nvfp4_w4a4"])
+def test_baseline_cuda_quantised_experts_run_one_stock_grouped_gemm_per_projection(monkeypatch, preset):
+    """The baseline CUDA spec's quantised experts, on CPU tensors: both layouts through torch._grouped_mm on
+    the dequantised operands (BF16), two launches a forward, close to the per-expert loop of the CPU baseline."""
+    from onepath.models.moe import Experts
+    from onepath.numerics.spec import ExecutionSpec
+    from onepath.ops import Ops, silu_mul
+    from onepath.ops.cuda import silu_mul as cuda_silu_mul
+
+    monkeypatch.setattr(cuda_silu_mul, "silu_mul", silu_mul.reference)
+    model = tiny_moe_model("baseline", dtype="bfloat16", quant=preset)
+    block = block_of(model)
+    stock = Experts(Ops(ExecutionSpec.default("baseline", "cuda", quant=preset)), model.config, torch.bfloat16)
+    stock.load_state_dict(block.experts.state_dict())
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    with torch.no_grad():
+        for x, experts in cases(block, torch.bfloat16):
+            want = alone(block, x, experts)
+            for layout in LAYOUTS:
+                calls.clear()
+                got = stock(x, experts, layout)
+                assert len(calls) == 2 and got.dtype == torch.float32, (layout, calls)
+                # BF16 operands and outputs against the CPU baseline's FP32 ones: a code of the SwiGLU output may
+                # flip, by a whole E2M1 step under W4A4
+                assert ((got - want).norm() / want.norm()).item() < (0.1 if preset == "nvfp4_w4a4" else 0.03)
