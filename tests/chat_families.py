@@ -96,12 +96,14 @@ def char_tokenizer(family: str) -> Tokenizer:
     return tok
 
 
-def write_chat_checkpoint(path, family: str, template: str | None = None, seed: int = 0, **config):
-    """A tiny random qwen3-architecture checkpoint with the character tokenizer and the family's template."""
+def write_chat_checkpoint(path, family: str, template: str | None = None, seed: int = 0, eos: str | None = None,
+                          **config):
+    """A tiny random qwen3-architecture checkpoint with the character tokenizer and the family's template;
+    eos: the config's EOS token (default the template's end of turn)."""
     from onepath.models.checkpoint import save_checkpoint
     from tests.tiny import tiny_model
     tok = char_tokenizer(family)
-    eos = tok.token_to_id(FAMILIES[family]["eos"])
+    eos = tok.token_to_id(eos or FAMILIES[family]["eos"])
     model = tiny_model("baseline", seed=seed, vocab_size=tok.get_vocab_size(), eos_token_id=eos, **config)
     save_checkpoint(path, model.hf_state_dict(), model.config, tok, tokenizer_config(family, template))
     return path
