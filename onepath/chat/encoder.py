@@ -109,10 +109,10 @@ class ChatEncoder:
             problem = self.episode_problem(probe_conversation(roles, reasoning))
             if problem is None:
                 return
-            problems.append(problem)
+            problems.append(f"{'with' if reasoning else 'without'} reasoning, {problem}")
         raise ChatTemplateError(f"chat template {self.template.source} cannot keep episodes token in, token out "
-                                f"with {'/'.join(roles)} messages: {problems[0]}; give a template that renders "
-                                "earlier turns as the model wrote them (data.chat_template PATH) — docs/chat.md")
+                                f"with {'/'.join(roles)} messages: {'; '.join(problems)}; give a template that "
+                                "renders earlier turns as the model wrote them (data.chat_template PATH), docs/chat.md")
 
     def episode_problem(self, conversation: list[dict]) -> str | None:
         """None when building `conversation` as an episode (each assistant turn as the template renders it,

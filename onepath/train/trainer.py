@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from onepath.chat.encoder import ChatEncoder
+from onepath.chat.tools import Toolbox, load_toolbox
 from onepath.config import RunConfig, dump_yaml, engine_settings, sampling_params, trainer_spec
 from onepath.numerics.diff import rollout_diff
 from onepath.engine.llm_engine import LLMEngine
@@ -55,8 +57,6 @@ from onepath.models.moe import routing_agreement
 from onepath.numerics.spec import DTYPES, ExecutionSpec, check_same_spec
 from onepath.ops import Ops
 from onepath.tasks import arithmetic, word_problems
-from onepath.chat.encoder import ChatEncoder
-from onepath.chat.tools import Toolbox, load_toolbox
 from onepath.tasks.calculator import CalculatorEnv
 from onepath.train import checkpoint
 from onepath.train.actor import Responses
@@ -83,6 +83,10 @@ class Setup:
     eos_token_ids: tuple
     prompts: Prompts | None = None      # rows' prompts as token ids (the chat template, when there is one)
     toolbox: Toolbox | None = None      # rollout.tools
+
+    def __post_init__(self):
+        if self.prompts is None:
+            self.prompts = Prompts(self.tokenizer)
 
 
 def build_model(model_config: ModelConfig, spec: ExecutionSpec, max_positions: int, state: dict | None) -> DenseDecoder:
@@ -342,15 +346,14 @@ class GRPOTrainer:
     def params(self, step: int) -> SamplingParams:
         # a multi-turn policy calls the calculator by ending its turn with "="; a chat turn ends with the
         # template's end-of-turn token, whatever the checkpoint's EOS
-        chat = self.setup.prompts.chat if self.setup.prompts is not None else None
+        chat = self.setup.prompts.chat
         stop = (self.setup.tokenizer.token_to_id("="),) if self.cfg.rollout.env == "calculator" else \
             (chat.end_of_turn_id,) if chat is not None and chat.end_of_turn_id not in self.setup.eos_token_ids else ()
         return sampling_params(self.cfg, self.cfg.rollout.seed * 1_000_003 + step,
                                stop_token_ids=tuple(t for t in stop if t is not None))
 
     def prompts(self, rows, n: int) -> list[list[int]]:
-        prompts = self.setup.prompts or Prompts(self.setup.tokenizer)
-        return [prompts.ids(row) for row in rows for _ in range(n)]
+        return [self.setup.prompts.ids(row) for row in rows for _ in range(n)]
 
     def generate(self, rows, params: SamplingParams, ids: list[int], n: int, what: str):
         """Every output, in order, on every rank; each rollout rank samples its share of the prompts."""
@@ -391,8 +394,7 @@ class GRPOTrainer:
                 outputs = self.generate(rows, params, ids, n, "rollout")
             else:
                 start_cached = self.engine.stats.cached_tokens
-                conversations = [self.setup.prompts.messages(row) if self.setup.prompts else None
-                                 for row in rows for _ in range(n)]
+                conversations = [self.setup.prompts.messages(row) for row in rows for _ in range(n)]
                 episodes = run_episodes(self.engine, self.prompts(rows, n), self.env, params,
                                         self.cfg.rollout.max_turns, episode_ids=ids, conversations=conversations)
         if self.env is None:
