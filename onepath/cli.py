@@ -120,7 +120,8 @@ def generate(argv: list[str]) -> int:
         "the run config's settings (rollout.*); rollout.max_model_len is at most the checkpoint's\n"
         "max_position_embeddings. Exit 1 when a prompt fails (the others still print).",
         epilog=settings_help(["onepath generate runs/demo/step_20 '12+3=' '7*8=' --rollout.max_tokens 4",
-                              "onepath generate CKPT 'Hello' --rollout.max_model_len 512 --rollout.temperature 0.7"]))
+                              "onepath generate CKPT 'Hello' --rollout.max_model_len 512 --rollout.temperature 0.7",
+                              "onepath generate CKPT 'Hello' --rollout.temperature 0   # greedy"]))
     parser.add_argument("model", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json)")
     parser.add_argument("prompts", nargs="+", help="prompts, before any option")
     parser.add_argument("--config", default=None, help="YAML run config (default: RunConfig's defaults)")

@@ -21,7 +21,8 @@ MODES = ("consistent", "baseline", "both")
 EMBEDDED_TASKS = ("arithmetic", "word_problems")  # onepath/tasks/<name>.py
 OLD_LOGPROB = ("verify", "every_n", "skip")
 CORRECTION_LEVELS = ("token", "sequence")
-ENVIRONMENTS = ("calculator",)
+ENVIRONMENTS = ("calculator", "tools")
+TOOL_FORMATS = ("auto", "hermes", "llama3", "deepseek")  # onepath/chat/tool_calls.py
 ROLLOUT_LAYOUTS = ("single", "dp", "ep")
 TRAINER_LAYOUTS = ("single", "fsdp", "ep")
 SAMPLING = {f.name: f.default for f in fields(SamplingParams)}  # the engine's defaults, defined there once
@@ -113,9 +114,18 @@ class DataSection(_Section):
     n_test: int = 200
     max_operand: int = 49
     seed: int = 0
+    # auto: the checkpoint's template (tokenizer_config.json or chat_template.jinja; the embedded model has
+    # none) | none: a chat list's contents joined as they are | PATH: a .jinja file or a tokenizer_config.json
+    chat_template: str = "auto"
+    chat_template_kwargs: dict | None = None  # extra template variables, e.g. {enable_thinking: false}
 
     def __post_init__(self):
         self._coerce()
+        self._require("chat_template", self.chat_template != "", "is empty",
+                      "give auto, none, or a template file (.jinja, or a tokenizer_config.json)")
+        self._require("chat_template_kwargs", self.chat_template_kwargs is None or all(
+            isinstance(k, str) and k.isidentifier() for k in self.chat_template_kwargs),
+            "must map names to values", "e.g. {enable_thinking: false}: each key is a template variable")
         self._require("task", self.task in EMBEDDED_TASKS, "is not an embedded task",
                       f"use one of {', '.join(EMBEDDED_TASKS)}")
         if self.train_path is None:
@@ -151,7 +161,7 @@ class WarmStartSection(_Section):
 class RolloutSection(_Section):
     NAME: ClassVar[str] = "rollout"
     n: int = 8
-    temperature: float = SAMPLING["temperature"]
+    temperature: float = SAMPLING["temperature"]  # 0 = greedy (onepath generate; training samples at > 0)
     top_k: int = SAMPLING["top_k"]   # 0 = off
     top_p: float = SAMPLING["top_p"]  # 1.0 = off
     max_tokens: int = 8
@@ -164,16 +174,27 @@ class RolloutSection(_Section):
     max_model_len: int = 64
     prefill_chunk_size: int | None = None
     seed: int = 0
-    env: str | None = None        # null: single-turn | calculator: multi-turn tool episodes
+    env: str | None = None        # null: single-turn | calculator | tools: multi-turn tool episodes
     max_turns: int = 3            # policy turns per episode when env is set
+    # env tools: the tools (calculator, or path/to/file.py:NAME, a function or a list of them) and the format the
+    # model writes calls in (auto: the one the chat template teaches)
+    tools: str | None = None
+    tool_format: str = "auto"
 
     def __post_init__(self):
         self._coerce()
         self._require("env", self.env is None or self.env in ENVIRONMENTS, "is not an environment",
                       f"use one of {', '.join(ENVIRONMENTS)}, or null for single-turn rollouts")
         self._require("max_turns", self.max_turns >= 1, "must be >= 1", "1 is one policy turn per episode")
+        self._require("tools", (self.tools is not None) == (self.env == "tools"),
+                      "is set without rollout.env = tools" if self.tools is not None else
+                      "is null but rollout.env = tools", "name the toolbox (calculator, or path/to/file.py:NAME) "
+                      "with rollout.env tools, and only then")
+        self._require("tool_format", self.tool_format in TOOL_FORMATS, "is not a tool-call format",
+                      f"use one of {', '.join(TOOL_FORMATS)}")
         self._require("n", self.n >= 1, "must be >= 1", "the group size is the number of samples per prompt")
-        self._finite_positive("temperature")
+        self._require("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
+                      "must be a finite number >= 0", "0 decodes greedily")
         self._require("top_k", self.top_k >= 0, "must be >= 0", "0 turns top-k off")
         self._require("top_p", 0 < self.top_p <= 1, "must be in (0, 1]", "1.0 turns top-p off")
         self._positive("max_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len")
@@ -217,13 +238,17 @@ class TrainSection(_Section):
     overlong_penalty_factor: float = 1.0
     seed: int = 0
     val_every: int = 5            # score the held-out split every N steps and at the last; 0 = off
-    val_temperature: float | None = None  # null = rollout.temperature
+    val_temperature: float | None = None  # null = rollout.temperature; 0 = greedy
     log_every: int = 1
     save_every: int = 0           # checkpoint run_dir/step_N (weights + trainer state) every N steps; 0 = last only
     keep_last: int = 2            # step_N checkpoints kept; older ones are deleted
     recompute: bool = False       # activation recomputation: each decoder layer's forward runs again in backward
     micro_batch_tokens: int | None = None  # forward + backward per micro-batch of whole sequences; null/0 = one
     master_dtype: str | None = None  # float32: AdamW steps FP32 copies of BF16 weights; null = the model's dtype
+    # DAPO dynamic sampling: groups whose rewards are all equal are dropped and more prompts sampled until the
+    # step has prompts_per_step groups, in at most max_gen_batches rollouts per step
+    filter_groups: bool = False
+    max_gen_batches: int = 4
 
     def __post_init__(self):
         self._coerce()
@@ -261,7 +286,9 @@ class TrainSection(_Section):
         if self.micro_batch_tokens == 0:
             self.micro_batch_tokens = None  # one spelling of "off", so a resumed run's config hash agrees
         if self.val_temperature is not None:
-            self._finite_positive("val_temperature")
+            self._require("val_temperature", math.isfinite(self.val_temperature) and self.val_temperature >= 0,
+                          "must be a finite number >= 0", "0 decodes greedily")
+        self._positive("max_gen_batches")
 
 
 @dataclass(slots=True)
@@ -345,6 +372,9 @@ class RunConfig(_Section):
         if self.train.overlong_buffer > self.rollout.max_tokens:
             raise ValueError(f"train.overlong_buffer = {self.train.overlong_buffer} > rollout.max_tokens = "
                              f"{self.rollout.max_tokens}: the penalty window must fit in the response length")
+        if self.train.filter_groups and self.parallel.trainer == "ep":
+            raise ValueError("train.filter_groups with parallel.trainer = 'ep': the kept groups may leave a rank "
+                             "without rows, and every ep rank must run each step's forward; use fsdp or single")
         ep = [side for side in ("rollout", "trainer") if getattr(self.parallel, side) == "ep"]
         if ep and self.model.path is None and self.model.model_type != "qwen3_moe":
             raise ValueError(f"parallel.{ep[0]} = 'ep' splits the experts, but model.model_type = "
@@ -555,6 +585,10 @@ def _convert(name: str, value, hint):
         if isinstance(value, str):
             return value
         raise ValueError(f"{name} = {_show(value)} must be a string: quote it in YAML")
+    if base is dict:
+        if isinstance(value, dict):
+            return value
+        raise ValueError(f"{name} = {_show(value)} must be a mapping, e.g. {{enable_thinking: false}}")
     raise TypeError(f"{name}: no conversion for type {hint}")
 
 

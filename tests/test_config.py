@@ -92,7 +92,15 @@ def test_missing_yaml_file(tmp_path):
 
 @pytest.mark.parametrize("make, match", [
     (lambda: RolloutSection(n=0), r"rollout.n = 0 must be >= 1"),
-    (lambda: RolloutSection(temperature=0.0), r"rollout.temperature = 0.0 must be a finite number > 0"),
+    (lambda: RolloutSection(temperature=-0.1), r"rollout.temperature = -0.1 must be a finite number >= 0: 0 decodes"),
+    (lambda: TrainSection(val_temperature=float("inf")), r"train.val_temperature = inf must be a finite number >= 0"),
+    (lambda: TrainSection(max_gen_batches=0), r"train.max_gen_batches = 0 must be >= 1"),
+    (lambda: RolloutSection(env="tools"), r"rollout.tools = None is null but rollout.env = tools: name the toolbox"),
+    (lambda: RolloutSection(tools="calculator"), r"rollout.tools = 'calculator' is set without rollout.env = tools"),
+    (lambda: RolloutSection(env="tools", tools="calculator", tool_format="xml"),
+     r"rollout.tool_format = 'xml' is not a tool-call format: use one of auto, hermes, llama3, deepseek"),
+    (lambda: DataSection(chat_template=""), r"data.chat_template = '' is empty: give auto, none, or a template file"),
+    (lambda: DataSection(chat_template_kwargs={"enable thinking": False}), r"data.chat_template_kwargs = .* must map"),
     (lambda: RolloutSection(top_p=1.5), r"rollout.top_p = 1.5 must be in \(0, 1\]"),
     (lambda: RolloutSection(max_tokens=64), r"rollout.max_tokens = 64 must be < rollout.max_model_len = 64"),
     (lambda: RolloutSection(num_blocks=3), r"rollout.num_blocks = 3 \* rollout.block_size = 16 is below"),
@@ -113,6 +121,9 @@ def test_validation_errors(make, match):
 
 def test_valid_edge_values():
     assert RolloutSection(max_num_batched_tokens=32, prefill_chunk_size=16).prefill_chunk_size == 16
+    assert RolloutSection(temperature=0.0).temperature == 0.0 and TrainSection(val_temperature=0).val_temperature == 0
+    cfg = load_run_config(None, ["--data.chat_template_kwargs", "{enable_thinking: false}"])
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
     assert DataSection(task="word_problems", train_path="t.parquet", val_path="v.parquet").val_path == "v.parquet"
     assert WarmStartSection(steps=0).steps == 0
 

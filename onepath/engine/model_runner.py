@@ -18,7 +18,7 @@ from array import array
 
 import torch
 
-from onepath.engine.sampling_params import sampling_tensors
+from onepath.engine.sampling_params import greedy_rows, sampling_tensors
 from onepath.engine.scheduler import ScheduledSeq
 from onepath.engine.sequence import PLACEHOLDER, Sequence
 from onepath.models.batch import ForwardBatch, SeqChunk
@@ -240,8 +240,10 @@ class ModelRunner:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> Sampled:
         """Draw each sequence's next token and its log-probability under the distribution it was drawn
         from: softmax(logits / temperature) restricted to top-k / top-p and renormalised."""
-        temperature, top_k, top_p = sampling_tensors([s.params for s in seqs], logits.device)
-        filtered = any(s.params.top_k or s.params.top_p < 1.0 for s in seqs)  # else no mask (and no sync)
+        params = [s.params for s in seqs]
+        temperature, top_k, top_p = sampling_tensors(params, logits.device)
+        filtered = any(p.top_k or p.top_p < 1.0 for p in params)  # else no mask (and no sync)
         keep = self.ops.sampling_mask(logits, temperature, top_k, top_p) if filtered else None
-        tokens, logprobs = self.ops.sample_with_logprobs(logits, temperature, self.sample_keys(seqs), keep)
+        tokens, logprobs = self.ops.sample_with_logprobs(logits, temperature, self.sample_keys(seqs), keep,
+                                                         greedy_rows(params, logits.device))
         return Sampled(seqs, tokens, logprobs)

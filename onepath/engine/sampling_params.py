@@ -1,4 +1,9 @@
-"""SamplingParams: how one request draws its tokens."""
+"""SamplingParams: how one request draws its tokens.
+
+temperature 0 decodes greedily: the token of largest logit among the top-k / top-p set (ties to the
+larger token id, the sampler's rule), and its reported log-prob is that of the untempered distribution
+(temperature 1, restricted to the same set), which the trainer recomputes bit for bit.
+"""
 from __future__ import annotations
 
 import math
@@ -19,10 +24,14 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int = 0
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
     def __post_init__(self):
-        if not _is_number(self.temperature) or not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature {self.temperature!r} must be a finite number > 0: "
-                             "greedy decoding is not supported yet; use 1.0 to sample from the model")
+        if not _is_number(self.temperature) or not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature {self.temperature!r} must be a finite number >= 0: 0 decodes greedily, "
+                             "1.0 samples from the model")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k {self.top_k!r} must be an int >= 1, or 0 to turn it off")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -44,10 +53,18 @@ class SamplingParams:
 
 def sampling_tensors(params: list[SamplingParams], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """temperature [N] FP32, top_k [N] int64, top_p [N] FP32, one row per params entry: the engine's sampler and
-    the trainer's log-probs read the same tensors, so they draw from and score one distribution."""
-    return (to_device([p.temperature for p in params], torch.float32, device),
+    the trainer's log-probs read the same tensors, so they draw from and score one distribution. A greedy
+    row's distribution is temperature 1's."""
+    return (to_device([p.temperature or 1.0 for p in params], torch.float32, device),
             to_device([p.top_k for p in params], torch.long, device),
             to_device([p.top_p for p in params], torch.float32, device))
+
+
+def greedy_rows(params: list[SamplingParams], device) -> torch.Tensor | None:
+    """[N] bool, True where the row decodes greedily; None when no row does."""
+    if not any(p.greedy for p in params):
+        return None
+    return to_device([p.greedy for p in params], torch.bool, device)
 
 
 def _is_int(x) -> bool:

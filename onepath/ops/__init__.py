@@ -120,10 +120,11 @@ class Ops:
     def sample(self, probs, keys):
         return _sampling.sample(probs, keys)
 
-    def sample_with_logprobs(self, logits, temperature, keys, keep=None):
+    def sample_with_logprobs(self, logits, temperature, keys, keep=None, greedy=None):
         """sample(probs(logits, temperature, keep), keys) and the tokens' token_logprobs in one call:
-        (tokens [N] int64, logprobs [N] FP32); on CUDA the probabilities never reach memory."""
-        return _sampling.sample_with_logprobs(self.spec, logits, temperature, keys, keep)
+        (tokens [N] int64, logprobs [N] FP32); greedy [N] bool rows take the argmax (ties to the larger
+        index). On CUDA the probabilities never reach memory."""
+        return _sampling.sample_with_logprobs(self.spec, logits, temperature, keys, keep, greedy)
 
     def topk(self, x, k):
         return _topk.topk(self.spec, x, k)

@@ -8,8 +8,14 @@ runs fused in one Triton pass (ops/cuda/sampling.py), on the same noise.
 sample_with_logprobs is the engine's sampler in one call: probs -> sample -> token_logprobs. On CUDA
 (consistent) it is one fused path whose probabilities stay in registers, with the same tokens and
 log-probs bit for bit; elsewhere it is those three ops.
+
+Greedy rows (temperature 0) take the largest logit among the kept tokens instead, ties to the larger
+index as the race's; their temperature row is 1 (SamplingParams), so the log-prob reported is the
+untempered distribution's, which the trainer's token_logprobs recomputes.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -72,24 +78,34 @@ def cuda_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 RACES = {"cpu": torch_race, "cuda": cuda_race}
 
 
+def greedy_tokens(logits: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The largest logit's index per row among keep (all when None), ties to the larger index. [N] int64."""
+    x = logits.float() if keep is None else logits.float().masked_fill(~keep, -math.inf)
+    return x.shape[-1] - 1 - torch.argmax(x.flip(-1), dim=-1)   # argmax returns the first of equal maxima
+
+
 def sample_with_logprobs(spec: ExecutionSpec, logits: torch.Tensor, temperature: torch.Tensor, keys: list[int],
-                         keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V], temperature [N], one key per row, keep [N, V] bool or None -> (tokens [N] int64,
-    logprobs [N] FP32): a draw from softmax(logits / temperature) restricted to keep, and its log-prob."""
-    return SAMPLERS[spec.mode, spec.device](spec, logits, temperature, keys, keep)
+                         keep: torch.Tensor | None = None,
+                         greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V], temperature [N], one key per row, keep [N, V] bool or None, greedy [N] bool or None ->
+    (tokens [N] int64, logprobs [N] FP32): a draw from softmax(logits / temperature) restricted to keep (the
+    argmax where greedy), and its log-prob."""
+    return SAMPLERS[spec.mode, spec.device](spec, logits, temperature, keys, keep, greedy)
 
 
-def unfused(spec: ExecutionSpec, logits, temperature, keys, keep):
+def unfused(spec: ExecutionSpec, logits, temperature, keys, keep, greedy=None):
     tokens = sample(LP.probs(spec, logits, temperature, keep), keys)
+    if greedy is not None:
+        tokens = torch.where(greedy, greedy_tokens(logits, keep), tokens)
     return tokens, LP.token_logprobs(spec, logits, tokens, temperature, keep)[0]
 
 
-def fused(spec: ExecutionSpec, logits, temperature, keys, keep):
+def fused(spec: ExecutionSpec, logits, temperature, keys, keep, greedy=None):
     from onepath.ops.cuda.sampling import sample_with_logprobs as fused_sampler
-    return fused_sampler(logits, temperature, to_device(keys, torch.int64, logits.device), keep)
+    return fused_sampler(logits, temperature, to_device(keys, torch.int64, logits.device), keep, greedy)
 
 
-# (mode, device) -> sampler (spec, logits, temperature, keys, keep) -> (tokens, logprobs)
+# (mode, device) -> sampler (spec, logits, temperature, keys, keep, greedy) -> (tokens, logprobs)
 SAMPLERS = {
     ("consistent", "cpu"): unfused,
     ("consistent", "cuda"): fused,

@@ -6,10 +6,8 @@ A row: {"data_source": str, "prompt": [{"role", "content"}, ...] or str, "abilit
 
 
 def prompt_text(row: dict) -> str:
-    """The prompt as one string: a chat list's contents concatenated, roles dropped.
-
-    v1 applies no chat template; a model that needs one gets its prompts pre-rendered.
-    """
+    """The prompt as one string: a chat list's contents concatenated, roles dropped. What the model reads
+    when no chat template is in use (data.chat_template, train/data.Prompts), and the reward's prompt."""
     prompt = row["prompt"]
     if isinstance(prompt, str):
         return prompt

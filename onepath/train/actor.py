@@ -44,6 +44,18 @@ class Responses:
             mask[i, :len(values)] = True
         return cls(prompt_ids, completion_ids, params, lp, mask)
 
+    @classmethod
+    def join(cls, parts: list["Responses"]) -> "Responses":
+        """The rows of several batches in order, padded to the widest."""
+        if len(parts) == 1:
+            return parts[0]
+        width = max(p.mask.shape[1] for p in parts)
+        pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))
+        routing = None if any(p.routing is None for p in parts) else [x for p in parts for x in p.routing]
+        return cls([x for p in parts for x in p.prompt_ids], [x for p in parts for x in p.completion_ids],
+                   [x for p in parts for x in p.params], torch.cat([pad(p.rollout_logprobs) for p in parts]),
+                   torch.cat([pad(p.mask) for p in parts]), routing)
+
     def select(self, rows: list[int]) -> "Responses":
         """Responses rows[0], rows[1], ... of this batch; the width T stays."""
         return Responses([self.prompt_ids[i] for i in rows], [self.completion_ids[i] for i in rows],

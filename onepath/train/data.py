@@ -1,7 +1,11 @@
-"""Dataset rows in verl's format, and the seeded prompt sampler.
+"""Dataset rows in verl's format, their prompts as token ids, and the seeded prompt sampler.
 
 A row: {"data_source": str, "prompt": [{"role", "content"}, ...] or str, "ability": str,
 "reward_model": {"style": str, "ground_truth": ...}, "extra_info": dict}.
+
+A chat-list prompt is rendered by the chat template (data.chat_template) with add_generation_prompt;
+without one its contents are joined as they are (tasks/rows.prompt_text). A string prompt is taken as
+already rendered, whatever the template.
 """
 
 import json
@@ -11,6 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from onepath.chat.encoder import ChatEncoder
+from onepath.chat.template import ChatTemplate, special_tokens
 from onepath.tasks.rows import prompt_text
 
 SUPPORTED = (".parquet", ".jsonl", ".json")
@@ -87,11 +93,46 @@ def _validate(row, where: str):
     prompt = row.get("prompt")
     ok = isinstance(prompt, str) or (
         isinstance(prompt, list)
-        and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt))
+        and all(isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
+                for m in prompt))
     if not ok or not prompt_text(row):
         raise ValueError(f"{where} has a missing or empty prompt ({prompt!r}): give it a "
-                         "non-empty string or a list of {'role', 'content'} messages, "
+                         "non-empty string or a list of {'role': str, 'content': str} messages, "
                          "or drop the row")
+
+
+def chat_template(choice: str, model_path: str | None, tokenizer_config: dict) -> ChatTemplate | None:
+    """data.chat_template: auto (the checkpoint's, if it ships one; the embedded model has none), none,
+    or a file (.jinja, or a tokenizer_config.json holding one)."""
+    if choice == "none":
+        return None
+    if choice == "auto":
+        template = ChatTemplate.from_checkpoint(model_path) if model_path else None
+        return template.check() if template is not None else None
+    return ChatTemplate.from_file(choice, special_tokens(tokenizer_config)).check()
+
+
+class Prompts:
+    """Rows' prompts as the model reads them: a chat list through the chat encoder (rendered with
+    add_generation_prompt, encoded without added special tokens), anything else as prompt_text
+    encoded with the tokenizer's own special tokens."""
+
+    def __init__(self, tokenizer, chat: ChatEncoder | None = None):
+        self.tokenizer, self.chat = tokenizer, chat
+
+    def ids(self, row: dict) -> list[int]:
+        if self.chat is not None and isinstance(row["prompt"], list):
+            return self.chat.prompt_ids(row["prompt"])
+        return self.tokenizer.encode(prompt_text(row)).ids
+
+    def messages(self, row: dict) -> list[dict] | None:
+        """The chat list an environment continues, or None for a string prompt."""
+        return [dict(m) for m in row["prompt"]] if isinstance(row["prompt"], list) else None
+
+    def describe(self) -> str:
+        if self.chat is None:
+            return "chat template: none; a chat-list prompt's contents are joined as they are (roles dropped)"
+        return f"chat template: {self.chat.template.source} (prompts rendered with add_generation_prompt)"
 
 
 def reward_kwargs(row: dict) -> dict:

@@ -36,11 +36,13 @@ class Episode:
     finish_reasons: list[str] = field(default_factory=list)        # the engine's, per policy turn
     finish_reason: str | None = None     # "done" (env), "max_turns", or "length" (max_model_len)
     reward_info: dict = field(default_factory=dict)                # the env's last answer
+    messages: list[dict] = field(default_factory=list)  # the conversation, for envs that speak a chat template
 
     @classmethod
-    def start(cls, episode_id: int, prompt: list[int]) -> "Episode":
+    def start(cls, episode_id: int, prompt: list[int], messages: list[dict] | None = None) -> "Episode":
         prompt = [int(t) for t in prompt]
-        return cls(episode_id, prompt, len(prompt), [False] * len(prompt), [0.0] * len(prompt))
+        return cls(episode_id, prompt, len(prompt), [False] * len(prompt), [0.0] * len(prompt),
+                   messages=list(messages or []))
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -88,9 +90,10 @@ def turn_request_id(episode_id: int, turn: int) -> int:
 
 def run_episodes(engine: LLMEngine, prompts: list[list[int]], env: Environment,
                  params: SamplingParams | list[SamplingParams], max_turns: int,
-                 episode_ids: list[int] | None = None) -> list[Episode]:
+                 episode_ids: list[int] | None = None, conversations: list[list[dict]] | None = None) -> list[Episode]:
     """Up to max_turns policy turns per episode; env.step after each. Env tokens returned after the
-    last turn are dropped (no policy turn would follow them), so a history ends with a policy token."""
+    last turn are dropped (no policy turn would follow them), so a history ends with a policy token.
+    conversations: each prompt's messages, the start of Episode.messages (chat environments)."""
     if not 1 <= max_turns <= MAX_TURNS:
         raise ValueError(f"max_turns {max_turns} must be in [1, {MAX_TURNS}]")
     params = params if isinstance(params, list) else [params] * len(prompts)
@@ -101,7 +104,8 @@ def run_episodes(engine: LLMEngine, prompts: list[list[int]], env: Environment,
     if len(set(episode_ids)) != len(episode_ids):
         raise ValueError("episode ids must be unique: they key each episode's sampling noise")
     max_len = engine.scheduler_config.max_model_len
-    episodes = [Episode.start(eid, p) for eid, p in zip(episode_ids, prompts)]
+    conversations = conversations or [None] * len(prompts)
+    episodes = [Episode.start(eid, p, m) for eid, p, m in zip(episode_ids, prompts, conversations)]
     live = list(range(len(episodes)))
     for turn in range(max_turns):
         if not live:
@@ -177,7 +181,11 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     n = max(len(episodes), 1)
     policy = sum(sum(e.policy_mask[e.num_prompt_tokens:]) for e in episodes)
     env = sum(len(e) - e.num_prompt_tokens for e in episodes) - policy
-    return {"episode/turns/mean": sum(e.turns for e in episodes) / n,
-            "episode/policy_tokens/mean": policy / n,
-            "episode/env_tokens/mean": env / n,
-            "episode/done_frac": sum(e.finish_reason == "done" for e in episodes) / n}
+    metrics = {"episode/turns/mean": sum(e.turns for e in episodes) / n,
+               "episode/policy_tokens/mean": policy / n,
+               "episode/env_tokens/mean": env / n,
+               "episode/done_frac": sum(e.finish_reason == "done" for e in episodes) / n}
+    for key in ("tool_calls", "tool_errors"):  # what a tool environment reports
+        if any(key in e.reward_info for e in episodes):
+            metrics[f"episode/{key}/mean"] = sum(e.reward_info.get(key, 0) for e in episodes) / n
+    return metrics

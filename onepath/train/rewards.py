@@ -5,10 +5,10 @@ extra_info; the trainer adds response_length (completion tokens).
 """
 
 import functools
-import importlib.util
 import math
 import threading
-from pathlib import Path
+
+from onepath.user_code import load_object
 
 
 def exact_answer(prompt: str, completion: str, ground_truth, **row) -> float:
@@ -68,23 +68,9 @@ def get_reward(name_or_path: str):
     if not sep or not path.endswith(".py"):
         raise ValueError(f"unknown reward {name_or_path!r}: use one of {', '.join(REWARDS)}, "
                          "or path/to/file.py:function_name")
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"reward file {file} not found (from {name_or_path!r}): "
-                                "check the path")
-    spec = importlib.util.spec_from_file_location(f"onepath_reward_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # the user's file: its own error, in one line
-        raise ValueError(f"reward file {file} failed to import: {type(e).__name__}: {e}: fix the file") from None
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise ValueError(f"reward file {file} has no function {name!r}: define "
-                         f"def {name}(prompt, completion, **row) -> float there, "
-                         "or fix the name after ':'")
+    fn = load_object(name_or_path, "reward", "def NAME(prompt, completion, **row) -> float")
     if not callable(fn):
-        raise ValueError(f"reward file {file}: {name!r} is a {type(fn).__name__}, not a function: define "
+        raise ValueError(f"reward file {path}: {name!r} is a {type(fn).__name__}, not a function: define "
                          f"def {name}(prompt, completion, **row) -> float")
     return fn
 

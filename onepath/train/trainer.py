@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from onepath.chat.encoder import ChatEncoder
+from onepath.chat.tools import Toolbox, load_toolbox
 from onepath.config import RunConfig, dump_yaml, engine_settings, sampling_params, trainer_spec
 from onepath.numerics.diff import rollout_diff
 from onepath.engine.llm_engine import LLMEngine
@@ -58,12 +60,13 @@ from onepath.tasks import arithmetic, word_problems
 from onepath.tasks.calculator import CalculatorEnv
 from onepath.train import checkpoint
 from onepath.train.actor import Responses
-from onepath.train.data import PromptSampler, load_rows, prompt_text, reward_kwargs
+from onepath.train.data import PromptSampler, Prompts, chat_template, load_rows, prompt_text, reward_kwargs
 from onepath.train.episodes import episode_metrics, episode_responses, masked_logprobs, run_episodes
 from onepath.train.grpo import NonFiniteError, group_advantages, policy_loss, rollout_correction
 from onepath.train.metrics import MetricsLogger, Timer, require_wandb
 from onepath.train.parallel import ACTORS, World, generate_in_lockstep, sync_weights
 from onepath.train.rewards import check_reward, get_reward, overlong_penalty, reward_problem
+from onepath.train.tool_env import ToolEnv
 from onepath.train.warm_start import warm_start
 
 
@@ -78,6 +81,12 @@ class Setup:
     test_rows: list
     reward_fn: object
     eos_token_ids: tuple
+    prompts: Prompts | None = None      # rows' prompts as token ids (the chat template, when there is one)
+    toolbox: Toolbox | None = None      # rollout.tools
+
+    def __post_init__(self):
+        if self.prompts is None:
+            self.prompts = Prompts(self.tokenizer)
 
 
 def build_model(model_config: ModelConfig, spec: ExecutionSpec, max_positions: int, state: dict | None) -> DenseDecoder:
@@ -102,6 +111,9 @@ def prepare(cfg: RunConfig, out: Path, progress: bool = True, world: World = Wor
 
 
 def _prepare(cfg: RunConfig, out: Path, progress: bool, data_dir: Path, first: bool = True) -> Setup:
+    if cfg.rollout.temperature == 0:
+        raise ValueError("rollout.temperature = 0 decodes greedily: every sample of a group would be the same and "
+                         "every advantage 0; train with a temperature > 0 (train.val_temperature 0 validates greedily)")
     if cfg.logger.wandb:
         require_wandb()  # before the warm start, not after it
     torch.manual_seed(cfg.train.seed)
@@ -134,6 +146,7 @@ def _prepare(cfg: RunConfig, out: Path, progress: bool, data_dir: Path, first: b
             norm_topk_prob=m.norm_topk_prob)
         state = None
     eos = model_config.eos_token_ids or (task.EOS_ID,)
+    prompts, toolbox = chat_prompts(cfg, tokenizer, tok_config, eos, train_rows, first)
     reward_fn = get_reward(cfg.train.reward)
     if cfg.train.overlong_buffer:
         reward_fn = overlong_penalty(reward_fn, cfg.rollout.max_tokens, cfg.train.overlong_buffer,
@@ -143,11 +156,38 @@ def _prepare(cfg: RunConfig, out: Path, progress: bool, data_dir: Path, first: b
         check_reward(reward_fn, cfg.train.reward, prompt_text(train_rows[0]), answer,
                      {**reward_kwargs(train_rows[0]),
                       "response_length": len(tokenizer.encode(answer, add_special_tokens=False).ids)})
-    state = warm_started(cfg, out, model_config, state, tokenizer, tok_config, train_rows, eos, progress, first)
-    return Setup(tokenizer, tok_config, model_config, state, train_rows, test_rows, reward_fn, eos)
+    state = warm_started(cfg, out, model_config, state, tokenizer, tok_config, train_rows, eos, progress, first,
+                         prompts)
+    return Setup(tokenizer, tok_config, model_config, state, train_rows, test_rows, reward_fn, eos, prompts, toolbox)
 
 
-def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos, progress, first=True) -> dict:
+def chat_prompts(cfg: RunConfig, tokenizer, tok_config: dict, eos: tuple, rows: list, first: bool):
+    """(Prompts, Toolbox or None): data.chat_template resolved (said in a line), rollout.tools loaded."""
+    template = chat_template(cfg.data.chat_template, cfg.model.path, tok_config)
+    toolbox = load_toolbox(cfg.rollout.tools) if cfg.rollout.tools else None
+    kwargs = cfg.data.chat_template_kwargs or {}
+    if template is None and kwargs:
+        raise ValueError(f"data.chat_template_kwargs = {kwargs} but no chat template is in use (data.chat_template = "
+                         f"{cfg.data.chat_template!r}): give a template, or drop the kwargs")
+    chat = None if template is None else ChatEncoder(template, tokenizer, tools=toolbox.schemas if toolbox else None,
+                                                     stop_token_ids=eos, **kwargs)
+    prompts = Prompts(tokenizer, chat)
+    if first:
+        none = " (the embedded model has none)" if chat is None and cfg.model.path is None else ""
+        tqdm.write(prompts.describe() + none)
+    if cfg.rollout.env == "tools":
+        if chat is None:
+            raise ValueError("rollout.env = tools needs a chat template (the tools, calls and results are written "
+                             "in its format): give model.path with one, or data.chat_template PATH")
+        strings = [i for i, row in enumerate(rows) if not isinstance(row["prompt"], list)]
+        if strings:
+            raise ValueError(f"rollout.env = tools continues conversations, but prompt row {strings[0]} is a string: "
+                             "give prompts as lists of {'role', 'content'} messages")
+    return prompts, toolbox
+
+
+def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos, progress, first=True,
+                 prompts: Prompts | None = None) -> dict:
     """Warm-start weights, reused from out/warm_start when its settings match; says which (rank 0)."""
     ws, say = cfg.warm_start, (tqdm.write if first else lambda line: None)
     whose = "the embedded model" if cfg.model.path is None else f"model.path {cfg.model.path}"
@@ -166,11 +206,12 @@ def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos
         return load_state_dict(where)
     say(f"warm start: {ws.steps} steps on the dataset's {what} ({whose})")
     model = build_model(model_config, ExecutionSpec.default("baseline", cfg.device), cfg.rollout.max_model_len, state)
+    prompts = prompts or Prompts(tokenizer)
+    end = prompts.chat.end_of_turn_id if prompts.chat is not None else eos[0]   # a chat turn ends with its own token
     examples = []
     for row in rows:
-        p = tokenizer.encode(prompt_text(row)).ids
-        c = tokenizer.encode(supervised_completion(row), add_special_tokens=False).ids + [eos[0]]
-        examples.append((p, c))
+        c = tokenizer.encode(supervised_completion(row), add_special_tokens=False).ids + [end]
+        examples.append((prompts.ids(row), c))
     losses = warm_start(model, examples, ws.steps, ws.batch_size, ws.lr, ws.seed, cfg.rollout.block_size, progress)
     save_checkpoint(where, model.hf_state_dict(), model_config, tokenizer, tok_config)
     (where / "fingerprint.txt").write_text(fingerprint)
@@ -187,6 +228,15 @@ def solution_of(row: dict) -> str | None:
 def supervised_completion(row: dict) -> str:
     """What the warm start teaches for a row: its worked solution where it has one, else its ground truth."""
     return solution_of(row) or str(row["reward_model"]["ground_truth"])
+
+
+def make_env(cfg: RunConfig, setup: Setup):
+    """rollout.env's environment for train/episodes.py, or None for single-turn rollouts."""
+    if cfg.rollout.env == "calculator":
+        return CalculatorEnv(setup.tokenizer, setup.eos_token_ids)
+    if cfg.rollout.env == "tools":
+        return ToolEnv(setup.prompts.chat, setup.toolbox, cfg.rollout.tool_format)
+    return None
 
 
 def embedded_task(name: str):
@@ -247,7 +297,7 @@ class GRPOTrainer:
         holder = self.policy if self.policy is not None else self.engine.model if self.engine is not None else None
         self.names = [name for name, _ in holder.named_parameters()] if holder is not None else []
         self.sampler = PromptSampler(setup.train_rows, seed=t.seed)
-        self.env = CalculatorEnv(setup.tokenizer, setup.eos_token_ids) if r.env == "calculator" else None
+        self.env = make_env(cfg, setup)
         # on CUDA a phase ends when its kernels do, not when they are queued
         self.timer = Timer(sync=torch.cuda.synchronize if cfg.device == "cuda" else None)
         if saved is not None:
@@ -294,13 +344,16 @@ class GRPOTrainer:
                                keep_last=self.cfg.train.keep_last)
 
     def params(self, step: int) -> SamplingParams:
-        # a multi-turn policy calls the calculator by ending its turn with "="
-        stop = (self.setup.tokenizer.token_to_id("="),) if self.env is not None else ()
+        # a multi-turn policy calls the calculator by ending its turn with "="; a chat turn ends with the
+        # template's end-of-turn token, whatever the checkpoint's EOS
+        chat = self.setup.prompts.chat
+        stop = (self.setup.tokenizer.token_to_id("="),) if self.cfg.rollout.env == "calculator" else \
+            (chat.end_of_turn_id,) if chat is not None and chat.end_of_turn_id not in self.setup.eos_token_ids else ()
         return sampling_params(self.cfg, self.cfg.rollout.seed * 1_000_003 + step,
                                stop_token_ids=tuple(t for t in stop if t is not None))
 
     def prompts(self, rows, n: int) -> list[list[int]]:
-        return [self.setup.tokenizer.encode(prompt_text(row)).ids for row in rows for _ in range(n)]
+        return [self.setup.prompts.ids(row) for row in rows for _ in range(n)]
 
     def generate(self, rows, params: SamplingParams, ids: list[int], n: int, what: str):
         """Every output, in order, on every rank; each rollout rank samples its share of the prompts."""
@@ -326,18 +379,24 @@ class GRPOTrainer:
         own = self.engine.stats.generated_tokens if self.engine is not None else 0
         return sum(self.world.gather(own))
 
-    def rollout(self, rows, step) -> tuple[Responses, list[str], dict]:
-        """Responses, the completion texts the reward reads, and rollout metrics."""
+    def rollout(self, rows, step, first_id: int = 0) -> tuple[Responses, list[str], dict]:
+        """Responses, the completion texts the reward reads, and rollout metrics. Request ids run from
+        step * 1_000_000 + first_id (a step's later rollouts, dynamic sampling's, start past the earlier ones)."""
         n, params = self.cfg.rollout.n, self.params(step)
-        ids = [step * 1_000_000 + i for i in range(len(rows) * n)]
+        if first_id + len(rows) * n > 1_000_000:
+            raise ValueError(f"step {step} would sample {first_id + len(rows) * n} responses, more than the "
+                             "1000000 request ids a step has: lower train.prompts_per_step * rollout.n or "
+                             "train.max_gen_batches")
+        ids = [step * 1_000_000 + first_id + i for i in range(len(rows) * n)]
         start_tokens = self.generated_tokens()
         with self.timer("gen"):
             if self.env is None:
                 outputs = self.generate(rows, params, ids, n, "rollout")
             else:
                 start_cached = self.engine.stats.cached_tokens
+                conversations = [self.setup.prompts.messages(row) for row in rows for _ in range(n)]
                 episodes = run_episodes(self.engine, self.prompts(rows, n), self.env, params,
-                                        self.cfg.rollout.max_turns, episode_ids=ids)
+                                        self.cfg.rollout.max_turns, episode_ids=ids, conversations=conversations)
         if self.env is None:
             responses = Responses.build([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
                                         [params] * len(outputs), [o.logprobs for o in outputs])
@@ -386,14 +445,45 @@ class GRPOTrainer:
         metrics.update(memory_metrics(self.cfg.device))
         return metrics
 
+    def sample_batch(self, step: int) -> tuple[Responses, torch.Tensor, dict]:
+        """The step's responses, their rewards and the rollout's metrics. With train.filter_groups (DAPO's
+        dynamic sampling) groups whose rewards are all equal (no advantage, no gradient) are dropped and
+        more prompts rolled out, up to train.max_gen_batches rollouts, until prompts_per_step groups are
+        kept; short of that the step trains on the groups it kept (on the last rollout's, if none)."""
+        t, n = self.cfg.train, self.cfg.rollout.n
+        parts, kept_groups, rounds, generated = [], 0, [], 0
+        while True:
+            rows = self.sampler.next_batch(t.prompts_per_step)
+            responses, texts, metrics = self.rollout(rows, step, first_id=len(rounds) * len(rows) * n)
+            lengths = responses.mask.sum(1)  # policy tokens only: env tokens are outside the mask
+            with self.timer("reward"):
+                rewards = self.score(rows, texts, lengths.tolist(), n)
+            rounds.append(metrics)
+            if not t.filter_groups:
+                return responses, rewards, metrics
+            grouped = rewards.view(-1, n)
+            keep = [g for g in range(len(rows)) if bool((grouped[g] != grouped[g, 0]).any())]
+            keep = keep[:t.prompts_per_step - kept_groups]
+            generated += len(rows)
+            if keep:
+                rows_kept = [g * n + j for g in keep for j in range(n)]
+                parts.append((responses.select(rows_kept), rewards[rows_kept]))
+                kept_groups += len(keep)
+            if kept_groups == t.prompts_per_step or len(rounds) == t.max_gen_batches:
+                break
+        if not parts:  # nothing to learn from in any rollout: train on the last one, as without filtering
+            parts = [(responses, rewards)]
+        metrics = {key: sum(m[key] for m in rounds) / (1 if key in SUMMED else len(rounds)) for key in rounds[0]}
+        responses, rewards = Responses.join([r for r, _ in parts]), torch.cat([w for _, w in parts])
+        metrics.update({"train/num_gen_batches": len(rounds), "train/num_groups": len(rewards) // n,
+                        "train/kept_groups_frac": kept_groups / generated})
+        return responses, rewards, metrics
+
     def train_step(self, step: int) -> dict:
         """Rollout, reward, forward and backward, update, weight sync; timings are the caller's."""
         t = self.cfg.train
-        rows = self.sampler.next_batch(t.prompts_per_step)
-        responses, texts, rollout_metrics = self.rollout(rows, step)
+        responses, rewards, rollout_metrics = self.sample_batch(step)
         lengths = responses.mask.sum(1)  # policy tokens only: env tokens are outside the mask
-        with self.timer("reward"):
-            rewards = self.score(rows, texts, lengths.tolist(), self.cfg.rollout.n)
         first_nan(responses.rollout_logprobs, "the engine's log-prob",
                   "the engine's weights or logits hold a NaN: check the checkpoint (model.path)")
         advantages = group_advantages(rewards, self.cfg.rollout.n, t.norm_adv_by_std)
@@ -550,6 +640,10 @@ class GRPOTrainer:
                 if step == t.steps or (t.save_every and step % t.save_every == 0):
                     self.save(step)
         return history
+
+
+# rollout metrics that add up over a step's rollouts (the others are averaged: each rollout has as many samples)
+SUMMED = ("generated_tokens", "perf/prefix_cache_hit_tokens")
 
 
 @contextmanager

@@ -211,3 +211,27 @@ def test_token_logprobs_rows_alone_with_negative_control():
     print(f"stock log_softmax logprob: {stock_lp} of {len(rows)} rows differ alone vs M=4096 "
           f"(expected 0: one block per row); stock entropy (.sum): {stock_entropy}")
     assert stock_entropy > 0, "negative control: the stock entropy's .sum(-1) gave every row the same bits"
+
+
+def test_greedy_rows_on_the_gpu_take_the_kept_argmax_and_the_temperature_1_logprob():
+    """Greedy rows in the fused sampler at V = 151936: ties planted in different spans go to the larger
+    index (torch.argmax, first maxima, differs: control), the log-prob is token_logprobs' at temperature 1,
+    the sampled rows keep their draw, and a greedy row alone has its bits in a batch."""
+    g = gen(7)
+    logits, _, temperature, keep, keys = batch(g, 9, torch.bfloat16)
+    top = (logits.float().max() + 1).to(torch.bfloat16)
+    for r, spots in enumerate([[3, 70000, 151935], [4096, 4097], [11, 16383, 16384]]):
+        logits[r, spots] = top
+        keep[r, spots] = True
+    greedy = torch.tensor([True, True, True, True, False, True, False, True, False], device="cuda")
+    temperature[greedy] = 1.0
+    tokens, lp = SA.sample_with_logprobs(logits, temperature, keys, keep, greedy)
+    want = ref.greedy_tokens(logits, keep)
+    assert torch.equal(tokens[greedy], want[greedy]) and tokens[:3].tolist() == [151935, 4097, 16384]
+    first = torch.argmax(logits.float().masked_fill(~keep, float("-inf")), dim=-1)
+    assert first[:3].tolist() == [3, 4096, 11]
+    assert torch.equal(lp, LP.token_logprobs(logits, tokens, temperature, keep)[0])
+    plain = SA.sample_with_logprobs(logits, temperature, keys, keep)
+    assert torch.equal(tokens[~greedy], plain[0][~greedy]) and torch.equal(lp[~greedy], plain[1][~greedy])
+    one = SA.sample_with_logprobs(logits[:1], temperature[:1], keys[:1], keep[:1], greedy[:1])
+    assert torch.equal(one[0], tokens[:1]) and torch.equal(one[1], lp[:1])

@@ -127,3 +127,62 @@ def test_keys_differing_in_high_bits_give_different_noise():
     key = sample_key(1, 2, 3)
     noise = exponential_noise(torch.tensor([key, key ^ (1 << 40)]), 8)
     assert not torch.equal(noise[0], noise[1])
+
+
+def _tied(gen, rows=7, vocab=301):
+    """BF16 logits with the row maximum planted at several positions (ties in one block and across it)."""
+    logits = (torch.randn(rows, vocab, generator=gen) * 2).bfloat16()
+    for r in range(rows):
+        at = torch.randperm(vocab, generator=gen)[:1 + r % 3]
+        logits[r, at] = (logits[r].float().max() + 1).bfloat16()
+    return logits
+
+
+@pytest.mark.parametrize("mode", ["consistent", "baseline"])
+def test_greedy_rows_take_the_largest_kept_logit_ties_to_the_larger_index(mode, gen):
+    ops = Ops(ExecutionSpec(mode=mode))
+    logits = _tied(gen)
+    rows, vocab = logits.shape
+    keep = torch.ones(rows, vocab, dtype=torch.bool)
+    keep[1, logits[1].float().argmax()] = False               # a maximum outside the top-k/top-p set
+    keep[1, -1] = True
+    greedy = torch.tensor([True] * 5 + [False] * 2)
+    temperature = torch.ones(rows)
+    temperature[5:] = torch.tensor([0.6, 1.4])                # greedy rows carry temperature 1 (SamplingParams)
+    keys = [sample_key(8, r, 2) for r in range(rows)]
+    tokens, lp = ops.sample_with_logprobs(logits, temperature, keys, keep, greedy)
+    x = logits.float().masked_fill(~keep, float("-inf"))
+    for r in range(5):
+        maxima = (x[r] == x[r].max()).nonzero()[:, 0]
+        assert int(tokens[r]) == int(maxima.max()), f"row {r}: {int(tokens[r])} vs maxima {maxima.tolist()}"
+    # control: torch.argmax takes the first of equal maxima, so the planted ties pick other tokens there
+    assert not torch.equal(torch.argmax(x[:5], dim=-1), tokens[:5])
+    # the reported log-prob is the untempered distribution's (restricted to keep), as the trainer scores it
+    assert torch.equal(lp, ops.token_logprobs(logits, tokens, temperature, keep)[0])
+    plain = ops.sample_with_logprobs(logits, temperature, keys, keep)
+    assert torch.equal(tokens[5:], plain[0][5:]) and torch.equal(lp[5:], plain[1][5:])
+
+
+def test_greedy_row_alone_equals_row_in_batch(consistent, gen):
+    ops = Ops(consistent)
+    probe = _tied(gen, 1)
+    alone = ops.sample_with_logprobs(probe, torch.ones(1), [sample_key(1, 0, 0)], None, torch.tensor([True]))
+    for m in (2, 5, 33):
+        logits, at = _tied(gen, m), int(torch.randint(0, m, (1,), generator=gen))
+        logits[at] = probe[0]
+        greedy = torch.rand(m, generator=gen) < 0.5
+        greedy[at] = True
+        tokens, lp = ops.sample_with_logprobs(logits, torch.ones(m), [sample_key(1, r, 0) for r in range(m)],
+                                              None, greedy)
+        assert torch.equal(tokens[at:at + 1], alone[0]) and torch.equal(lp[at:at + 1], alone[1]), f"M {m}"
+
+
+def test_greedy_sampling_params():
+    from onepath.engine.sampling_params import SamplingParams, greedy_rows, sampling_tensors
+    params = [SamplingParams(temperature=0.0, top_k=5), SamplingParams(temperature=0.7)]
+    assert params[0].greedy and not params[1].greedy
+    temperature, _, _ = sampling_tensors(params, "cpu")
+    assert temperature.tolist() == [1.0, pytest.approx(0.7)]
+    assert greedy_rows(params, "cpu").tolist() == [True, False] and greedy_rows(params[1:], "cpu") is None
+    with pytest.raises(ValueError, match=r"temperature -0.5 must be a finite number >= 0: 0 decodes greedily"):
+        SamplingParams(temperature=-0.5)

@@ -14,7 +14,9 @@ from __future__ import annotations
 from tests.interpret import check_recorder, interpreted_checks, patch_libdevice_log1p, print_checks
 
 CHECKS = ["race_equals_torch_race", "planted_near_ties", "bound_below_exponential", "sample_equals_torch_race",
-          "sample_rows_alone_equal_rows_in_batch", "sample_sparse_row_equals_torch_race"]
+          "sample_rows_alone_equal_rows_in_batch", "sample_sparse_row_equals_torch_race",
+          "greedy_takes_the_largest_kept_logit", "greedy_ties_go_to_the_larger_index", "greedy_logprob_is_temperature_1",
+          "greedy_rows_leave_sampled_rows_alone"]
 
 
 def _race_checks(record, gen) -> None:
@@ -51,6 +53,41 @@ def _race_checks(record, gen) -> None:
            "fused race winner differs from the torch race on a sparse row")
 
 
+def _greedy_checks(record, gen) -> None:
+    """The fused sampler's greedy rows: the largest kept logit, ties (within a block, across blocks and spans)
+    to the larger index; the log-prob is token_logprobs' at temperature 1; the sampled rows keep their draw."""
+    import torch
+
+    from onepath.ops import sampling as SA
+    from onepath.ops.cuda import logprobs as LP
+    from onepath.ops.cuda import sampling
+
+    vocab, n = 40000, 6   # three spans, the last partial
+    logits = (torch.randn(n, vocab, generator=gen) * 2).bfloat16()
+    top = (logits.float().max() + 1).bfloat16()
+    logits[0, [7, 20000, 39000]] = top          # equal maxima in three spans: 39000
+    logits[1, [100, 101, 1500]] = top           # within a block and across blocks of one span: 1500
+    logits[2, [5, 17000]] = top                 # 17000 is not kept: 5
+    keep = torch.ones(n, vocab, dtype=torch.bool)
+    keep[2, 17000] = False
+    keep[3, torch.randperm(vocab, generator=gen)[:30000]] = False
+    greedy = torch.tensor([True, True, True, True, False, False])
+    temperature = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.7, 1.3])   # a greedy row's is 1 (SamplingParams)
+    keys = torch.tensor([SA.sample_key(2, r, 5) for r in range(n)])
+    tokens, lp = sampling.sample_with_logprobs(logits, temperature, keys, keep, greedy)
+    want = SA.greedy_tokens(logits, keep)
+    record("greedy_takes_the_largest_kept_logit", torch.equal(tokens[:4], want[:4]) and tokens[:3].tolist() ==
+           [39000, 1500, 5], f"{tokens[:4].tolist()} vs {want[:4].tolist()}")
+    first = torch.argmax(logits.float().masked_fill(~keep, float("-inf")), dim=-1)
+    record("greedy_ties_go_to_the_larger_index", first[:2].tolist() == [7, 100],
+           f"control: torch.argmax's first maxima {first[:2].tolist()} should differ from the rule's")
+    lp_want = LP.token_logprobs(logits, tokens, temperature, keep)[0]
+    record("greedy_logprob_is_temperature_1", torch.equal(lp, lp_want), f"{lp.tolist()} vs {lp_want.tolist()}")
+    sampled, sampled_lp = sampling.sample_with_logprobs(logits, temperature, keys, keep)
+    record("greedy_rows_leave_sampled_rows_alone", torch.equal(tokens[4:], sampled[4:]) and
+           torch.equal(lp[4:], sampled_lp[4:]), f"{tokens[4:].tolist()} vs {sampled[4:].tolist()}")
+
+
 def _run_checks() -> dict:
     global SA   # bound_kernel below is interpreted in this module's globals
     from tests.interpret import patch_bf16_rounding
@@ -68,6 +105,7 @@ def _run_checks() -> dict:
     gen = torch.Generator().manual_seed(0)
     results, record = check_recorder()
     _race_checks(record, gen)
+    _greedy_checks(record, gen)
 
     vocab = 40000   # three spans of SPAN = 16384, the last partial
     keys = torch.tensor([ref.sample_key(9, r, 3) for r in range(8)])

@@ -48,7 +48,7 @@ def row_pointers(logits_ptr, keep_ptr, row, logits_stride, keep_row_stride, VEC:
 
 
 @triton.jit
-def _load_chunk(l_row, k_row, start, keep_chunk_stride, cols, V, BLOCK: tl.constexpr):
+def load_chunk(l_row, k_row, start, keep_chunk_stride, cols, V, BLOCK: tl.constexpr):
     """Raw logits (FP32, -inf outside the row or where not kept) and the kept flags of one chunk. The
     logits are read whole (vector loads that need not wait for keep's), then masked."""
     offs = start + cols
@@ -72,7 +72,7 @@ def _scaled(raw, t):
 @triton.jit
 def chunk_exp(l_row, k_row, start, keep_chunk_stride, cols, V, t, m, BLOCK: tl.constexpr):
     """e = exp(x - m) of one chunk, 0 where not kept: the probabilities are div_rn(e, S)."""
-    raw, kept = _load_chunk(l_row, k_row, start, keep_chunk_stride, cols, V, BLOCK)
+    raw, kept = load_chunk(l_row, k_row, start, keep_chunk_stride, cols, V, BLOCK)
     return tl.where(kept, tl.exp(_scaled(raw, t) - m), 0.0)
 
 
@@ -85,7 +85,7 @@ def _chunk_stats_kernel(logits_ptr, keep_ptr, temp_ptr, part_ptr, logits_stride,
     chunks = tl.cdiv(V, BLOCK)
     l_row, k_row = row_pointers(logits_ptr, keep_ptr, row, logits_stride, keep_row_stride, VEC)
     t = tl.load(temp_ptr + row).to(tl.float32)
-    raw, kept = _load_chunk(l_row, k_row, chunk * BLOCK, keep_chunk_stride, tl.arange(0, BLOCK), V, BLOCK)
+    raw, kept = load_chunk(l_row, k_row, chunk * BLOCK, keep_chunk_stride, tl.arange(0, BLOCK), V, BLOCK)
     m = _scaled(tl.max(raw, axis=0), t)
     d = tl.where(kept, _scaled(raw, t) - m, 0.0)
     e = tl.where(kept, tl.exp(d), 0.0)
@@ -120,10 +120,10 @@ def _finish_kernel(logits_ptr, keep_ptr, temp_ptr, stats_ptr, tokens_ptr, best_p
                    PICK: tl.constexpr, SPANS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     l_row, k_row = row_pointers(logits_ptr, keep_ptr, row, logits_stride, keep_row_stride, VEC)
-    if PICK:   # the race's span winners: the largest value, ties to the later span (hence the larger index)
+    if PICK:   # the span winners (race values, or a greedy row's logits): the largest, ties to the later span
         s = tl.arange(0, SPANS)
-        best = tl.load(best_ptr + row * num_spans + s, mask=s < num_spans, other=-2.0)
-        last = tl.max(tl.where(best == tl.max(best, axis=0), s, -1), axis=0)
+        best = tl.load(best_ptr + row * num_spans + s, mask=s < num_spans, other=float("-inf"))
+        last = tl.max(tl.where((best == tl.max(best, axis=0)) & (s < num_spans), s, -1), axis=0)
         tok = tl.load(index_ptr + row * num_spans + last)
         tl.store(tokens_ptr + row, tok)
     else:

@@ -23,6 +23,10 @@ sample_with_logprobs is the engine's sampler: logprobs.row_stats (one read of th
 on p = div_rn(e, S) from logprobs.chunk_exp and those stats (the probs kernel's values bit for bit,
 never written to HBM; a second read), then logprobs.finish picks the token and computes its log-prob
 with the trainer's token_logprobs arithmetic. Four launches; no [N, V] tensor.
+
+A greedy row skips the race: its spans keep the largest kept logit (as FP64, exact) and its index,
+ties to the larger index, and finish merges the spans by the same rule. Its temperature row is 1, so
+the log-prob finish computes is the untempered distribution's.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from onepath.ops.cuda import logprobs as LP
-from onepath.ops.cuda.logprobs import chunk_exp, row_pointers
+from onepath.ops.cuda.logprobs import chunk_exp, load_chunk, row_pointers
 from onepath.ops.splitmix import GOLDEN, MIX1, MIX2, signed64
 
 BLOCK = 1024        # the unit of the race-or-skip decision
@@ -94,24 +98,41 @@ def _race_kernel(probs_ptr, keys_ptr, best_ptr, index_ptr, V, stride_row, golden
     tl.store(index_ptr + row * tl.num_programs(1) + span, best_index)
 
 
+@triton.jit
+def _argmax_block(raw, i, best, best_index):
+    """(best, best_index) after the raw logits of block i (-inf where not kept or past V): the largest,
+    ties to the later block and within a block to the larger index."""
+    top = tl.max(raw, axis=0).to(tl.float64)
+    take = (top >= best) & (top > float("-inf"))
+    best_index = tl.where(take, tl.max(tl.where(raw == top, i, -1), axis=0).to(tl.int64), best_index)
+    return tl.where(take, top, best), best_index
+
+
 @triton.jit(do_not_specialize=["logits_stride", "keep_row_stride", "keep_chunk_stride"],
-            do_not_specialize_on_alignment=["temp_ptr"])
-def _sample_kernel(logits_ptr, keep_ptr, temp_ptr, stats_ptr, keys_ptr, best_ptr, index_ptr, logits_stride,
-                   keep_row_stride, keep_chunk_stride, V, golden, mix1, mix2, VEC: tl.constexpr,
+            do_not_specialize_on_alignment=["temp_ptr", "greedy_ptr"])
+def _sample_kernel(logits_ptr, keep_ptr, temp_ptr, stats_ptr, keys_ptr, greedy_ptr, best_ptr, index_ptr,
+                   logits_stride, keep_row_stride, keep_chunk_stride, V, golden, mix1, mix2, VEC: tl.constexpr,
                    BLOCK: tl.constexpr, SPAN: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     span = tl.program_id(1)
     l_row, k_row = row_pointers(logits_ptr, keep_ptr, row, logits_stride, keep_row_stride, VEC)
-    t = tl.load(temp_ptr + row).to(tl.float32)
-    m, s = tl.load(stats_ptr + row * 3), tl.load(stats_ptr + row * 3 + 1)
-    key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True)
-    g, m1, m2 = golden.to(tl.uint64, bitcast=True), mix1.to(tl.uint64, bitcast=True), mix2.to(tl.uint64, bitcast=True)
     cols = tl.arange(0, BLOCK)
-    best, best_index = tl.full([], -1.0, tl.float64), tl.full([], -1, tl.int64)
-    for start in range(span * SPAN, tl.minimum((span + 1) * SPAN, V), BLOCK):
-        e = chunk_exp(l_row, k_row, start, keep_chunk_stride, cols, V, t, m, BLOCK)
-        best, best_index = _race_block(e, s, start + cols, tl.minimum(start + BLOCK, V) - 1, V, best, best_index,
-                                       key, g, m1, m2)
+    if tl.load(greedy_ptr + row) != 0:
+        best, best_index = tl.full([], float("-inf"), tl.float64), tl.full([], -1, tl.int64)
+        for start in range(span * SPAN, tl.minimum((span + 1) * SPAN, V), BLOCK):
+            raw, _ = load_chunk(l_row, k_row, start, keep_chunk_stride, cols, V, BLOCK)
+            best, best_index = _argmax_block(raw, start + cols, best, best_index)
+    else:
+        t = tl.load(temp_ptr + row).to(tl.float32)
+        m, s = tl.load(stats_ptr + row * 3), tl.load(stats_ptr + row * 3 + 1)
+        key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True)
+        g = golden.to(tl.uint64, bitcast=True)
+        m1, m2 = mix1.to(tl.uint64, bitcast=True), mix2.to(tl.uint64, bitcast=True)
+        best, best_index = tl.full([], -1.0, tl.float64), tl.full([], -1, tl.int64)
+        for start in range(span * SPAN, tl.minimum((span + 1) * SPAN, V), BLOCK):
+            e = chunk_exp(l_row, k_row, start, keep_chunk_stride, cols, V, t, m, BLOCK)
+            best, best_index = _race_block(e, s, start + cols, tl.minimum(start + BLOCK, V) - 1, V, best,
+                                           best_index, key, g, m1, m2)
     tl.store(best_ptr + row * tl.num_programs(1) + span, best)
     tl.store(index_ptr + row * tl.num_programs(1) + span, best_index)
 
@@ -137,16 +158,20 @@ def sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def sample_with_logprobs(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
-                         keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, V], temperature [N], keys [N] int64, keep [N, V] bool or None -> (tokens [N] int64,
-    logprobs [N] FP32): sample(probs(logits, temperature, keep), keys) and token_logprobs of those
-    tokens, bit for bit, in one pass over the logits after the row stats."""
+                         keep: torch.Tensor | None = None,
+                         greedy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V], temperature [N], keys [N] int64, keep [N, V] bool or None, greedy [N] bool or None ->
+    (tokens [N] int64, logprobs [N] FP32): sample(probs(logits, temperature, keep), keys) (the argmax of the
+    kept logits on greedy rows) and token_logprobs of those tokens, bit for bit, in one pass over the logits
+    after the row stats."""
     rows = LP.prepare(logits, temperature, keep)
     stats = LP.row_stats(rows)
     n, vocab = rows.logits.shape
     best, index = _span_winners(n, vocab, logits.device)
+    flags = (torch.zeros(n, dtype=torch.uint8, device=logits.device) if greedy is None
+             else greedy.to(device=logits.device, dtype=torch.uint8).contiguous())
     if n:
-        _sample_kernel[best.shape](*rows.args, stats, keys.contiguous(), best, index, *rows.strides, vocab, *_MIX,
-                                   VEC=rows.vec, BLOCK=BLOCK, SPAN=SPAN, num_warps=NUM_WARPS)
+        _sample_kernel[best.shape](*rows.args, stats, keys.contiguous(), flags, best, index, *rows.strides, vocab,
+                                   *_MIX, VEC=rows.vec, BLOCK=BLOCK, SPAN=SPAN, num_warps=NUM_WARPS)
     tokens, lp, _ = LP.finish(rows, stats, race=(best, index))
     return tokens, lp
