@@ -54,7 +54,7 @@ from onepath.models.dense import DenseDecoder
 from onepath.models.moe import routing_agreement
 from onepath.numerics.spec import DTYPES, ExecutionSpec, check_same_spec
 from onepath.ops import Ops
-from onepath.tasks import arithmetic, word_problems
+from onepath.tasks import arithmetic, code, word_problems
 from onepath.tasks.calculator import CalculatorEnv
 from onepath.train import checkpoint
 from onepath.train.actor import Responses
@@ -63,7 +63,7 @@ from onepath.train.episodes import episode_metrics, episode_responses, masked_lo
 from onepath.train.grpo import NonFiniteError, group_advantages, policy_loss, rollout_correction
 from onepath.train.metrics import MetricsLogger, Timer, require_wandb
 from onepath.train.parallel import ACTORS, World, generate_in_lockstep, sync_weights
-from onepath.train.rewards import check_reward, get_reward, overlong_penalty, reward_problem
+from onepath.train.rewards import check_reward, get_reward, overlong_penalty, reward_problem, score_batch
 from onepath.train.warm_start import warm_start
 
 
@@ -191,7 +191,7 @@ def supervised_completion(row: dict) -> str:
 
 def embedded_task(name: str):
     """The module of an embedded task (config.EMBEDDED_TASKS): its rows, tokenizer and special token ids."""
-    return {"arithmetic": arithmetic, "word_problems": word_problems}[name]
+    return {"arithmetic": arithmetic, "word_problems": word_problems, "code": code}[name]
 
 
 class GRPOTrainer:
@@ -247,7 +247,8 @@ class GRPOTrainer:
         holder = self.policy if self.policy is not None else self.engine.model if self.engine is not None else None
         self.names = [name for name, _ in holder.named_parameters()] if holder is not None else []
         self.sampler = PromptSampler(setup.train_rows, seed=t.seed)
-        self.env = CalculatorEnv(setup.tokenizer, setup.eos_token_ids) if r.env == "calculator" else None
+        self.env = (CalculatorEnv(setup.tokenizer, setup.eos_token_ids) if r.env == "calculator" else
+                    code.CodeEnv(setup.train_rows, setup.tokenizer, setup.eos_token_ids) if r.env == "code" else None)
         # on CUDA a phase ends when its kernels do, not when they are queued
         self.timer = Timer(sync=torch.cuda.synchronize if cfg.device == "cuda" else None)
         if saved is not None:
@@ -294,8 +295,8 @@ class GRPOTrainer:
                                keep_last=self.cfg.train.keep_last)
 
     def params(self, step: int) -> SamplingParams:
-        # a multi-turn policy calls the calculator by ending its turn with "="
-        stop = (self.setup.tokenizer.token_to_id("="),) if self.env is not None else ()
+        # a multi-turn policy ends a turn with its env's stop tokens (the calculator's "=")
+        stop = self.env.stop_token_ids if self.env is not None else ()
         return sampling_params(self.cfg, self.cfg.rollout.seed * 1_000_003 + step,
                                stop_token_ids=tuple(t for t in stop if t is not None))
 
@@ -357,9 +358,9 @@ class GRPOTrainer:
 
     def score(self, rows, texts: list[str], lengths: list[int], n: int, data: str = "train") -> torch.Tensor:
         """Rewards of completions texts[i] of rows[i // n]; lengths[i] is its response length in tokens."""
-        rewards = [self.setup.reward_fn(prompt_text(rows[i // n]), text, **reward_kwargs(rows[i // n]),
-                                        response_length=length)
-                   for i, (text, length) in enumerate(zip(texts, lengths))]
+        rewards = score_batch(self.setup.reward_fn, [
+            (prompt_text(rows[i // n]), text, {**reward_kwargs(rows[i // n]), "response_length": length})
+            for i, (text, length) in enumerate(zip(texts, lengths))])
         for i, value in enumerate(rewards):
             problem = reward_problem(value)
             if problem is not None:
