@@ -24,6 +24,7 @@ import random
 import re
 import secrets
 import string
+import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ OPEN_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n", re.IGNORECASE)
 MAX_FEEDBACK = 120  # characters of a failed test that CodeEnv shows the policy
 
 _sandbox: Sandbox | None = None
+_sandbox_lock = threading.Lock()
 
 
 def build_tokenizer():
@@ -49,8 +51,9 @@ def build_tokenizer():
 def default_sandbox() -> Sandbox:
     """The process's shared sandbox (its worker pool bounds every reward and env run together)."""
     global _sandbox
-    if _sandbox is None:
-        _sandbox = Sandbox(Limits())
+    with _sandbox_lock:
+        if _sandbox is None:
+            _sandbox = Sandbox(Limits())
     return _sandbox
 
 

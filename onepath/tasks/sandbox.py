@@ -98,6 +98,7 @@ class Sandbox:
         self.slots = threading.BoundedSemaphore(self.workers)
         self.runs = itertools.count()
         self.warned = False
+        self.probed: RunResult | None = None
         self.lock = threading.Lock()
         self.pool: ThreadPoolExecutor | None = None
 
@@ -111,32 +112,40 @@ class Sandbox:
                 self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="sandbox")
         return list(self.pool.map(fn, items))
 
+    def probe(self) -> RunResult:
+        """One empty run, made once: what this machine enforces (RunResult.enforcement, .unenforced)."""
+        with self.lock:
+            if self.probed is None:
+                self.probed = self._guarded("pass", "", {}, (), self.limits, False)
+        return self.probed
+
     def run(self, code: str, stdin: str = "", files: dict[str, str] | None = None, argv: tuple[str, ...] = (),
             limits: Limits | None = None, channel: bool = False) -> RunResult:
         """Run `code` as main.py (argv after it) with stdin, beside `files` (name -> text). channel: the
         program gets a write-only pipe whose fd number is its last argument; what it writes comes back in
         RunResult.channel (bounded like stdout). A failure of the sandbox itself is a result too."""
-        limits = limits or self.limits
+        if self.strict and self.probe().unenforced:
+            raise RuntimeError(f"{self._unenforced(self.probe())}: Sandbox(strict=True) refuses to run")
+        result = self._guarded(code, stdin, files or {}, argv, limits or self.limits, channel)
+        if result.unenforced and result.status != "sandbox_error" and not self.warned:
+            self.warned = True
+            warnings.warn(self._unenforced(result), RuntimeWarning, stacklevel=2)
+        return result
+
+    def _guarded(self, *args) -> RunResult:
         with self.slots:
             start = time.monotonic()
             try:
-                result = self._run(code, stdin, files or {}, argv, limits, channel)
+                result = self._run(*args)
             except Exception as e:  # noqa: BLE001 - the caller (a reward, an agent) gets a result, never a crash
                 result = RunResult("sandbox_error", detail=f"{type(e).__name__}: {e}")
             result.wall_s = time.monotonic() - start
-        self._check_enforced(result)
         return result
 
-    def _check_enforced(self, result: RunResult) -> None:
-        if result.status == "sandbox_error" or not result.unenforced:
-            return
-        message = (f"sandbox: this machine does not enforce {', '.join(result.unenforced)} "
-                   f"({describe(result.enforcement)}); docs/sandbox.md says why and what it needs")
-        if self.strict:
-            raise RuntimeError(f"{message}: Sandbox(strict=True) refuses to run")
-        if not self.warned:
-            self.warned = True
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+    @staticmethod
+    def _unenforced(result: RunResult) -> str:
+        return (f"sandbox: this machine does not enforce {', '.join(result.unenforced)} "
+                f"({describe(result.enforcement)}); docs/sandbox.md says what each needs")
 
     def _run(self, code, stdin, files, argv, limits: Limits, channel: bool) -> RunResult:
         workdir = tempfile.mkdtemp(prefix="onepath-sandbox-")
@@ -173,7 +182,12 @@ class Sandbox:
             for fd in pass_fds:
                 os.close(fd)
                 pipes.remove(fd)
-            return self._watch(proc, report_r, channel_r, limits, cfg["uid"])
+            try:
+                return self._watch(proc, report_r, channel_r, limits, cfg["uid"])
+            except BaseException:
+                self._kill(proc, cfg["uid"])  # whatever broke here, the run does not outlive it
+                proc.wait()
+                raise
         finally:
             for fd in pipes:
                 os.close(fd)

@@ -262,3 +262,17 @@ def test_kill_uid_kills_every_process_of_a_uid():
     for p in procs:
         assert p.wait(5) == -9
     assert processes_of(uid) == []
+
+
+def test_an_unenforced_limit_warns_once_and_strict_refuses_before_running(monkeypatch):
+    from onepath.tasks import sandbox as module
+    real = module.enforcement
+    monkeypatch.setattr(module, "enforcement", lambda ready, limits: {**real(ready, limits), "network": None})
+    loose = Sandbox(FAST)
+    with pytest.warns(RuntimeWarning, match=r"sandbox: this machine does not enforce network \(.*network: NOT ENFORCED"):
+        assert loose.run("print(1)").unenforced == ("network",)
+    assert loose.run("print(1)").status == "ok"  # warned once: pytest's filter would raise on a second warning
+    strict = Sandbox(FAST, strict=True)
+    with pytest.raises(RuntimeError, match=r"does not enforce network .*Sandbox\(strict=True\) refuses to run"):
+        strict.run("print(1)")  # refused on the probe's report, before the program runs
+    assert strict.probe().unenforced == ("network",)
