@@ -248,8 +248,11 @@ class CodeEnv:
         self.stop_token_ids = ()  # an attempt ends with EOS
         self.sandbox = sandbox
         self.tests = {}
-        for row in rows:
-            self.tests[prompt_text(row)] = row["reward_model"]["ground_truth"]
+        for i, row in enumerate(rows):
+            try:
+                self.tests[prompt_text(row)] = parse_tests(row["reward_model"]["ground_truth"])
+            except ValueError as e:
+                raise ValueError(f"rollout.env code runs each row's tests, but row {i}'s: {e}") from None
         self.alphabet = set(self.tokenizer.get_vocab())
 
     def step(self, episode) -> tuple[list[int] | None, dict]:

@@ -205,6 +205,8 @@ def test_code_env_ends_a_passing_attempt_and_returns_the_first_failure():
     assert tokenizer.decode(cut).startswith("\n# failed: ")
     with pytest.raises(KeyError, match="CodeEnv has no tests for the prompt"):
         env.step(episode(tokenizer, "Write nothing", solution, eos=True))
+    with pytest.raises(ValueError, match=r"rollout.env code runs each row's tests, but row 1's: code tests '82': give"):
+        CodeEnv([rows[0], {"prompt": "1+1=", "reward_model": {"ground_truth": "82"}}])
 
 
 TINY = ["--data.n_train", "8", "--data.n_test", "2", "--warm_start.steps", "30", "--warm_start.batch_size", "8",
