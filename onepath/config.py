@@ -18,10 +18,10 @@ from onepath.models.kv_cache import BLOCK_SIZE
 from onepath.numerics.spec import ExecutionSpec
 
 MODES = ("consistent", "baseline", "both")
-EMBEDDED_TASKS = ("arithmetic", "word_problems")  # onepath/tasks/<name>.py
+EMBEDDED_TASKS = ("arithmetic", "word_problems", "code")  # onepath/tasks/<name>.py
 OLD_LOGPROB = ("verify", "every_n", "skip")
 CORRECTION_LEVELS = ("token", "sequence")
-ENVIRONMENTS = ("calculator", "tools")
+ENVIRONMENTS = ("calculator", "code", "tools")
 TOOL_FORMATS = ("auto", "hermes", "llama3", "deepseek")  # onepath/chat/tool_calls.py
 ROLLOUT_LAYOUTS = ("single", "dp", "ep")
 TRAINER_LAYOUTS = ("single", "fsdp", "ep")
@@ -105,7 +105,8 @@ class ModelSection(_Section):
 class DataSection(_Section):
     NAME: ClassVar[str] = "data"
     # the embedded task, when train_path is null: arithmetic | word_problems (both read n_train, n_test,
-    # max_operand, seed). With the embedded model its tokenizer is the task's, for a data file too.
+    # max_operand, seed) | code (n_train + n_test of its 124 problems, seed). With the embedded model its
+    # tokenizer is the task's, for a data file too.
     # max_operand: arithmetic's operands are in [0, N]; the amounts a word problem states in [1, N] (N >= 2)
     task: str = "arithmetic"
     train_path: str | None = None
@@ -174,7 +175,7 @@ class RolloutSection(_Section):
     max_model_len: int = 64
     prefill_chunk_size: int | None = None
     seed: int = 0
-    env: str | None = None        # null: single-turn | calculator | tools: multi-turn tool episodes
+    env: str | None = None        # null: single-turn | calculator | code | tools: multi-turn episodes
     max_turns: int = 3            # policy turns per episode when env is set
     # env tools: the tools (calculator, or path/to/file.py:NAME, a function or a list of them) and the format the
     # model writes calls in (auto: the one the chat template teaches)

@@ -23,7 +23,8 @@ def build_tokenizer(alphabet: str = ALPHABET) -> Tokenizer:
     """One token per character of alphabet, after the special tokens (their ids are every task's)."""
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(alphabet))}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # one piece per character, newlines too (the code task's alphabet has them; "." would not match one)
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
     tokenizer.post_processor = processors.TemplateProcessing(

@@ -119,6 +119,7 @@ class CalculatorEnv:
     def __init__(self, tokenizer=None, eos_token_ids: tuple[int, ...] = (arithmetic.EOS_ID,)):
         self.tokenizer = tokenizer or arithmetic.build_tokenizer()
         self.eos_token_ids = tuple(eos_token_ids)
+        self.stop_token_ids = (self.tokenizer.token_to_id("="),)  # the policy calls the tool with "="
 
     def step(self, episode) -> tuple[list[int] | None, dict]:
         segment = episode.last_segment

@@ -78,6 +78,8 @@ class Episode:
 
 
 class Environment(Protocol):
+    stop_token_ids: tuple[int, ...]  # tokens that end a policy turn besides EOS (the calculator's "=")
+
     def step(self, episode: Episode) -> tuple[list[int] | None, dict]:
         """After a policy turn: the tokens to append before the next turn (None: the episode is
         done) and reward info. Must depend on the episode alone, or episodes lose batch invariance."""

@@ -1,7 +1,9 @@
 """Reward functions: `fn(prompt: str, completion: str, **row) -> float`.
 
 `row` is the dataset row flattened by `data.reward_kwargs`: at least ground_truth, data_source and
-extra_info; the trainer adds response_length (completion tokens).
+extra_info; the trainer adds response_length (completion tokens). A reward may also have
+`fn.batch(calls) -> list[float]` for a step's calls at once (the code rewards run them on the
+sandbox's workers); score_batch uses it where there is one.
 """
 
 import functools
@@ -9,6 +11,8 @@ import math
 import threading
 
 from onepath.user_code import load_object
+
+from onepath.tasks.code import code_pass_rate, code_tests
 
 
 def exact_answer(prompt: str, completion: str, ground_truth, **row) -> float:
@@ -45,23 +49,39 @@ def overlong_penalty(reward_fn, max_response_tokens: int, buffer_tokens: int,
                          f"(0, max_response_tokens {max_response_tokens}]: lower the buffer")
     expected = max_response_tokens - buffer_tokens
 
-    @functools.wraps(reward_fn)
-    def wrapped(prompt: str, completion: str, **row) -> float:
+    def penalty(row: dict) -> float:
         if "response_length" not in row:
             raise KeyError("overlong_penalty needs response_length=<completion tokens> "
                            "in the reward call")
-        length = row["response_length"]
-        penalty = min(0.0, (expected - length) / buffer_tokens) * penalty_factor
-        return reward_fn(prompt, completion, **row) + penalty
+        return min(0.0, (expected - row["response_length"]) / buffer_tokens) * penalty_factor
 
+    @functools.wraps(reward_fn)
+    def wrapped(prompt: str, completion: str, **row) -> float:
+        extra = penalty(row)
+        return reward_fn(prompt, completion, **row) + extra
+
+    def batch(calls: list[tuple[str, str, dict]]) -> list[float]:
+        extra = [penalty(row) for _, _, row in calls]
+        return [score + e for score, e in zip(score_batch(reward_fn, calls), extra)]
+
+    wrapped.batch = batch  # always: functools.wraps copied reward_fn's own batch, which skips the penalty
     return wrapped
 
 
-REWARDS = {"exact_answer": exact_answer, "math_answer": math_answer}
+def score_batch(reward_fn, calls: list[tuple[str, str, dict]]) -> list:
+    """reward_fn over (prompt, completion, row) calls: reward_fn.batch(calls) where it has one, else one by one."""
+    batch = getattr(reward_fn, "batch", None)
+    if batch is not None:
+        return list(batch(calls))
+    return [reward_fn(prompt, completion, **row) for prompt, completion, row in calls]
+
+
+REWARDS = {"exact_answer": exact_answer, "math_answer": math_answer, "code_tests": code_tests,
+           "code_pass_rate": code_pass_rate}
 
 
 def get_reward(name_or_path: str):
-    """A reward by name (exact_answer, math_answer) or as "path/to/file.py:function_name"."""
+    """A reward by name (exact_answer, math_answer, code_tests, code_pass_rate) or as "path/to/file.py:function_name"."""
     if name_or_path in REWARDS:
         return REWARDS[name_or_path]
     path, sep, name = name_or_path.rpartition(":")

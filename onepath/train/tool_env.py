@@ -21,6 +21,7 @@ from onepath.chat.tools import Toolbox, tool_message
 class ChatEnv:
     """An Environment whose answers are chat messages. Subclasses write reply()."""
     roles: tuple[str, ...] = ("tool",)   # the roles of the messages it adds
+    stop_token_ids: tuple[int, ...] = ()  # a turn ends at the template's end-of-turn token (the trainer adds it)
 
     def __init__(self, chat: ChatEncoder):
         chat.check_episodes(self.roles)   # refuses a template that would rewrite earlier turns

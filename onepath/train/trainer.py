@@ -56,7 +56,7 @@ from onepath.models.dense import DenseDecoder
 from onepath.models.moe import routing_agreement
 from onepath.numerics.spec import DTYPES, ExecutionSpec, check_same_spec
 from onepath.ops import Ops
-from onepath.tasks import arithmetic, word_problems
+from onepath.tasks import arithmetic, code, word_problems
 from onepath.tasks.calculator import CalculatorEnv
 from onepath.train import checkpoint
 from onepath.train.actor import Responses
@@ -65,7 +65,7 @@ from onepath.train.episodes import episode_metrics, episode_responses, masked_lo
 from onepath.train.grpo import NonFiniteError, group_advantages, policy_loss, rollout_correction
 from onepath.train.metrics import MetricsLogger, Timer, require_wandb
 from onepath.train.parallel import ACTORS, World, generate_in_lockstep, sync_weights
-from onepath.train.rewards import check_reward, get_reward, overlong_penalty, reward_problem
+from onepath.train.rewards import check_reward, get_reward, overlong_penalty, reward_problem, score_batch
 from onepath.train.tool_env import ToolEnv
 from onepath.train.warm_start import warm_start
 
@@ -234,6 +234,8 @@ def make_env(cfg: RunConfig, setup: Setup):
     """rollout.env's environment for train/episodes.py, or None for single-turn rollouts."""
     if cfg.rollout.env == "calculator":
         return CalculatorEnv(setup.tokenizer, setup.eos_token_ids)
+    if cfg.rollout.env == "code":
+        return code.CodeEnv(setup.train_rows, setup.tokenizer, setup.eos_token_ids)
     if cfg.rollout.env == "tools":
         return ToolEnv(setup.prompts.chat, setup.toolbox, cfg.rollout.tool_format)
     return None
@@ -241,7 +243,7 @@ def make_env(cfg: RunConfig, setup: Setup):
 
 def embedded_task(name: str):
     """The module of an embedded task (config.EMBEDDED_TASKS): its rows, tokenizer and special token ids."""
-    return {"arithmetic": arithmetic, "word_problems": word_problems}[name]
+    return {"arithmetic": arithmetic, "word_problems": word_problems, "code": code}[name]
 
 
 class GRPOTrainer:
@@ -344,11 +346,12 @@ class GRPOTrainer:
                                keep_last=self.cfg.train.keep_last)
 
     def params(self, step: int) -> SamplingParams:
-        # a multi-turn policy calls the calculator by ending its turn with "="; a chat turn ends with the
-        # template's end-of-turn token, whatever the checkpoint's EOS
+        # a multi-turn policy ends a turn with its env's stop tokens (the calculator's "="); a chat turn ends
+        # with the template's end-of-turn token, whatever the checkpoint's EOS
         chat = self.setup.prompts.chat
-        stop = (self.setup.tokenizer.token_to_id("="),) if self.cfg.rollout.env == "calculator" else \
-            (chat.end_of_turn_id,) if chat is not None and chat.end_of_turn_id not in self.setup.eos_token_ids else ()
+        stop = self.env.stop_token_ids if self.env is not None else ()
+        if chat is not None and chat.end_of_turn_id not in self.setup.eos_token_ids:
+            stop = (*stop, chat.end_of_turn_id)
         return sampling_params(self.cfg, self.cfg.rollout.seed * 1_000_003 + step,
                                stop_token_ids=tuple(t for t in stop if t is not None))
 
@@ -416,9 +419,9 @@ class GRPOTrainer:
 
     def score(self, rows, texts: list[str], lengths: list[int], n: int, data: str = "train") -> torch.Tensor:
         """Rewards of completions texts[i] of rows[i // n]; lengths[i] is its response length in tokens."""
-        rewards = [self.setup.reward_fn(prompt_text(rows[i // n]), text, **reward_kwargs(rows[i // n]),
-                                        response_length=length)
-                   for i, (text, length) in enumerate(zip(texts, lengths))]
+        rewards = score_batch(self.setup.reward_fn, [
+            (prompt_text(rows[i // n]), text, {**reward_kwargs(rows[i // n]), "response_length": length})
+            for i, (text, length) in enumerate(zip(texts, lengths))])
         for i, value in enumerate(rewards):
             problem = reward_problem(value)
             if problem is not None:

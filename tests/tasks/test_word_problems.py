@@ -142,9 +142,10 @@ def test_the_count_is_exact_on_a_space_small_enough_to_exhaust(monkeypatch):
 
 def test_every_embedded_task_has_its_module():
     assert [embedded_task(name).__name__ for name in EMBEDDED_TASKS] == ["onepath.tasks.arithmetic",
-                                                                          "onepath.tasks.word_problems"]
+                                                                          "onepath.tasks.word_problems",
+                                                                          "onepath.tasks.code"]
     with pytest.raises(ValueError, match=r"data.task = 'sudoku' is not an embedded task: use one of arithmetic, "
-                                         r"word_problems"):
+                                         r"word_problems, code"):
         load_run_config(None, ["--data.task", "sudoku", "--data.train_path", "rows.jsonl"])
 
 
