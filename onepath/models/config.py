@@ -10,8 +10,8 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from onepath.models.fields import (DENSE_MODEL_TYPES, FAMILY_DEFAULTS, IMPLEMENTED, MOE_MODEL_TYPES, refusals,
-                                   unclassified)
+from onepath.models.fields import (DENSE_MODEL_TYPES, FAMILY_DEFAULTS, HYBRID_MODEL_TYPES, IMPLEMENTED,
+                                   MOE_MODEL_TYPES, refusals, unclassified)
 
 SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
@@ -58,9 +58,12 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.model_type not in SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES:
+        if self.model_type not in SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES:
             raise ValueError(f"model_type {self.model_type!r} is not supported: use one of "
-                             f"{SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES}")
+                             f"{SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES}")
+        if self.model_type in HYBRID_MODEL_TYPES and type(self) is ModelConfig:
+            raise ValueError(f"model_type {self.model_type!r} has its own config class: read its config.json with "
+                             "ModelConfig.from_dict, or build a NemotronHConfig")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported: the decoders use SwiGLU ('silu')")
         if self.num_key_value_heads is None:
@@ -155,6 +158,10 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.model_type in MOE_MODEL_TYPES
 
+    def has_kv_cache(self, layer: int) -> bool:
+        """Whether decoder layer `layer` keeps K/V in the paged cache (every layer here; a hybrid's attention only)."""
+        return True
+
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` has a mixture-of-experts MLP (transformers' rule)."""
         return (self.is_moe and layer not in self.mlp_only_layers
@@ -187,15 +194,12 @@ class ModelConfig:
         """From a config.json: the fields its family reads (fields.IMPLEMENTED) become ModelConfig's, the
         rest go to `extra`; a field set to a value onepath does not implement is refused."""
         model_type = raw.get("model_type", "llama")
+        if cls is ModelConfig and model_type in HYBRID_MODEL_TYPES:
+            from onepath.models.nemotron_h_config import NemotronHConfig
+            return NemotronHConfig.from_dict(raw)
         if model_type not in IMPLEMENTED:
             raise ValueError(f"model_type {model_type!r} is not supported: use one of {tuple(IMPLEMENTED)}")
-        refused = refusals(raw)
-        if refused:
-            raise ValueError("config.json: " + "; ".join(refused))
-        ignored = unclassified(model_type, raw)
-        if ignored:
-            warnings.warn(f"config.json fields {ignored} are not {model_type} fields transformers reads: ignored, "
-                          "as transformers ignores them", stacklevel=2)
+        check_fields(model_type, raw)
         known = ({f.name for f in fields(cls)} - {"extra"}) & (set(IMPLEMENTED[model_type]) | GENERATION)
         kwargs = {**FAMILY_DEFAULTS[model_type], **{k: v for k, v in raw.items() if k in known}}
         if "num_local_experts" in raw and "num_experts" not in raw:
@@ -244,8 +248,20 @@ class ModelConfig:
             raise ValueError(f"{path}: {e}") from None
 
 
+def check_fields(model_type: str, raw: dict) -> None:
+    """Refuse a config.json field set to a value onepath does not implement; warn about one `model_type` does not
+    read (fields.py's tables)."""
+    refused = refusals(raw)
+    if refused:
+        raise ValueError("config.json: " + "; ".join(refused))
+    ignored = unclassified(model_type, raw)
+    if ignored:
+        warnings.warn(f"config.json fields {ignored} are not {model_type} fields transformers reads: ignored, "
+                      "as transformers ignores them", stacklevel=3)
+
+
 # ModelConfig fields every family's config.json carries that do not change the forward
 GENERATION = {"bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype"}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
