@@ -223,6 +223,8 @@ class Block(nn.Module):
 class NemotronHDecoder(nn.Module):
     # the recurrent ops read each sequence's span on the host: decode steps run eagerly
     capturable = False
+    # the engine keeps each running sequence's Mamba state in a slot beside the paged KV (HybridCache)
+    has_recurrent_state = True
 
     def __init__(self, config: NemotronHConfig, ops: Ops, max_positions: int | None = None):
         super().__init__()
