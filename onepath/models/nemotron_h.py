@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from onepath.models.batch import ForwardBatch
+from onepath.models.config import NemotronHConfig
 from onepath.models.dense import DenseDecoder, Linear, RMSNorm, StackedLinear, stack_projections
 from onepath.models.kv_cache import KVCache
 from onepath.models.moe import CAPACITY, MASKED_MAX_TOKENS, Router, experts_contiguous, experts_masked, slot_sum
-from onepath.models.nemotron_h_config import NemotronHConfig
 from onepath.models.state_cache import HybridCache
 from onepath.numerics.spec import DTYPES, SSD_CHUNK
 from onepath.ops import Ops

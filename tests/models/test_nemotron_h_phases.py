@@ -8,8 +8,8 @@ import torch
 
 from onepath.models import build_decoder
 from onepath.models.batch import ForwardBatch, SeqChunk
+from onepath.models.config import NemotronHConfig
 from onepath.models.kv_cache import KVCache
-from onepath.models.nemotron_h_config import NemotronHConfig
 from onepath.models.state_cache import HybridCache, StateCache
 from onepath.ops import ExecutionSpec, Ops
 

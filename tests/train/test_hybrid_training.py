@@ -7,7 +7,7 @@ import torch
 from onepath.config import load_run_config
 from onepath.models import build_decoder
 from onepath.models.checkpoint import save_checkpoint
-from onepath.models.nemotron_h_config import NemotronHConfig
+from onepath.models.config import NemotronHConfig
 from onepath.numerics.diff import is_exact
 from onepath.ops import ExecutionSpec, Ops
 from onepath.tasks import arithmetic
