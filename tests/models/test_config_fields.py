@@ -239,7 +239,7 @@ FAMILY_COVERED = {"nemotron_h": {
                   "(test_nemotron_h_vs_transformers.py's test_a_chunk_size_that_does_not_divide_the_spec_tile_is_refused)",
     "mamba_chunk_size": "the legacy name of chunk_size",
     "mamba_ssm_cache_dtype": "transformers ignores it; the state's rounding at chunk boundaries is tested against the "
-                             "formula (tests/models/test_nemotron_h_phases.py)",
+                             "formula (tests/ops/test_ssd.py) and in every phase (tests/models/test_nemotron_h_phases.py)",
     "max_position_embeddings": "Nemotron-H has no positional encoding; it bounds the engine's max_model_len"}}
 
 
