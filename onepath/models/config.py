@@ -361,8 +361,9 @@ class NemotronHConfig(ModelConfig):
         if not 1 <= self.topk_group <= groups:
             raise ValueError(f"topk_group {self.topk_group} must be in [1, n_group = {groups}]")
         if self.num_experts_per_tok > self.topk_group * (e // groups):
-            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds the {self.topk_group * (e // groups)} "
-                             f"experts of the topk_group {self.topk_group} groups a token may use")
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds the "
+                             f"{self.topk_group * (e // groups)} experts of the topk_group {self.topk_group} groups "
+                             "a token may use")
         if self.moe_latent_size is not None and self.moe_latent_size <= 0:
             raise ValueError(f"moe_latent_size {self.moe_latent_size} must be positive or null")
 
@@ -429,8 +430,8 @@ def pattern_layers(pattern: str) -> list[str]:
     bad = [(i, ch) for i, ch in enumerate(pattern) if ch not in PATTERN]
     if bad:
         i, ch = bad[0]
-        raise ValueError(f"hybrid_override_pattern {pattern!r} has {ch!r} at layer {i}: use M (Mamba-2), * (attention), "
-                         "- (MLP) or E (MoE)")
+        raise ValueError(f"hybrid_override_pattern {pattern!r} has {ch!r} at layer {i}: use M (Mamba-2), "
+                         "* (attention), - (MLP) or E (MoE)")
     return [PATTERN[ch] for ch in pattern]
 
 

@@ -84,7 +84,8 @@ class Attention(nn.Module):
     def __init__(self, ops: Ops, config: NemotronHConfig, dtype):
         super().__init__()
         self.ops = ops
-        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
         h = config.hidden_size
         self.q_proj = Linear(ops, h, self.heads * self.head_dim, False, dtype)
         self.k_proj = Linear(ops, h, self.kv_heads * self.head_dim, False, dtype)

@@ -272,7 +272,8 @@ class ExecutionSpec:
             return {k: fields(v) for k, v in value.items() if v is not None or k == "block"}
         # module classes and family operators join only once set: other specs keep their JSON and hash
         names = OPS + tuple(sorted(set(self.ops) - set(OPS)))
-        return {"mode": self.mode, "device": self.device, "ops": {name: fields(asdict(self.ops[name])) for name in names}}
+        return {"mode": self.mode, "device": self.device,
+                "ops": {name: fields(asdict(self.ops[name])) for name in names}}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)

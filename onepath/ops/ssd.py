@@ -124,7 +124,8 @@ def chunk_weights(a, offset):
     of the chunk's start state exp(R_l(-1)) [r, H]; the mask s <= l [r, Q]."""
     r = segment_sums(a, offset)
     valid = torch.arange(a.shape[1], device=a.device)[None, :] <= offset[:, None]
-    return torch.where(valid[..., None], pinned_unary(torch.exp, r[:, 1:]), 0.0), pinned_unary(torch.exp, r[:, 0]), valid
+    weights = torch.where(valid[..., None], pinned_unary(torch.exp, r[:, 1:]), 0.0)
+    return weights, pinned_unary(torch.exp, r[:, 0]), valid
 
 
 def state_terms(a, dt, x, B, offset, heads):

@@ -204,8 +204,10 @@ FAMILY_PROBES = {
         "layers_block_type": ({}, {"layers_block_type": ["linear_attention", "mlp", "full_attention", "moe"]}),
         "hybrid_override_pattern": ({"layers_block_type": DELETE, "hybrid_override_pattern": "ME*-"},
                                     {"layers_block_type": DELETE, "hybrid_override_pattern": "M-*E"}),
-        "layer_types": ({"layers_block_type": DELETE, "layer_types": ["linear_attention", "moe", "full_attention", "mlp"]},
-                        {"layers_block_type": DELETE, "layer_types": ["mlp", "moe", "full_attention", "linear_attention"]}),
+        "layer_types": ({"layers_block_type": DELETE,
+                         "layer_types": ["linear_attention", "moe", "full_attention", "mlp"]},
+                        {"layers_block_type": DELETE,
+                         "layer_types": ["mlp", "moe", "full_attention", "linear_attention"]}),
         "num_local_experts": ({"n_routed_experts": DELETE, "num_local_experts": 4},
                               {"n_routed_experts": DELETE, "num_local_experts": 6}),
         "n_routed_experts": ({}, {"n_routed_experts": 6}),
@@ -236,10 +238,11 @@ COVERED = {"model_type": "picks the decoder and its rules: every case here build
 
 FAMILY_COVERED = {"nemotron_h": {
     "chunk_size": "the scan's value does not depend on it beyond rounding; it must divide the spec's ssd.chunk "
-                  "(test_nemotron_h_vs_transformers.py's test_a_chunk_size_that_does_not_divide_the_spec_tile_is_refused)",
+                  "(test_nemotron_h_vs_transformers.py: test_a_chunk_size_that_does_not_divide_the_spec_tile_...)",
     "mamba_chunk_size": "the legacy name of chunk_size",
     "mamba_ssm_cache_dtype": "transformers ignores it; the state's rounding at chunk boundaries is tested against the "
-                             "formula (tests/ops/test_ssd.py) and in every phase (tests/models/test_nemotron_h_phases.py)",
+                             "formula (tests/ops/test_ssd.py) and in every phase "
+                             "(tests/models/test_nemotron_h_phases.py)",
     "max_position_embeddings": "Nemotron-H has no positional encoding; it bounds the engine's max_model_len"}}
 
 

@@ -175,7 +175,8 @@ def test_save_checkpoint_loads_in_transformers_bitwise(tmp_path, name):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (dict(layers_block_type=["linear_attention", "sliding_attention"]), "layers_block_type names 'sliding_attention' at layer 1"),
+    (dict(layers_block_type=["linear_attention", "sliding_attention"]),
+     "layers_block_type names 'sliding_attention' at layer 1"),
     (dict(layers_block_type=None, hybrid_override_pattern="M*X"), "hybrid_override_pattern 'M\\*X' has 'X' at layer 2"),
     (dict(mamba_num_heads=6, n_groups=4), "mamba_num_heads 6 is not a multiple of n_groups 4"),
     (dict(time_step_limit=[0.5, 0.1]), "time_step_limit \\[0.5, 0.1\\]"),
