@@ -77,7 +77,7 @@ CPU_NUM_BLOCKS = 1024         # KV-cache blocks on the CPU when num_blocks is No
 class LLMEngine:
     def __init__(self, model: DenseDecoder, *, num_blocks: int | None = None, block_size: int = BLOCK_SIZE,
                  scheduler: SchedulerConfig | None = None, eos_token_ids: tuple[int, ...] | None = None,
-                 tokenizer=None, enable_prefix_caching: bool = True,
+                 tokenizer=None, enable_prefix_caching: bool | None = None,
                  gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
                  cuda_graphs: bool | None = None, graph_batch_sizes: list[int] | None = None,
                  record_routing: bool = False, async_scheduling: bool = True):
@@ -87,16 +87,24 @@ class LLMEngine:
         graph_batch_sizes (default 1, 2, 4, 8 and multiples of 16 up to max_num_seqs). record_routing: each
         output carries the MoE routers' choices at every position its forwards computed (RequestOutput.routing).
         async_scheduling: schedule and launch each decode step before the previous one's tokens reach the
-        host (the same tokens and log-probs: a row's bits do not depend on its batch)."""
+        host (the same tokens and log-probs: a row's bits do not depend on its batch). enable_prefix_caching:
+        None is on, except for a model with recurrent state (a hybrid: refused there, see below)."""
         self.model, self.tokenizer = model, tokenizer
         # q/k/v and gate/up read one stacked weight each, with no copy per step (a captured graph reads it)
         model.share_projection_storage()
         self.scheduler_config = replace(scheduler or SchedulerConfig(),
                                         chunk_align=model.ops.kv_tile)
         config = self.scheduler_config
-        if config.max_model_len > model.rope_cos.shape[0]:
+        if hasattr(model, "rope_cos") and config.max_model_len > model.rope_cos.shape[0]:
             raise ValueError(f"max_model_len {config.max_model_len} > the model's "
                              f"{model.rope_cos.shape[0]} RoPE positions: lower max_model_len")
+        # a hybrid's Mamba layers keep a state per sequence beside the KV cache, one slot per running sequence
+        state_slots = config.max_num_seqs if getattr(model, "has_recurrent_state", False) else 0
+        if state_slots and enable_prefix_caching:
+            raise ValueError(f"prefix caching is not supported for {model.config.model_type}: a cached prefix "
+                             "holds the attention layers' K/V but not the Mamba layers' state after it; pass "
+                             "enable_prefix_caching=False (the default for this model)")
+        enable_prefix_caching = not state_slots if enable_prefix_caching is None else enable_prefix_caching
         on_cuda = model.device.type == "cuda"
         capturable = getattr(model, "capturable", True)
         if cuda_graphs and not capturable:
@@ -105,16 +113,16 @@ class LLMEngine:
         # recorded routing is read on the host after each forward: eager steps
         cuda_graphs = on_cuda and capturable and not record_routing if cuda_graphs is None else cuda_graphs
         if num_blocks is None:
-            num_blocks = (memory.kv_blocks_for(model, config, block_size, gpu_memory_utilization) if on_cuda
-                          else CPU_NUM_BLOCKS)
+            num_blocks = (memory.kv_blocks_for(model, config, block_size, gpu_memory_utilization, state_slots)
+                          if on_cuda else CPU_NUM_BLOCKS)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, state_slots)
         if graph_batch_sizes is not None and (not graph_batch_sizes or min(graph_batch_sizes) < 1):
             raise ValueError(f"graph_batch_sizes {graph_batch_sizes} must be batch sizes >= 1, e.g. [1, 2, 4, 8, 16, "
                              "32]; a decode step of more sequences than the largest runs eagerly")
         sizes = (graph_batch_sizes or graph_batch_sizes_for(config.max_num_seqs)) if cuda_graphs else None
         self.runner = ModelRunner(model, num_blocks, block_size, max_model_len=config.max_model_len,
-                                  graph_batch_sizes=sizes, record_routing=record_routing)
+                                  graph_batch_sizes=sizes, record_routing=record_routing, state_slots=state_slots)
         self.memory = memory.report(model, self.runner.cache, gpu_memory_utilization if on_cuda else None)
         self.eos_token_ids = model.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
         self.next_request_id = 0

@@ -3,7 +3,8 @@
 As in vLLM: one profiling forward at the scheduler's largest step (max_num_batched_tokens tokens,
 then the LM head and the sampler over max_num_seqs rows) measures the activation peak; the cache
 gets what is left of `gpu_memory_utilization` x the device's memory once the memory in use now
-(weights, other processes) and that peak are taken out.
+(weights, other processes), that peak and a hybrid model's recurrent state slots (one per running
+sequence, models/state_cache.py) are taken out.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.batch import ForwardBatch
 from onepath.models.dense import DenseDecoder
 from onepath.models.kv_cache import KVCache
+from onepath.models.state_cache import StateCache
+from onepath.numerics.spec import SSD_CHUNK
 from onepath.ops.sampling import sample_key
 
 GIB = 1 << 30
@@ -42,15 +45,25 @@ def activation_peak(model: DenseDecoder, config: SchedulerConfig, block_size: in
     return torch.cuda.max_memory_allocated(device) - base
 
 
-def kv_blocks_for(model: DenseDecoder, config: SchedulerConfig, block_size: int, utilization: float) -> int:
-    """KV-cache blocks that fit in `utilization` of the device's memory next to the model and its peak step."""
+def state_bytes(model: DenseDecoder, state_slots: int) -> int:
+    """The recurrent state of `state_slots` sequences (a hybrid model's; 0 for the others)."""
+    if not state_slots:
+        return 0
+    chunk = model.ops.spec.op("ssd").chunk or SSD_CHUNK
+    return state_slots * StateCache.bytes_per_slot(model.config, model.ops.spec.dtype, chunk)
+
+
+def kv_blocks_for(model: DenseDecoder, config: SchedulerConfig, block_size: int, utilization: float,
+                  state_slots: int = 0) -> int:
+    """KV-cache blocks that fit in `utilization` of the device's memory next to the model, its peak step and
+    its recurrent state slots."""
     if not 0 < utilization <= 1:
         raise ValueError(f"gpu_memory_utilization {utilization} must be in (0, 1], e.g. 0.9")
     device = model.device
     peak = activation_peak(model, config, block_size)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    budget = total * utilization - (total - free) - peak
+    budget = total * utilization - (total - free) - peak - state_bytes(model, state_slots)
     per_block = kv_bytes_per_token(model) * block_size
     blocks = int(budget // per_block)
     needed = -(-config.max_model_len // block_size)
@@ -74,6 +87,9 @@ def report(model: DenseDecoder, cache: KVCache, utilization: float | None) -> di
     out = {"weights_gib": weights / GIB, "kv_cache_gib": per_token * cache.num_blocks * cache.block_size / GIB,
            "num_blocks": cache.num_blocks - 1, "block_size": cache.block_size, "kv_bytes_per_token": per_token,
            "kv_tokens": (cache.num_blocks - 1) * cache.block_size}
+    states = getattr(cache, "states", None)
+    if states is not None:
+        out.update(state_cache_gib=state_bytes(model, states.num_slots) / GIB, state_slots=states.num_slots)
     if model.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(model.device)
         out.update(gpu_memory_utilization=utilization, device_gib=total / GIB, in_use_gib=(total - free) / GIB)

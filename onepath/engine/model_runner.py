@@ -25,6 +25,7 @@ from onepath.models.batch import ForwardBatch, SeqChunk
 from onepath.models.dense import DenseDecoder
 from onepath.models.moe import RoutingRecorder
 from onepath.models.kv_cache import KVCache
+from onepath.models.state_cache import HybridCache
 from onepath.ops.attention import AttentionMetadata
 from onepath.ops.host import to_device
 from onepath.ops.sampling import position_key
@@ -179,8 +180,9 @@ class Feed:
 
 class ModelRunner:
     def __init__(self, model: DenseDecoder, num_blocks: int, block_size: int, *, max_model_len: int | None = None,
-                 graph_batch_sizes: list[int] | None = None, record_routing: bool = False):
-        """record_routing: keep every MoE router's choices on each sequence (Sequence.routing), by position."""
+                 graph_batch_sizes: list[int] | None = None, record_routing: bool = False, state_slots: int = 0):
+        """record_routing: keep every MoE router's choices on each sequence (Sequence.routing), by position.
+        state_slots: a hybrid model's recurrent state slots beside the KV cache (HybridCache)."""
         self.model, self.ops = model, model.ops
         recorder = RoutingRecorder(model) if record_routing else None
         self.recorder = recorder if recorder is not None and recorder.routers else None  # a dense model: nothing
@@ -188,7 +190,8 @@ class ModelRunner:
             raise ValueError("record_routing reads each forward's router choices on the host: turn cuda_graphs off")
         self.block_size = block_size
         # one block past the block manager's: the padding rows of captured graphs write there
-        self.cache = KVCache.for_model(model, num_blocks + 1, block_size)
+        self.cache = HybridCache.for_model(model, num_blocks + 1, block_size, state_slots) if state_slots \
+            else KVCache.for_model(model, num_blocks + 1, block_size)
         self.graphs = None
         if graph_batch_sizes:
             if model.device.type != "cuda":
@@ -199,8 +202,8 @@ class ModelRunner:
 
     @staticmethod
     def chunks(scheduled: list[ScheduledSeq]) -> list[SeqChunk]:
-        return [SeqChunk(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start, s.seq.block_table)
-                for s in scheduled]
+        return [SeqChunk(s.seq.token_ids[s.start:s.start + s.num_tokens], s.start, s.seq.block_table,
+                         s.seq.state_slot) for s in scheduled]
 
     @staticmethod
     def sample_keys(seqs: list[Sequence]) -> list[int]:

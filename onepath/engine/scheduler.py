@@ -1,4 +1,9 @@
-"""Scheduler: continuous batching with chunked prefill and preemption by recompute (vLLM v1 style)."""
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute (vLLM v1 style).
+
+A hybrid model's running sequences also hold a recurrent state slot each (models/state_cache.py): taken at
+admission, given back when a sequence is preempted (its recompute starts at position 0, with a fresh state),
+reaches its length limit or finishes.
+"""
 from __future__ import annotations
 
 from collections import deque
@@ -49,9 +54,15 @@ class SchedulerConfig:
 
 class Scheduler:
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, state_slots: int = 0):
+        """state_slots: recurrent state slots (a hybrid model's; 0: none), at least max_num_seqs."""
+        if state_slots and state_slots < config.max_num_seqs:
+            raise ValueError(f"{state_slots} recurrent state slots for max_num_seqs {config.max_num_seqs}: give "
+                             "every running sequence one")
         self.config = config
         self.block_manager = block_manager
+        self.free_slots = list(range(state_slots))[::-1]
+        self.uses_slots = state_slots > 0
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # in admission order: the last one is the next victim
         self.draining: list[Sequence] = []  # at their length limit, their last token not yet on the host
@@ -117,6 +128,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            if self.uses_slots:
+                seq.state_slot = self.free_slots.pop()
             self.running.append(seq)
             scheduled.append(self.take(seq, num_tokens, cached))
             budget -= num_tokens
@@ -141,6 +154,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         # recompute: generated tokens stay in token_ids and are prefilled again with the prompt
         self.block_manager.free(seq)
+        self.release_slot(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -180,6 +194,7 @@ class Scheduler:
                 if self.at_length_limit(seq):
                     self.running.remove(seq)
                     self.draining.append(seq)
+                    self.release_slot(seq)  # it computes nothing more
 
     def complete(self, scheduled: list[ScheduledSeq], sampled: dict[int, tuple[int, float]]) -> list[Sequence]:
         """Write the step's sampled tokens over their placeholders; finish the sequences that stop."""
@@ -222,8 +237,14 @@ class Scheduler:
         seq.error = error
         self.finish(seq, "abort" if error is None else "error")
 
+    def release_slot(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = None
+
     def finish(self, seq: Sequence, reason: str) -> None:
         self.block_manager.free(seq)
+        self.release_slot(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self.live[seq.request_id]

@@ -33,6 +33,7 @@ class Sequence:
         self.request_key = request_key(params.seed, request_id)  # sampling keys: one mix per token from here
         self.eos_token_ids = tuple(eos_token_ids)
         self.block_table: list[int] = []
+        self.state_slot: int | None = None  # a hybrid model's recurrent state slot while running (Scheduler)
         self.block_hashes: list[bytes] = []  # prefix-cache keys of the full blocks of token_ids, filled lazily
         self.status = SequenceStatus.WAITING
         self.logprobs: list[float] = []

@@ -3,10 +3,15 @@ from __future__ import annotations
 
 from onepath.models.config import ModelConfig
 from onepath.models.dense import DenseDecoder
+from onepath.models.fields import HYBRID_MODEL_TYPES
 from onepath.models.moe import MoeDecoder
 from onepath.ops import Ops
 
 
 def build_decoder(config: ModelConfig, ops: Ops, max_positions: int | None = None) -> DenseDecoder:
-    """The decoder config.json describes: MoeDecoder for a mixture-of-experts model_type, else DenseDecoder."""
+    """The decoder config.json describes: NemotronHDecoder for a hybrid, MoeDecoder for a mixture-of-experts
+    model_type, else DenseDecoder."""
+    if config.model_type in HYBRID_MODEL_TYPES:
+        from onepath.models.nemotron_h import NemotronHDecoder
+        return NemotronHDecoder(config, ops, max_positions=max_positions)
     return (MoeDecoder if config.is_moe else DenseDecoder)(config, ops, max_positions=max_positions)

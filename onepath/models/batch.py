@@ -18,12 +18,14 @@ class SeqChunk:
     token_ids: list[int]     # the tokens computed in this pass
     start: int               # position of token_ids[0]
     block_table: list[int]
+    state_slot: int | None = None  # a hybrid model's recurrent state slot (models/state_cache.py)
 
 
 @dataclass(slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     attn: AttentionMetadata
+    state_slots: list[int] | None = None  # each sequence's recurrent state slot (hybrid models); None: 0, 1, ...
 
     @property
     def positions(self) -> torch.Tensor:
@@ -51,7 +53,8 @@ class ForwardBatch:
         attn = AttentionMetadata(positions=as_tensor(positions), query_seq=as_tensor(query_seq), cu_seqlens=cu,
                                  context_lens=ctx, block_tables=as_tensor(tables),
                                  slot_mapping=as_tensor(slots), block_size=block_size)
-        return cls(as_tensor(ids), attn)
+        slots = [c.state_slot for c in chunks]
+        return cls(as_tensor(ids), attn, None if None in slots else slots)
 
     @classmethod
     def for_sequences(cls, sequences: list[list[int]], block_size: int,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+HYBRID_MODEL_TYPES = ("nemotron_h",)  # Mamba-2 / attention / MLP / MoE layers by pattern (models/nemotron_h.py)
 
 # pad_token_id: the embedding's padding_idx (no value changes; that row's lookups add nothing to its gradient)
 SHAPE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -34,6 +35,17 @@ IMPLEMENTED: dict[str, tuple[str, ...]] = {
     # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map)
     "qwen3_moe": SHAPE + ROPE + ("use_sliding_window", "sliding_window", "attention_bias") + MOE
                  + ("num_local_experts",),
+    # the layer pattern under its three names (hybrid_override_pattern: the published files' "M*-E" string;
+    # layer_types: transformers' attribute_map), the Mamba-2 mixer, attention without positional encoding, the
+    # relu2 MLP, the sigmoid-routed MoE; mamba_* are the legacy names transformers still reads
+    "nemotron_h": ("model_type", "vocab_size", "hidden_size", "layers_block_type", "hybrid_override_pattern",
+                   "layer_types", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                   "intermediate_size", "mlp_bias", "layer_norm_epsilon", "mamba_num_heads",
+                   "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", "use_conv_bias", "chunk_size",
+                   "time_step_limit", "mamba_ssm_cache_dtype", "use_bias", "n_routed_experts", "num_local_experts",
+                   "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+                   "moe_latent_size", "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob",
+                   "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias", "mamba_chunk_size", "mamba_dt_limit"),
 }
 
 REFUSED: dict[str, tuple[object, str]] = {
@@ -68,10 +80,48 @@ NO_MATH: dict[str, str] = {
                             "loss has none and the logits do not change",
     "router_aux_loss_coef": "the weight of that load-balancing loss (output_router_logits)",
 }
-# Fields a family's published config.json carries that its transformers config does not define
+# Fields a family's published config.json carries that its transformers config does not define, or that its
+# transformers forward does not read
 FAMILY_NO_MATH: dict[str, dict[str, str]] = {
     "qwen3_moe": {"max_window_layers": "Qwen3MoeConfig does not define it: with use_sliding_window transformers "
                                        "windows every layer, and so does onepath"},
+    "nemotron_h": {
+        "num_hidden_layers": "the layer count is the pattern's length; transformers ignores this field (a mismatch "
+                             "is warned about)",
+        "num_logits_to_keep": "transformers' generate option (logits of the last rows only)",
+        "pad_token_id": "a token id for the tokenizer and generate: transformers' NemotronH embedding has no "
+                        "padding_idx, so the pad row is trained like any other",
+        "use_mamba_kernels": "deprecated in transformers, no effect there",
+        "expand": "the mixer's width is mamba_num_heads * mamba_head_dim; transformers does not read expand",
+        "mamba_expand": "the legacy name of expand",
+        "time_step_min": "the range of transformers' random dt_bias init; a checkpoint's dt_bias replaces it",
+        "time_step_max": "the range of transformers' random dt_bias init",
+        "time_step_floor": "the floor of transformers' random dt_bias init",
+        "mamba_dt_min": "the legacy name of time_step_min", "mamba_dt_max": "the legacy name of time_step_max",
+        "mamba_dt_init_floor": "the legacy name of time_step_floor",
+        "rescale_prenorm_residual": "scales transformers' random init of out_proj",
+        "moe_shared_expert_overlap": "Megatron's schedule of the shared expert beside the routed ones",
+        "num_nextn_predict_layers": "multi-token-prediction layers for speculative decoding: transformers builds "
+                                    "none and neither does onepath; their mtp.* tensors are skipped at load",
+        "mtp_layers_block_type": "the layer kinds of those MTP layers",
+        "mtp_hybrid_override_pattern": "the legacy name of mtp_layers_block_type",
+    },
+}
+# Fields a family refuses unless harmless, beyond REFUSED: (harmless value, why)
+FAMILY_REFUSED: dict[str, dict[str, tuple[object, str]]] = {
+    "nemotron_h": {
+        "tie_word_embeddings": (False, "transformers' NemotronH never ties the LM head to the embeddings (its "
+                                       "lm_head is its own tensor): set it to false"),
+        "sliding_window": (None, "transformers' NemotronH attends to the whole prefix whatever the window; onepath "
+                                 "does not guess: set it to null"),
+        "attention_bias": (False, "transformers' NemotronH attention has no biases"),
+        "mamba_proj_bias": (False, "transformers' NemotronH takes the Mamba projections' bias from use_bias"),
+        "residual_in_fp32": (False, "the residual stream stays in the model's dtype, as in transformers' NemotronH"),
+        "hidden_dropout": (0.0, "onepath's trainer applies no dropout: set it to 0.0"),
+        "mamba_hidden_act": ("silu", "the Mamba-2 conv activation is SiLU (ops/conv1d.py)"),
+        "mlp_hidden_act": ("relu2", "the MLP and the experts are relu2 (ops/relu2.py)"),
+        "n_shared_experts": (1, "transformers' NemotronH builds one shared expert"),
+    },
 }
 
 # transformers' default of a field a config.json may leave out, where it is not ModelConfig's own: an absent
@@ -85,6 +135,8 @@ FAMILY_DEFAULTS: dict[str, dict[str, object]] = {
                       num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632),
     "qwen3_moe": dict(num_key_value_heads=4, max_position_embeddings=32768, sliding_window=4096, num_experts=128,
                       num_experts_per_tok=8, moe_intermediate_size=768),
+    "nemotron_h": {},  # NemotronHConfig's own defaults are transformers'
+
 }
 
 
@@ -92,7 +144,7 @@ def classify(model_type: str, field: str) -> str | None:
     """"implemented", "refused", "no_math", or None for a field `model_type`'s decoder neither reads nor lists."""
     if field in IMPLEMENTED[model_type]:
         return "implemented"
-    if field in REFUSED:
+    if field in REFUSED or field in FAMILY_REFUSED.get(model_type, {}):
         return "refused"
     if field in NO_MATH or field in FAMILY_NO_MATH.get(model_type, {}):
         return "no_math"
@@ -106,7 +158,7 @@ def unclassified(model_type: str, raw: dict) -> list[str]:
 def refusals(raw: dict) -> list[str]:
     """Why `raw` (a config.json) cannot load: one line per field set to other than its harmless value."""
     out = []
-    for field, (harmless, why) in REFUSED.items():
+    for field, (harmless, why) in {**REFUSED, **FAMILY_REFUSED.get(raw.get("model_type"), {})}.items():
         if field in raw and raw[field] != harmless and not (harmless is None and raw[field] in ({}, None)):
             out.append(f"{field} = {raw[field]!r} is not supported ({why})")
     return out

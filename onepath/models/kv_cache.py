@@ -30,8 +30,9 @@ class KVCache:
                              torch.zeros(*shape[:-1], 1, dtype=torch.float32, device=device), (1, config.head_dim),
                              kv)
 
-        self.k = [layer() for _ in range(config.num_hidden_layers)]
-        self.v = [layer() for _ in range(config.num_hidden_layers)]
+        # a hybrid's layers without attention keep no K/V (None)
+        self.k = [layer() if config.has_kv_cache(i) else None for i in range(config.num_hidden_layers)]
+        self.v = [layer() if config.has_kv_cache(i) else None for i in range(config.num_hidden_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @classmethod
@@ -44,7 +45,8 @@ class KVCache:
         """K and V of one token over all layers, scales included."""
         per_head = config.head_dim * torch.empty((), dtype=dtype).element_size() if kv is None \
             else config.head_dim + SCALE_BYTES
-        return 2 * config.num_hidden_layers * config.num_key_value_heads * per_head
+        layers = sum(map(config.has_kv_cache, range(config.num_hidden_layers)))
+        return 2 * layers * config.num_key_value_heads * per_head
 
 
 def check_kv_spec(kv: QuantSpec | None) -> None:

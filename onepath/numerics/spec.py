@@ -12,10 +12,19 @@ DEVICES = ("cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPS = ("embedding", "linear", "rmsnorm", "rope", "silu_mul", "attention", "lm_head", "logprobs", "topk", "sampling")
 # Operators with no entry of their own: FP32 whatever the spec's dtype, the mode alone picks the recipe
-# (ops/softmax.py, ops/sigmoid.py: the MoE router's probabilities, the shared-expert gate)
-FP32_OPS = ("softmax", "sigmoid")
+# (ops/softmax.py, ops/sigmoid.py: the MoE router's probabilities, the shared-expert gate; ops/relu2.py and
+# ops/conv1d.py: Nemotron-H's activation and Mamba-2's causal conv, rounded once to their input's dtype)
+FP32_OPS = ("softmax", "sigmoid", "relu2", "causal_conv1d")
+# Linear layers of one module class, named apart so a spec can give them their own formats (the Mamba mixers'
+# in/out projections, the routed experts): until a spec sets one, it computes as the op it names here.
+MODULE_OPS = {"mamba_proj": "linear", "expert": "linear"}
+# Operators of one model family (the Mamba-2 scan): absent from a spec's JSON, and so from its hash, until set,
+# so the specs of other families keep theirs; FAMILY_DEFAULTS gives their entry until then.
+FAMILY_OPS = ("ssd",)
+SSD_CHUNK = 128  # tokens per chunk of the Mamba-2 scan (ops/ssd.py), Nemotron-H's chunk_size
 # The tensors an operator may store quantised: a GEMM's weight and input activation, attention's K/V cache.
-QUANT_ROLES = {"linear": ("weight", "act"), "lm_head": ("weight", "act"), "attention": ("kv",)}
+QUANT_ROLES = {"linear": ("weight", "act"), "lm_head": ("weight", "act"), "attention": ("kv",),
+               "mamba_proj": ("weight", "act"), "expert": ("weight", "act")}
 # How a MoE expert's router coefficient enters (no model reads it yet): on the expert's FP32
 # down-proj output before the experts are summed, or folded into the down-proj input before it is
 # quantised (then it moves the activation scales).
@@ -113,11 +122,14 @@ QUANT_PRESETS = {
     "fp8_kv": {"attention": dict(kv=FP8_KV)},
     "nvfp4_w4a16": {"linear": dict(weight=NVFP4_WEIGHT)},
     "nvfp4_w4a4": {"linear": dict(weight=NVFP4_WEIGHT, act=NVFP4_ACT)},
+    # by module class (Nemotron-H's recipe: "fp8_mamba+nvfp4_experts+fp8_kv", the rest in the spec's dtype)
+    "fp8_mamba": {"mamba_proj": dict(weight=FP8_WEIGHT, act=FP8_ACT)},
+    "nvfp4_experts": {"expert": dict(weight=NVFP4_WEIGHT)},
 }
 
 
 # OpSpec's integer fields, settable by name (ExecutionSpec.with_settings, the benches' --spec)
-SETTABLE = ("row_chunk", "reduce_tile", "kv_tile", "kv_split", "q_rows")
+SETTABLE = ("row_chunk", "reduce_tile", "kv_tile", "kv_split", "q_rows", "chunk")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +148,7 @@ class OpSpec:
     act: QuantSpec | None = None
     kv: QuantSpec | None = None
     router_placement: str | None = None  # MoE only: one of ROUTER_PLACEMENTS
+    chunk: int | None = None   # ssd only: tokens per scan chunk, absolute positions [i*chunk, (i+1)*chunk)
 
     def __post_init__(self):
         for name in ("weight", "act", "kv"):
@@ -155,6 +168,8 @@ class OpSpec:
                 raise ValueError(f"{name} {v} must be a power of two >= 1")
         if self.q_rows is not None and (self.q_rows < 16 or self.q_rows & (self.q_rows - 1)):
             raise ValueError(f"q_rows {self.q_rows} must be a power of two >= 16 (a dot's M), or None for 64")
+        if self.chunk is not None and (self.chunk < 1 or self.chunk & (self.chunk - 1)):
+            raise ValueError(f"chunk {self.chunk} must be a power of two >= 1 (tokens per scan chunk)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +183,10 @@ class ExecutionSpec:
             raise ValueError(f"mode {self.mode!r} is unknown: use one of {MODES}")
         if self.device not in DEVICES:
             raise ValueError(f"device {self.device!r} is unknown: use one of {DEVICES}")
-        unknown = set(self.ops) - set(OPS)
+        unknown = set(self.ops) - set(OPS) - set(MODULE_OPS) - set(FAMILY_OPS)
         if unknown:
-            raise ValueError(f"ops {sorted(unknown)} are unknown: the operators are {OPS}")
+            raise ValueError(f"ops {sorted(unknown)} are unknown: the operators are {OPS}, the module classes "
+                             f"{tuple(MODULE_OPS)} and {FAMILY_OPS}")
         missing = set(OPS) - set(self.ops)
         if missing:
             object.__setattr__(self, "ops", {**self.ops, **{name: OpSpec() for name in missing}})
@@ -203,18 +219,19 @@ class ExecutionSpec:
                              "several joined by '+' (e.g. 'fp8+fp8_kv')")
         ops = dict(self.ops)
         for name, fields in QUANT_PRESETS[preset].items():
-            taken = [role for role in fields if getattr(ops[name], role) is not None]
+            taken = [role for role in fields if getattr(ops.get(name), role, None) is not None]
             if taken:
                 raise ValueError(f"quant preset {preset!r} sets {name}.{taken[0]}, which an earlier preset "
                                  "quantised already: combine presets that quantise different tensors")
-            ops[name] = replace(ops[name], **fields)
+            ops[name] = replace(self.op(name), **fields)
         return replace(self, ops=ops)
 
     def with_op(self, name: str, **fields) -> "ExecutionSpec":
         """This spec with ops[name]'s fields replaced, e.g. with_op("attention", q_rows=16)."""
-        if name not in OPS:
-            raise ValueError(f"op {name!r} is unknown: the operators are {OPS}")
-        return replace(self, ops={**self.ops, name: replace(self.ops[name], **fields)})
+        if name not in OPS + tuple(MODULE_OPS) + FAMILY_OPS:
+            raise ValueError(f"op {name!r} is unknown: the operators are {OPS}, the module classes "
+                             f"{tuple(MODULE_OPS)} and {FAMILY_OPS}")
+        return replace(self, ops={**self.ops, name: replace(self.op(name), **fields)})
 
     def with_settings(self, settings: list[str]) -> "ExecutionSpec":
         """This spec with "op.field=value" settings applied (e.g. "attention.q_rows=16",
@@ -234,7 +251,13 @@ class ExecutionSpec:
         return spec
 
     def op(self, name: str) -> OpSpec:
-        return self.ops[name]
+        """ops[name]; a module class without an entry computes as the op it names (MODULE_OPS), a family's
+        operator without one takes FAMILY_DEFAULTS'."""
+        if name in self.ops:
+            return self.ops[name]
+        if name in MODULE_OPS:
+            return self.ops[MODULE_OPS[name]]
+        return FAMILY_DEFAULTS[name]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -247,7 +270,10 @@ class ExecutionSpec:
             if not isinstance(value, dict):
                 return value
             return {k: fields(v) for k, v in value.items() if v is not None or k == "block"}
-        return {"mode": self.mode, "device": self.device, "ops": {name: fields(asdict(self.ops[name])) for name in OPS}}
+        # module classes and family operators join only once set: other specs keep their JSON and hash
+        names = OPS + tuple(sorted(set(self.ops) - set(OPS)))
+        return {"mode": self.mode, "device": self.device,
+                "ops": {name: fields(asdict(self.ops[name])) for name in names}}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, indent=2)
@@ -270,6 +296,9 @@ class ExecutionSpec:
 
     def __hash__(self):
         return hash(self.hash())
+
+
+FAMILY_DEFAULTS = {"ssd": OpSpec(chunk=SSD_CHUNK)}
 
 
 def check_same_spec(engine_spec: ExecutionSpec, trainer_spec: ExecutionSpec) -> None:

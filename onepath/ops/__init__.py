@@ -10,15 +10,18 @@ import torch
 
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import attention as _attention
+from onepath.ops import conv1d as _conv1d
 from onepath.ops import embedding as _embedding
 from onepath.ops import linear as _linear
 from onepath.ops import logprobs as _logprobs
+from onepath.ops import relu2 as _relu2
 from onepath.ops import rmsnorm as _rmsnorm
 from onepath.ops import rope as _rope
 from onepath.ops import sampling as _sampling
 from onepath.ops import sigmoid as _sigmoid
 from onepath.ops import silu_mul as _silu_mul
 from onepath.ops import softmax as _softmax
+from onepath.ops import ssd as _ssd
 from onepath.ops import topk as _topk
 from onepath.ops.attention import AttentionMetadata
 
@@ -30,8 +33,9 @@ class Ops:
     def embedding(self, token_ids, weight, padding_idx=None):
         return _embedding.embedding(self.spec, token_ids, weight, padding_idx)
 
-    def linear(self, x, weight, bias=None):
-        return _linear.linear(self.spec, x, weight, bias)
+    def linear(self, x, weight, bias=None, op="linear"):
+        """op: "linear", or a module class with its own formats in the spec (MODULE_OPS: "mamba_proj", "expert")."""
+        return _linear.linear(self.spec, x, weight, bias, op=op)
 
     def lm_head(self, x, weight):
         return _linear.linear(self.spec, x, weight, op="lm_head")
@@ -40,10 +44,10 @@ class Ops:
         """MoE router scores x W^T, FP32 at every batch size: the LM head's GEMM (FP32 output)."""
         return _linear.linear(self.spec, x, weight, op="lm_head")
 
-    def expert_down(self, x, weight):
+    def expert_down(self, x, weight, op="linear"):
         """An MoE expert's down projection with FP32 output (the experts are combined in FP32 and rounded
-        once); a linear layer otherwise, quantised as the spec's linear op says."""
-        return _linear.linear(self.spec, x, weight, out_dtype=torch.float32)
+        once); a linear layer otherwise, quantised as the spec's `op` says."""
+        return _linear.linear(self.spec, x, weight, op=op, out_dtype=torch.float32)
 
     @property
     def grouped_experts(self) -> bool:
@@ -51,6 +55,10 @@ class Ops:
         CUDA (consistent: our kernels, quantised too; baseline BF16 and FP8: torch._grouped_mm), and for
         quantised experts on the CPU (a GEMM per expert on the stacked quantised weights)."""
         return _linear.grouped_experts(self.spec)
+
+    def grouped_kernel(self, op="linear") -> bool:
+        """grouped_experts for the linears of module class `op` (their quantisation may rule the launch out)."""
+        return _linear.grouped_kernel(self.spec, op)
 
     def grouped_on_device(self, weight) -> bool:
         """True where grouped_linear over `weight` [G, N, K] reads the counts on the device only (no host
@@ -72,13 +80,13 @@ class Ops:
         """The KV cache's QuantSpec (FP8_KV) or None for a cache in the model's dtype."""
         return self.spec.op("attention").kv
 
-    def grouped_linear(self, x, weight, counts):
+    def grouped_linear(self, x, weight, counts, op="linear"):
         """x's rows packed by expert (counts[e] rows each) through ops.linear against weight[e]."""
-        return _linear.grouped_linear(self.spec, x, weight, counts)
+        return _linear.grouped_linear(self.spec, x, weight, counts, op=op)
 
-    def grouped_expert_down(self, x, weight, counts):
+    def grouped_expert_down(self, x, weight, counts, op="linear"):
         """ops.expert_down (FP32 output) of rows packed by expert, as grouped_linear."""
-        return _linear.grouped_linear(self.spec, x, weight, counts, out_dtype=torch.float32)
+        return _linear.grouped_linear(self.spec, x, weight, counts, op=op, out_dtype=torch.float32)
 
     def softmax(self, x):
         """FP32 softmax over the last dim (the router's expert probabilities)."""
@@ -104,6 +112,23 @@ class Ops:
 
     def silu_mul(self, gate, up):
         return _silu_mul.silu_mul(self.spec, gate, up)
+
+    def relu2(self, x):
+        """relu(x)^2 (Nemotron-H's MLP and experts)."""
+        return _relu2.relu2(self.spec, x)
+
+    def gated_rmsnorm(self, x, gate, weight, eps, group_size):
+        """rmsnorm over groups of x * silu(gate) (Mamba-2's norm before out_proj)."""
+        return _rmsnorm.gated_rmsnorm(self.spec, x, gate, weight, eps, group_size)
+
+    def causal_conv1d(self, x, weight, bias, spans, state=None):
+        """Mamba-2's depthwise causal conv and SiLU over each sequence of `spans`, its state kept per slot."""
+        return _conv1d.causal_conv1d(self.spec, x, weight, bias, spans, state)
+
+    def ssd(self, x, dt, B, C, A_log, D, dt_bias, spans, state=None, dt_limit=_ssd.NO_LIMIT,
+            state_dtype=torch.float32):
+        """Mamba-2's scan in the spec's fixed chunks, one arithmetic for every phase (ops/ssd.py)."""
+        return _ssd.ssd(self.spec, x, dt, B, C, A_log, D, dt_bias, spans, state, dt_limit, state_dtype)
 
     def attention(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
         return _attention.attention(self.spec, q, k, v, k_cache, v_cache, meta, scale, sliding_window)

@@ -4,10 +4,16 @@ Backends, from KERNELS by (mode, device): consistent CPU: the sum of squares is 
 (elementwise adds only), rsqrt on fixed-shape pieces; baseline CPU: the stock `x.pow(2).mean(-1)` reduction; CUDA,
 both modes: the fused Triton kernel of ops/cuda/rmsnorm.py (a speed-up that is not about consistency goes to both).
 The order of the final products follows Hugging Face (normalise, cast, then scale by w). Backward: `reference`.
+
+gated_rmsnorm (Mamba-2's norm before out_proj, Nemotron-H's RMSNormGated with norm_before_gate False): the input
+times silu(gate), normalised over groups of `group_size` channels, in FP32; scaled by w in FP32 and rounded once to
+w's dtype. Consistent: silu and rsqrt on fixed-shape pieces, each group's sum of squares a fixed tree; baseline: the
+stock mean and functions over the whole tensor. The same torch code on both devices for now.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops.autograd import apply_kernel
@@ -70,6 +76,40 @@ ADD_KERNELS = {
     ("consistent", "cuda"): cuda_residual,
     ("baseline", "cuda"): cuda_residual,
 }
+
+
+def gated_reference(x, gate, weight, eps, group_size):
+    h = x.float() * F.silu(gate.float())
+    g = h.view(*h.shape[:-1], -1, group_size)
+    normed = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)).view(h.shape)
+    return (weight.float() * normed).to(weight.dtype)
+
+
+def gated_consistent(x, gate, weight, eps, group_size):
+    h = x.float() * pinned_unary(F.silu, gate.float())
+    g = h.view(*h.shape[:-1], -1, group_size)
+    inv = pinned_unary(torch.rsqrt, tree_sum(g * g) / group_size + eps)
+    return (weight.float() * (g * inv.unsqueeze(-1)).view(h.shape)).to(weight.dtype)
+
+
+# (mode, device) -> gated_rmsnorm's kernel(x, gate, weight, eps, group_size)
+GATED_KERNELS = {
+    ("consistent", "cpu"): gated_consistent,
+    ("consistent", "cuda"): gated_consistent,
+    ("baseline", "cpu"): gated_reference,
+    ("baseline", "cuda"): gated_reference,
+}
+
+
+def gated_rmsnorm(spec: ExecutionSpec, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                  group_size: int) -> torch.Tensor:
+    """x [..., I] (FP32, the scan's output), gate [..., I], weight [I] -> [..., I] in weight's dtype."""
+    if x.shape[-1] % group_size or x.shape != gate.shape:
+        raise ValueError(f"gated_rmsnorm: x {tuple(x.shape)} and gate {tuple(gate.shape)} must match and split into "
+                         f"groups of {group_size}")
+    kernel = GATED_KERNELS[spec.mode, spec.device]
+    return apply_kernel(lambda x, z, w: kernel(x, z, w, eps, group_size),
+                        lambda x, z, w: gated_reference(x, z, w, eps, group_size), x, gate, weight)
 
 
 def rmsnorm(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

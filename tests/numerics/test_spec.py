@@ -127,3 +127,21 @@ def test_attention_rows_are_part_of_the_contract():
     for bad in ("attention.q_rows", "attention.dtype=bfloat16", "q_rows=16", "attention.q_rows=many"):
         with pytest.raises(ValueError, match="is not op.field=value with an integer field"):
             spec.with_settings([bad])
+
+
+def test_family_operators_and_module_classes_join_the_spec_only_once_set():
+    """ssd.chunk (the Mamba-2 scan's tile) and the module classes (mamba_proj, expert) are absent from a spec's JSON,
+    and so from its hash, until set; set, they round-trip and move the hash; by name as the benches' --spec."""
+    spec = ExecutionSpec()
+    assert spec.op("ssd").chunk == 128 and spec.op("expert") == spec.op("linear")
+    chunked = spec.with_settings(["ssd.chunk=64"])
+    assert chunked.op("ssd").chunk == 64 and chunked.hash() != spec.hash() and "ssd" in chunked.to_dict()["ops"]
+    assert ExecutionSpec.from_json(chunked.to_json()) == chunked
+    classed = spec.with_quant("fp8_mamba")
+    assert classed.op("mamba_proj").weight == FP8_WEIGHT and classed.op("linear").weight is None
+    with pytest.raises(ValueError, match="chunk 48 must be a power of two"):
+        spec.with_op("ssd", chunk=48)
+    with pytest.raises(ValueError, match="op 'mamba' is unknown: the operators are .* the module classes"):
+        spec.with_op("mamba", chunk=64)
+    with pytest.raises(ValueError, match="sets mamba_proj.weight, which an earlier preset"):
+        classed.with_quant("fp8_mamba")

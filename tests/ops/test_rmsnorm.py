@@ -67,3 +67,29 @@ def test_qk_norm_rope_one_warp_sums_squares_as_four_warps():
 
     assert reduce_layout(rmsnorm.ROW_WARP_BLOCK, 1) == reduce_layout(rmsnorm.BLOCK_H, rmsnorm.NUM_WARPS) == ("8", "32")
     assert reduce_layout(rmsnorm.ROW_WARP_BLOCK, 2) != ("8", "32")
+
+
+def test_gated_rmsnorm_keeps_a_row_bits_in_any_batch_and_matches_the_formula(consistent, gen):
+    """Mamba-2's gated norm by group: a row alone or at any position of any batch gives the same bits; the values
+    are the grouped formula's (float64 here), and its gradients too."""
+    x = torch.randn(1, 96, generator=gen) * 3
+    z, w = torch.randn(1, 96, generator=gen), torch.randn(96, generator=gen)
+    norm = lambda t: R.gated_rmsnorm(consistent, t, z.expand(t.shape[0], -1), w, 1e-5, 24)
+    assert max_batch_drift(norm, x, gen) == 0.0
+    xs = torch.randn(5, 96, generator=gen, dtype=torch.float64).requires_grad_()
+    zs = torch.randn(5, 96, generator=gen, dtype=torch.float64).requires_grad_()
+    w64 = w.double().requires_grad_()
+    h = (xs * torch.sigmoid(zs) * zs).view(5, 4, 24)
+    want = w64 * (h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).view(5, 96)
+    got = R.gated_rmsnorm(consistent, xs.float(), zs.float(), w, 1e-5, 24)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    leaves = [t.detach().float().requires_grad_() for t in (xs, zs, w64)]
+    grads = torch.autograd.grad(R.gated_rmsnorm(consistent, *leaves, 1e-5, 24).sum(), leaves)
+    for a, b in zip(grads, torch.autograd.grad(want.sum(), (xs, zs, w64))):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+def test_gated_rmsnorm_refuses_groups_that_do_not_split_the_row(consistent):
+    import pytest
+    with pytest.raises(ValueError, match="split into groups of 7"):
+        R.gated_rmsnorm(consistent, torch.ones(2, 24), torch.ones(2, 24), torch.ones(24), 1e-5, 7)

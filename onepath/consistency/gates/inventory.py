@@ -7,15 +7,16 @@ from collections import Counter
 from onepath.consistency.gates.context import GateContext, GateResult, rollout
 from onepath.consistency.recorder import Recorder, RecordingOps
 from onepath.engine.sampling_params import SamplingParams
-from onepath.numerics.spec import FP32_OPS, OPS, ExecutionSpec
+from onepath.numerics.spec import FAMILY_OPS, FP32_OPS, OPS, ExecutionSpec
 
 # Ops methods and the ExecutionSpec entry that states their numerics
 OP_SPEC = {"token_logprobs": "logprobs", "probs": "logprobs", "sampling_mask": "topk", "sample": "sampling",
            "sample_with_logprobs": "sampling", "add_rmsnorm": "rmsnorm", "qk_norm_rope": "rope", "router": "lm_head",
            "expert_down": "linear", "grouped_linear": "linear", "grouped_expert_down": "linear",
-           "experts": "linear"}  # the recorder's one site for a MoE layer's experts: their GEMMs and silu_mul
+           "experts": "linear",  # the recorder's one site for a MoE layer's experts: their GEMMs and silu_mul
+           "gated_rmsnorm": "rmsnorm"}
 # Ops members that answer a question about the backend and compute nothing
-QUERIES = ("can_stack", "grouped_experts", "grouped_on_device", "kv_quant", "kv_tile")
+QUERIES = ("can_stack", "grouped_experts", "grouped_kernel", "grouped_on_device", "kv_quant", "kv_tile")
 
 
 def gate_c0(ctx: GateContext) -> GateResult:
@@ -31,7 +32,7 @@ def gate_c0(ctx: GateContext) -> GateResult:
             engine.runner.ops = sampler_ops
     calls = Counter(c.op for c in recorder.calls)
     out_dtypes = {c.op: str(c.outputs[0].dtype).removeprefix("torch.") for c in recorder.calls if c.outputs}
-    no_spec = sorted(op for op in calls if OP_SPEC.get(op, op) not in OPS + FP32_OPS)
+    no_spec = sorted(op for op in calls if OP_SPEC.get(op, op) not in OPS + FAMILY_OPS + FP32_OPS)
     wrong_dtype = sorted(n for n, p in model.named_parameters() if p.dtype != ctx.spec.dtype)
     round_trip = ExecutionSpec.from_json(ctx.spec.to_json()).hash() == ctx.spec.hash()
     c = ctx.config
