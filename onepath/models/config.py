@@ -187,6 +187,9 @@ class ModelConfig:
         """From a config.json: the fields its family reads (fields.IMPLEMENTED) become ModelConfig's, the
         rest go to `extra`; a field set to a value onepath does not implement is refused."""
         model_type = raw.get("model_type", "llama")
+        if model_type == "deepseek_v4":  # a family with its own config dataclass
+            from onepath.models.deepseek_v4_config import DeepseekV4Config
+            return DeepseekV4Config.from_dict(raw)
         if model_type not in IMPLEMENTED:
             raise ValueError(f"model_type {model_type!r} is not supported: use one of {tuple(IMPLEMENTED)}")
         refused = refusals(raw)

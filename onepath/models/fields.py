@@ -36,6 +36,21 @@ IMPLEMENTED: dict[str, tuple[str, ...]] = {
                  + ("num_local_experts",),
 }
 
+# DeepSeek-V4 (deepseek_v4.py, deepseek_v4_config.py); intermediate_size and num_local_experts are transformers'
+# attribute_map names of moe_intermediate_size and n_routed_experts; the legacy names of published checkpoints
+# (compress_ratios, compress_rate_csa / _hca, num_hash_layers, qk_rope_head_dim, rope_scaling) fold into the
+# modern fields as transformers' __post_init__ folds them
+DEEPSEEK_V4 = ("model_type", "vocab_size", "hidden_size", "moe_intermediate_size", "intermediate_size",
+               "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank", "num_experts_per_tok",
+               "n_routed_experts", "num_local_experts", "scoring_func", "routed_scaling_factor",
+               "max_position_embeddings", "rope_theta", "rope_parameters", "partial_rotary_factor", "layer_types",
+               "compress_rates", "compress_rope_theta", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "mlp_layer_types",
+               "swiglu_limit", "sliding_window", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim",
+               "index_topk", "rms_norm_eps", "pad_token_id", "tie_word_embeddings", "mlp_bias",
+               "compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers", "qk_rope_head_dim",
+               "rope_scaling")
+IMPLEMENTED["deepseek_v4"] = DEEPSEEK_V4
+
 REFUSED: dict[str, tuple[object, str]] = {
     "hidden_act": ("silu", "the decoders' MLP is SwiGLU; only 'silu' is implemented"),
     "attention_dropout": (0.0, "onepath's trainer applies no dropout (transformers' inference applies none "
@@ -72,6 +87,26 @@ NO_MATH: dict[str, str] = {
 FAMILY_NO_MATH: dict[str, dict[str, str]] = {
     "qwen3_moe": {"max_window_layers": "Qwen3MoeConfig does not define it: with use_sliding_window transformers "
                                        "windows every layer, and so does onepath"},
+    "deepseek_v4": {
+        "num_nextn_predict_layers": "the multi-token-prediction layers of the published checkpoint: transformers "
+                                    "builds none and neither does onepath (their mtp.* tensors are skipped at load)",
+        "topk_method": "DeepSeek's name for its router's selection: transformers' DeepSeek-V4 always ranks the "
+                       "scores plus e_score_correction_bias, as onepath does",
+        "expert_dtype": "the experts' storage format inside quantization_config, which onepath refuses; alone it "
+                        "changes nothing",
+    },
+}
+# A family's own refusals: the field's harmless value and why (transformers' module ignores any other value)
+FAMILY_REFUSED: dict[str, dict[str, tuple[object, str]]] = {
+    "deepseek_v4": {
+        "num_key_value_heads": (1, "DeepSeek-V4 reads one shared KV head as K and V; transformers ignores other "
+                                   "values"),
+        "n_shared_experts": (1, "transformers' DeepSeek-V4 builds one shared expert of moe_intermediate_size"),
+        "norm_topk_prob": (True, "DeepSeek-V4 always renormalises the top-k router weights (transformers ignores "
+                                 "false)"),
+        "attention_bias": (False, "DeepSeek-V4's projections carry no bias (transformers ignores true)"),
+        "router_jitter_noise": (0.0, "onepath's router adds no noise, and transformers' DeepSeek-V4 none either"),
+    },
 }
 
 # transformers' default of a field a config.json may leave out, where it is not ModelConfig's own: an absent
@@ -92,7 +127,7 @@ def classify(model_type: str, field: str) -> str | None:
     """"implemented", "refused", "no_math", or None for a field `model_type`'s decoder neither reads nor lists."""
     if field in IMPLEMENTED[model_type]:
         return "implemented"
-    if field in REFUSED:
+    if field in REFUSED or field in FAMILY_REFUSED.get(model_type, {}):
         return "refused"
     if field in NO_MATH or field in FAMILY_NO_MATH.get(model_type, {}):
         return "no_math"
@@ -105,8 +140,11 @@ def unclassified(model_type: str, raw: dict) -> list[str]:
 
 def refusals(raw: dict) -> list[str]:
     """Why `raw` (a config.json) cannot load: one line per field set to other than its harmless value."""
+    family = raw.get("model_type")
+    table = {**{f: r for f, r in REFUSED.items() if f not in IMPLEMENTED.get(family, ())},
+             **FAMILY_REFUSED.get(family, {})}
     out = []
-    for field, (harmless, why) in REFUSED.items():
+    for field, (harmless, why) in table.items():
         if field in raw and raw[field] != harmless and not (harmless is None and raw[field] in ({}, None)):
             out.append(f"{field} = {raw[field]!r} is not supported ({why})")
     return out

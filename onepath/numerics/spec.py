@@ -12,8 +12,9 @@ DEVICES = ("cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPS = ("embedding", "linear", "rmsnorm", "rope", "silu_mul", "attention", "lm_head", "logprobs", "topk", "sampling")
 # Operators with no entry of their own: FP32 whatever the spec's dtype, the mode alone picks the recipe
-# (ops/softmax.py, ops/sigmoid.py: the MoE router's probabilities, the shared-expert gate)
-FP32_OPS = ("softmax", "sigmoid")
+# (ops/softmax.py, ops/sigmoid.py: the MoE router's probabilities, the shared-expert gate; DeepSeek-V4's
+# router score, compressor pooling, indexer score and mHC: ops/sqrtsoftplus.py, compressor.py, indexer.py, mhc.py)
+FP32_OPS = ("softmax", "sigmoid", "sqrtsoftplus", "compressor", "indexer", "mhc")
 # The tensors an operator may store quantised: a GEMM's weight and input activation, attention's K/V cache.
 QUANT_ROLES = {"linear": ("weight", "act"), "lm_head": ("weight", "act"), "attention": ("kv",)}
 # How a MoE expert's router coefficient enters (no model reads it yet): on the expert's FP32
