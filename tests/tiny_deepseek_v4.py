@@ -71,9 +71,9 @@ def transformers_logits(hf, seqs) -> torch.Tensor:
         return torch.cat([hf(torch.tensor([s])).logits[0] for s in seqs])
 
 
-def onepath_model(hf, mode: str = "consistent", quant: str | None = None):
+def onepath_model(hf, mode: str = "consistent", quant: str | None = None, max_positions: int = MAX_POSITIONS):
     config = ModelConfig.from_dict(hf.config.to_dict())
-    model = build_decoder(config, Ops(ExecutionSpec.default(mode, quant=quant)), max_positions=MAX_POSITIONS)
+    model = build_decoder(config, Ops(ExecutionSpec.default(mode, quant=quant)), max_positions=max_positions)
     model.load_hf_state_dict(hf.state_dict())
     return model
 

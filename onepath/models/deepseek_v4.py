@@ -23,7 +23,7 @@ from onepath.models.deepseek_v4_cache import DeepseekV4Cache, LayerCache, Locato
 from onepath.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from onepath.models.deepseek_v4_names import from_checkpoint, to_checkpoint
 from onepath.models.dense import Linear, RMSNorm
-from onepath.models.moe import CAPACITY, MASKED_MAX_TOKENS, Experts, slot_sum
+from onepath.models.moe import CAPACITY, MASKED_MAX_TOKENS, Experts, Router, slot_sum
 from onepath.models.rope_scaling import frequencies, table
 from onepath.ops import Ops
 
@@ -120,8 +120,17 @@ class Indexer(Compressor):
         self.q_b_proj = Linear(ops, config.q_lora_rank, self.heads * self.dim, False, ops.spec.dtype)
         self.scorer = Scorer(ops, config)
 
+    @property
+    def trained(self) -> bool:
+        """Whether this forward trains the indexer (its weights unfrozen, grad on): then it reads its inputs
+        detached, so its loss reaches its own weights only, and keeps its scores for that loss."""
+        return torch.is_grad_enabled() and self.q_b_proj.weight.requires_grad
+
     def select(self, x, q_residual, batch: ForwardBatch, loc: Locator, cache: LayerCache, rope: Rope):
-        """[T, index_topk] entry indices of each query, by descending position, -1 where none."""
+        """([T, index_topk] entry indices of each query by descending position, -1 where none; the scores
+        [T, entries])."""
+        if self.trained:
+            x, q_residual = x.detach(), q_residual.detach()
         ops, t = self.ops, x.shape[0]
         fresh = self.compress(x, batch, loc, cache.index_state, cache.index_entries, rope)
         positions, valid, slots, rows = loc.cached(("entries", self.rate), lambda: entry_candidates(loc, self.rate))
@@ -129,7 +138,20 @@ class Indexer(Compressor):
         q = ops.rope_interleaved(self.q_b_proj(q_residual).view(t, self.heads, self.dim), batch.positions, cos, sin)
         keys = ops.cache_read(cache.index_entries, slots, fresh, rows)[:, :, 0]
         scores = ops.index_scores(q, keys, self.scorer.weights_proj(x), valid, self.dim ** -0.5, self.heads ** -0.5)
-        return ops.index_topk(scores, valid, self.topk)
+        return ops.index_topk(scores, valid, self.topk), scores
+
+    def loss(self, picked: torch.Tensor, scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """KL(attention || indexer) over each query's selected entries, as DeepSeek-V3.2 trains its indexer:
+        `weights` [T, k] the main attention's probabilities of those entries summed over heads (no gradient),
+        normalised; the indexer's log-softmax of its scores of the same entries. Mean over the queries that
+        selected any."""
+        chosen = picked >= 0
+        target = weights / weights.sum(-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+        logits = scores.gather(-1, picked.clamp(min=0)).masked_fill(~chosen, -torch.inf)
+        log_q = torch.log_softmax(logits, dim=-1)
+        kl = torch.where(chosen & (target > 0), target * (target.log() - log_q), 0.0).sum(-1)
+        rows = chosen.any(-1)
+        return kl[rows].mean() if bool(rows.any()) else scores.sum() * 0.0
 
 
 class CSACompressor(Compressor):
@@ -184,12 +206,17 @@ class Attention(nn.Module):
         window = self.config.sliding_window
         _, valid, slots, rows = loc.cached("window", lambda: window_candidates(loc, window))
         keys, masks = [ops.cache_read(cache.kv, slots, kv, rows)], [valid]
+        selection = None
         if self.kind != SLIDING:
-            keys_c, valid_c = self.compressed(x, q_residual, batch, cache, loc, rope)
+            keys_c, valid_c, selection = self.compressed(x, q_residual, batch, cache, loc, rope)
             keys.append(keys_c)
             masks.append(valid_c)
-        o = ops.sparse_attention(q, torch.cat(keys, dim=1)[:, :, 0], torch.cat(masks, dim=1), self.sinks,
-                                 self.head_dim ** -0.5)
+        keys, masks = torch.cat(keys, dim=1)[:, :, 0], torch.cat(masks, dim=1)
+        o = ops.sparse_attention(q, keys, masks, self.sinks, self.head_dim ** -0.5)
+        if selection is not None and self.compressor.indexer.trained:
+            with torch.no_grad():
+                weights = ops.attention_weights(q, keys, masks, self.sinks, self.head_dim ** -0.5)[:, :, window:]
+            self.indexer_loss = self.compressor.indexer.loss(*selection, weights.sum(1))
         o = ops.rope_interleaved(o, pos, cos, sin, inverse=True)
         grouped = o.reshape(t, self.groups, -1).transpose(0, 1).reshape(self.groups * t, -1)
         weight = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
@@ -198,17 +225,19 @@ class Attention(nn.Module):
 
     def compressed(self, x, q_residual, batch, cache: LayerCache, loc: Locator, rope: Rope):
         """This query's compressed entries [T, C, 1, D] and their validity [T, C]: all it may see in an HCA
-        layer (ascending), the indexer's selection in a CSA layer (descending position, invalid last)."""
+        layer (ascending), the indexer's selection in a CSA layer (descending position, invalid last); and in
+        a CSA layer the indexer's (selection, scores)."""
         c = self.compressor
         fresh = c.compress(x, batch, loc, cache.state, cache.entries, rope)
+        selection = None
         if self.kind == HCA:
             _, valid, slots, rows = loc.cached(("entries", c.rate), lambda: entry_candidates(loc, c.rate))
         else:
-            picked = c.indexer.select(x, q_residual, batch, loc, cache, rope)
-            valid = picked >= 0
-            positions = (picked + 1) * c.rate - 1
+            selection = c.indexer.select(x, q_residual, batch, loc, cache, rope)
+            valid = selection[0] >= 0
+            positions = (selection[0] + 1) * c.rate - 1
             slots, rows = loc.locate(torch.arange(x.shape[0], device=x.device), positions, valid)
-        return self.ops.cache_read(cache.entries, slots, fresh, rows), valid
+        return self.ops.cache_read(cache.entries, slots, fresh, rows), valid, selection
 
 
 def window_candidates(loc: Locator, window: int):
@@ -220,9 +249,12 @@ def window_candidates(loc: Locator, window: int):
     return (positions, valid, *loc.locate(torch.arange(t, device=positions.device), positions, valid))
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(Router):
+    """mlp.gate: (weights [T, k] FP32, experts [T, k]) from the top-k of the scores plus a bias; a moe.Router, so
+    the routing recorders (the engine's, the trainer's agreement check) see its choices."""
+
     def __init__(self, ops: Ops, config: DeepseekV4Config):
-        super().__init__()
+        nn.Module.__init__(self)
         self.ops, self.config = ops, config
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size, dtype=ops.spec.dtype))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=FP32))
@@ -331,11 +363,22 @@ class DeepseekV4Decoder(nn.Module):
 
     def freeze_indexer(self, frozen: bool = True) -> "DeepseekV4Decoder":
         """The lightning indexer's weights take no gradient (frozen: the default, as DeepSeek-V3.2 and GLM-5
-        train theirs apart); frozen=False makes them trainable parameters again."""
+        train theirs apart); frozen=False makes them trainable: each forward with grad on then leaves in
+        `indexer_loss()` the indexer's own loss, which reaches its weights only. Neither moves a forward bit."""
         for name, p in self.named_parameters():
             if ".indexer." in name:
                 p.requires_grad_(not frozen)
         return self
+
+    def indexer_loss(self) -> torch.Tensor:
+        """The sum over CSA layers of the last training forward's indexer loss (Indexer.loss), then forgotten;
+        add it to the policy loss to train an unfrozen indexer."""
+        losses = [m.__dict__.pop("indexer_loss") for m in self.modules()
+                  if isinstance(m, Attention) and "indexer_loss" in m.__dict__]
+        if not losses:
+            raise RuntimeError("no indexer loss recorded: unfreeze the indexer (freeze_indexer(False)) and run a "
+                               "forward with grad enabled over a model with compressed_sparse_attention layers")
+        return torch.stack(losses).sum()
 
     def share_projection_storage(self) -> None:
         """Nothing to share: no stacked projections (DenseDecoder's engine hook)."""
@@ -348,9 +391,17 @@ class DeepseekV4Decoder(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
+    @property
+    def rope_cos(self) -> torch.Tensor:
+        """A RoPE table: its rows are the positions the model can run (the engine checks max_model_len by it)."""
+        return self.rope.main_cos
+
     def make_cache(self, num_blocks: int, block_size: int) -> DeepseekV4Cache:
         return DeepseekV4Cache(self.config, num_blocks, block_size, self.ops.spec.dtype, self.device,
                                kv=self.ops.kv_quant)
+
+    def cache_bytes_per_token(self) -> int:
+        return DeepseekV4Cache.bytes_per_token(self.config, self.ops.spec.dtype, self.ops.kv_quant)
 
     def forward(self, batch: ForwardBatch, cache: DeepseekV4Cache, layer_fn=None) -> torch.Tensor:
         """Hidden states after the final norm [T, hidden]; layer_fn(layer, *args) as DenseDecoder's."""

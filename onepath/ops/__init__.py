@@ -135,6 +135,10 @@ class Ops:
         """Each query over its own gathered keys (K = V) with a sink per head (DeepSeek-V4)."""
         return _sparse_attention.sparse_attention(self.spec, q, keys, valid, sinks, scale)
 
+    def attention_weights(self, q, keys, valid, sinks, scale):
+        """sparse_attention's probabilities [T, H, L] in plain FP32 (a training target, not a forward value)."""
+        return _sparse_attention.weights(q, keys, valid, sinks, scale)
+
     def compress(self, kv, gate, bias, valid):
         """Gated pooling of windows of token rows into compressed entries, FP32 (DeepSeek-V4's compressor)."""
         return _compressor.compress(self.spec, kv, gate, bias, valid)

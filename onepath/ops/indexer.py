@@ -8,9 +8,9 @@ One arithmetic for every read: the keys come as each query's gathered rows [T, L
 every phase, ops/cache_rows.py) or as contiguous rows [L, d] shared by all queries (a prefill holding the
 whole context); the consistent path scores both by the same per-query formula, dot products as a fixed tree
 over d and the head sum as a fixed tree over the heads, on fixed-shape row chunks, so a query's scores do not
-depend on the layout its keys were read from, on its neighbours, or on the phase. baseline: one matmul over
-the launch (a 2-D GEMM for contiguous keys, a batched one for gathered keys: the stock prefill and paged decode
-paths) and a sum over the heads. Invalid entries score -inf. Backward: `reference`.
+depend on the layout its keys were read from, on its neighbours, or on the phase. baseline: the stock prefill
+and paged-decode paths, a GEMM over the launch for contiguous keys and per-query products summed by torch for
+gathered keys, then a sum over the heads. Invalid entries score -inf. Backward: `reference`.
 """
 from __future__ import annotations
 
@@ -31,10 +31,12 @@ def reference(q, keys, weights, valid, softmax_scale, weights_scale):
 
 
 def stock(q, keys, weights, valid, softmax_scale, weights_scale):
-    if keys.dim() == 3:
-        return reference(q, keys, weights, valid, softmax_scale, weights_scale)
+    """A prefill's GEMM over contiguous keys, a paged decode's per-query products and sum over gathered keys."""
     t, h, d = q.shape
-    dots = (q.float().reshape(t * h, d) @ keys.float().t()).view(t, h, -1)
+    if keys.dim() == 2:
+        dots = (q.float().reshape(t * h, d) @ keys.float().t()).view(t, h, -1)
+    else:
+        dots = (q.float()[:, :, None, :] * keys.float()[:, None]).sum(dim=-1)
     scores = (torch.relu(dots) * softmax_scale * (weights.float() * weights_scale)[..., None]).sum(dim=1)
     return scores.masked_fill(~valid, -math.inf)
 

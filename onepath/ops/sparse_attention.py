@@ -12,7 +12,8 @@ give exact zeros, so a query's bits follow from its own candidate list alone: no
 their number, the phase, or how many candidates its neighbours needed (a longer padded list adds zero tiles).
 The list's order is the model's (window in ascending position, then the entries in the order the layer
 emits them), so it fixes the accumulation order. baseline: one batched matmul and torch.softmax over the
-launch, as a stock eager attention with sinks runs it. Backward: `reference`.
+launch, as a stock eager attention with sinks runs it. Backward: `reference`. `weights` gives the probabilities
+themselves (the target of the indexer's training loss): plain FP32 math, no consistency claim.
 """
 from __future__ import annotations
 
@@ -25,13 +26,17 @@ from onepath.ops.autograd import apply_kernel
 from onepath.ops.pinned import pinned_unary, row_chunks, tiled_sum, tree_sum
 
 
-def reference(q, keys, valid, sinks, scale):
-    """Plain FP32 attention with sinks (transformers' eager recipe): [T, H, D]."""
+def weights(q, keys, valid, sinks, scale):
+    """The attention probabilities of each query's candidates [T, H, L] (the sink's share left out), FP32."""
     s = torch.matmul(q.float(), keys.float().transpose(1, 2)) * scale                  # [T, H, L]
     s = s.masked_fill(~valid[:, None, :], -math.inf)
     logits = torch.cat([s, sinks.float()[None, :, None].expand(s.shape[0], -1, 1)], dim=-1)
-    probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-    return torch.matmul(probs, keys.float()).to(q.dtype)
+    return torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+
+
+def reference(q, keys, valid, sinks, scale):
+    """Plain FP32 attention with sinks (transformers' eager recipe): [T, H, D]."""
+    return torch.matmul(weights(q, keys, valid, sinks, scale), keys.float()).to(q.dtype)
 
 
 def consistent(q, keys, valid, sinks, scale, kv_tile: int, rows: int):

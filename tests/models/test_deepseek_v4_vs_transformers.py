@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import DeepseekV4ForCausalLM
 
+from onepath.models.batch import ForwardBatch
 from onepath.models.checkpoint import load_config, load_state_dict, save_checkpoint
 from onepath.models.config import ModelConfig
 from tests.tiny_deepseek_v4 import (CSA, HCA, SLIDING, TINY, onepath_logits, onepath_model, sequences,
@@ -141,3 +142,30 @@ def test_bad_config_is_refused_by_name(edit, message):
     raw = {k: v for k, v in raw.items() if v is not None}
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict(raw)
+
+
+def test_gradients_match_transformers(monkeypatch):
+    """The trainer's backward (each op's reference, the cache reads straight through to this forward's rows) gives
+    transformers' gradient of the same loss: every parameter but the frozen indexer's, which gets none on either
+    side (its top-k is not differentiable)."""
+    ties_to_larger_position(monkeypatch)
+    hf = transformers_model(CASES["odd-rates-wide-window"])
+    ours = onepath_model(hf)
+    seqs = sequences(hf.config.vocab_size, (9, 23))
+    loss = lambda logits: torch.nn.functional.cross_entropy(logits, torch.tensor([t for s in seqs for t in s]))
+    loss(transformers_logits_with_grad(hf, seqs)).backward()
+    batch, num_blocks = ForwardBatch.for_sequences(seqs, 16)
+    loss(ours.compute_logits(ours(batch, ours.make_cache(num_blocks, 16)))).backward()
+    theirs = dict(hf.named_parameters())
+    compared = 0
+    for name, p in ours.named_parameters():
+        if ".indexer." in name:
+            assert p.grad is None and theirs[name].grad is None
+            continue
+        compared += 1
+        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-3, atol=1e-5, msg=name)
+    assert compared > 50
+
+
+def transformers_logits_with_grad(hf, seqs):
+    return torch.cat([hf(torch.tensor([s])).logits[0] for s in seqs])
