@@ -79,7 +79,8 @@ class DeepseekV4Config:
             interleave = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
             self.layer_types = [HCA] * min(n, 2) + interleave
         if self.mlp_layer_types is None:
-            self.mlp_layer_types = ["hash_moe"] * min(n, DEFAULT_HASH_LAYERS) + ["moe"] * max(0, n - DEFAULT_HASH_LAYERS)
+            hashed = min(n, DEFAULT_HASH_LAYERS)
+            self.mlp_layer_types = ["hash_moe"] * hashed + ["moe"] * (n - hashed)
         self.compress_rates = dict(DEFAULT_COMPRESS_RATES if self.compress_rates is None else self.compress_rates)
         for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
             values = list(getattr(self, name))
@@ -216,8 +217,8 @@ class DeepseekV4Config:
             raise ValueError(f"rope_parameters {rope!r} must be a JSON object")
         if not rope and isinstance(raw.get("rope_scaling"), dict):
             rope = raw["rope_scaling"]
-        kwargs["rope_parameters"] = standard_rope(rope, *(kwargs.get(name, default(name)) for name in
-                                                          ("rope_theta", "compress_rope_theta", "partial_rotary_factor")))
+        rope_fields = ("rope_theta", "compress_rope_theta", "partial_rotary_factor")
+        kwargs["rope_parameters"] = standard_rope(rope, *(kwargs.get(name, default(name)) for name in rope_fields))
         extra = {k: v for k, v in raw.items() if k not in known and k not in IMPLEMENTED["deepseek_v4"]
                  and k != "dtype"}
         return cls(**kwargs, extra=extra)

@@ -4,7 +4,8 @@ listed here as not changing the math, with the reason. tests/models/test_config_
 transformers' own configs against these tables.
 
 IMPLEMENTED  read by ModelConfig and applied as transformers applies it (tested against transformers)
-REFUSED      refused at load unless the value is the harmless one given
+REFUSED      refused at load unless the value is the harmless one given (FAMILY_REFUSED: one family's own;
+             a field a family implements is not refused for it: DeepSeek-V4's partial_rotary_factor)
 NO_MATH      neither the logits nor the gradients onepath computes depend on it
 A field of none of them is not one transformers reads for that family: ignored as transformers ignores
 it, with a warning (`unclassified`).

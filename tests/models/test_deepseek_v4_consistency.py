@@ -12,7 +12,8 @@ from tests.tiny_deepseek_v4 import (BLOCK, CSA, HCA, SLIDING, onepath_logits, on
                                     transformers_model)
 
 # every layer type, both routers, a binding top-k, rates that leave windows open across chunks and decode steps
-EDITS = dict(num_hidden_layers=4, layer_types=[CSA, HCA, SLIDING, CSA], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+EDITS = dict(num_hidden_layers=4, layer_types=[CSA, HCA, SLIDING, CSA],
+             mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
              compress_rates={CSA: 3, HCA: 5}, index_topk=2, sliding_window=6, hc_mult=3)
 LENGTHS = (9, 23, 40, 31)
 

@@ -21,8 +21,8 @@ TOL = 1e-4
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2}
 # each case: the config edits of one random model; together they cover every layer type and option
 CASES = {
-    "sliding-hash-sqrtsoftplus": dict(layer_types=[SLIDING] * 2, mlp_layer_types=["hash_moe", "moe"], num_hidden_layers=2,
-                                      hc_mult=4, o_groups=1),
+    "sliding-hash-sqrtsoftplus": dict(layer_types=[SLIDING] * 2, mlp_layer_types=["hash_moe", "moe"],
+                                      num_hidden_layers=2, hc_mult=4, o_groups=1),
     "hca-sigmoid": dict(layer_types=[HCA, HCA], num_hidden_layers=2, compress_rates={HCA: 4}, scoring_func="sigmoid",
                         mlp_layer_types=["moe", "moe"]),
     "csa-topk2": dict(layer_types=[CSA, CSA], num_hidden_layers=2, index_topk=2, mlp_layer_types=["moe", "hash_moe"]),
