@@ -77,7 +77,10 @@ def kv_blocks_for(model: DenseDecoder, config: SchedulerConfig, block_size: int,
 
 
 def kv_bytes_per_token(model: DenseDecoder) -> int:
-    """K/V bytes of one token in the cache the model's spec asks for, FP8 scales included."""
+    """K/V bytes of one token in the cache the model's spec asks for, FP8 scales included (a model with a cache
+    layout of its own says: `cache_bytes_per_token`)."""
+    if hasattr(model, "cache_bytes_per_token"):
+        return model.cache_bytes_per_token()
     return KVCache.bytes_per_token(model.config, model.ops.spec.dtype, model.ops.kv_quant)
 
 

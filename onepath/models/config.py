@@ -199,6 +199,9 @@ class ModelConfig:
         model_type = raw.get("model_type", "llama")
         if cls is ModelConfig and model_type in HYBRID_MODEL_TYPES:
             return NemotronHConfig.from_dict(raw)
+        if model_type == "deepseek_v4":  # a family with its own config dataclass
+            from onepath.models.deepseek_v4_config import DeepseekV4Config
+            return DeepseekV4Config.from_dict(raw)
         if model_type not in IMPLEMENTED:
             raise ValueError(f"model_type {model_type!r} is not supported: use one of {tuple(IMPLEMENTED)}")
         check_fields(model_type, raw)

@@ -4,7 +4,8 @@ listed here as not changing the math, with the reason. tests/models/test_config_
 transformers' own configs against these tables.
 
 IMPLEMENTED  read by ModelConfig and applied as transformers applies it (tested against transformers)
-REFUSED      refused at load unless the value is the harmless one given
+REFUSED      refused at load unless the value is the harmless one given (FAMILY_REFUSED: one family's own;
+             a field a family implements is not refused for it: DeepSeek-V4's partial_rotary_factor)
 NO_MATH      neither the logits nor the gradients onepath computes depend on it
 A field of none of them is not one transformers reads for that family: ignored as transformers ignores
 it, with a warning (`unclassified`).
@@ -47,6 +48,21 @@ IMPLEMENTED: dict[str, tuple[str, ...]] = {
                    "moe_latent_size", "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob",
                    "mamba_n_groups", "mamba_d_conv", "mamba_conv_bias", "mamba_chunk_size", "mamba_dt_limit"),
 }
+
+# DeepSeek-V4 (deepseek_v4.py, deepseek_v4_config.py); intermediate_size and num_local_experts are transformers'
+# attribute_map names of moe_intermediate_size and n_routed_experts; the legacy names of published checkpoints
+# (compress_ratios, compress_rate_csa / _hca, num_hash_layers, qk_rope_head_dim, rope_scaling) fold into the
+# modern fields as transformers' __post_init__ folds them
+DEEPSEEK_V4 = ("model_type", "vocab_size", "hidden_size", "moe_intermediate_size", "intermediate_size",
+               "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank", "num_experts_per_tok",
+               "n_routed_experts", "num_local_experts", "scoring_func", "routed_scaling_factor",
+               "max_position_embeddings", "rope_theta", "rope_parameters", "partial_rotary_factor", "layer_types",
+               "compress_rates", "compress_rope_theta", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "mlp_layer_types",
+               "swiglu_limit", "sliding_window", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim",
+               "index_topk", "rms_norm_eps", "pad_token_id", "tie_word_embeddings", "mlp_bias",
+               "compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers", "qk_rope_head_dim",
+               "rope_scaling")
+IMPLEMENTED["deepseek_v4"] = DEEPSEEK_V4
 
 REFUSED: dict[str, tuple[object, str]] = {
     "hidden_act": ("silu", "the decoders' MLP is SwiGLU; only 'silu' is implemented"),
@@ -106,8 +122,16 @@ FAMILY_NO_MATH: dict[str, dict[str, str]] = {
         "mtp_layers_block_type": "the layer kinds of those MTP layers",
         "mtp_hybrid_override_pattern": "the legacy name of mtp_layers_block_type",
     },
+    "deepseek_v4": {
+        "num_nextn_predict_layers": "the multi-token-prediction layers of the published checkpoint: transformers "
+                                    "builds none and neither does onepath (their mtp.* tensors are skipped at load)",
+        "topk_method": "DeepSeek's name for its router's selection: transformers' DeepSeek-V4 always ranks the "
+                       "scores plus e_score_correction_bias, as onepath does",
+        "expert_dtype": "the experts' storage format inside quantization_config, which onepath refuses; alone it "
+                        "changes nothing",
+    },
 }
-# Fields a family refuses unless harmless, beyond REFUSED: (harmless value, why)
+# A family's own refusals beyond REFUSED: the field's harmless value and why
 FAMILY_REFUSED: dict[str, dict[str, tuple[object, str]]] = {
     "nemotron_h": {
         "tie_word_embeddings": (False, "transformers' NemotronH never ties the LM head to the embeddings (its "
@@ -121,6 +145,15 @@ FAMILY_REFUSED: dict[str, dict[str, tuple[object, str]]] = {
         "mamba_hidden_act": ("silu", "the Mamba-2 conv activation is SiLU (ops/conv1d.py)"),
         "mlp_hidden_act": ("relu2", "the MLP and the experts are relu2 (ops/relu2.py)"),
         "n_shared_experts": (1, "transformers' NemotronH builds one shared expert"),
+    },
+    "deepseek_v4": {
+        "num_key_value_heads": (1, "DeepSeek-V4 reads one shared KV head as K and V; transformers ignores other "
+                                   "values"),
+        "n_shared_experts": (1, "transformers' DeepSeek-V4 builds one shared expert of moe_intermediate_size"),
+        "norm_topk_prob": (True, "DeepSeek-V4 always renormalises the top-k router weights (transformers ignores "
+                                 "false)"),
+        "attention_bias": (False, "DeepSeek-V4's projections carry no bias (transformers ignores true)"),
+        "router_jitter_noise": (0.0, "onepath's router adds no noise, and transformers' DeepSeek-V4 none either"),
     },
 }
 
@@ -157,8 +190,11 @@ def unclassified(model_type: str, raw: dict) -> list[str]:
 
 def refusals(raw: dict) -> list[str]:
     """Why `raw` (a config.json) cannot load: one line per field set to other than its harmless value."""
+    family = raw.get("model_type")
+    table = {**{f: r for f, r in REFUSED.items() if f not in IMPLEMENTED.get(family, ())},
+             **FAMILY_REFUSED.get(family, {})}
     out = []
-    for field, (harmless, why) in {**REFUSED, **FAMILY_REFUSED.get(raw.get("model_type"), {})}.items():
+    for field, (harmless, why) in table.items():
         if field in raw and raw[field] != harmless and not (harmless is None and raw[field] in ({}, None)):
             out.append(f"{field} = {raw[field]!r} is not supported ({why})")
     return out

@@ -37,7 +37,10 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int) -> "KVCache":
-        """The cache `model`'s spec asks for (its dtype, its attention.kv quantisation), on its device."""
+        """The cache `model`'s spec asks for (its dtype, its attention.kv quantisation), on its device; a model
+        with a cache layout of its own (DeepSeek-V4's) makes it (`make_cache`)."""
+        if hasattr(model, "make_cache"):
+            return model.make_cache(num_blocks, block_size)
         return cls(model.config, num_blocks, block_size, model.ops.spec.dtype, model.device, kv=model.ops.kv_quant)
 
     @staticmethod

@@ -181,6 +181,7 @@ class Experts(nn.Module):
     def __init__(self, ops: Ops, config: ModelConfig, dtype):
         super().__init__()
         self.ops, self.num_experts = ops, config.num_experts
+        self.limit = getattr(config, "swiglu_limit", None)  # DeepSeek-V4 clamps gate and up (ops.silu_mul)
         self.first = 0  # the global index of gate_up_proj[0]: its EP rank's first expert
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
@@ -189,14 +190,14 @@ class Experts(nn.Module):
     def mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert `expert` on rows [n, H] -> [n, H] FP32."""
         gate, up = self.ops.linear(rows, self.gate_up_proj[expert - self.first]).chunk(2, dim=-1)
-        return self.ops.expert_down(self.ops.silu_mul(gate, up), self.down_proj[expert - self.first])
+        return self.ops.expert_down(self.ops.silu_mul(gate, up, self.limit), self.down_proj[expert - self.first])
 
     def grouped_mlp(self, rows: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
         """Every expert on its rows of rows [n, H], packed by expert (counts[e] rows of global expert
         e, all of them this rank's) -> [n, H] FP32: one grouped GEMM per projection."""
         local = counts[self.first:self.first + self.gate_up_proj.shape[0]]
         gate, up = self.ops.grouped_linear(rows, self.gate_up_proj, local).chunk(2, dim=-1)
-        return self.ops.grouped_expert_down(self.ops.silu_mul(gate, up), self.down_proj, local)
+        return self.ops.grouped_expert_down(self.ops.silu_mul(gate, up, self.limit), self.down_proj, local)
 
     @property
     def counts_on_device(self) -> bool:

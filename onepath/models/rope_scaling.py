@@ -33,17 +33,22 @@ def inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
     "dynamic" and "longrope" are the init values: transformers changes them in forward once a batch
     reaches past (original_)max_position_embeddings; `cos_sin_table` refuses such lengths.
     """
-    params = rope_parameters(config)
+    return frequencies(rope_parameters(config), config.head_dim, config.max_position_embeddings)
+
+
+def frequencies(params: dict, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """inv_freq's formulas for standardised rope parameters `params` (rope_parameters') over `dim` rotated
+    channels: the float32 inverse frequencies [dim // 2] and the cos/sin scaling."""
     rope_type = params["rope_type"]
-    base, dim = params["rope_theta"], config.head_dim
+    base = params["rope_theta"]
     if rope_type == "yarn":
-        return _yarn(config, params, base, dim)
+        return _yarn(params, base, dim, max_position_embeddings)
     if rope_type == "longrope":
-        return _longrope(config, params, base, dim)
+        return _longrope(params, base, dim, max_position_embeddings)
     if rope_type == "dynamic":
         # At init seq_len is max_position_embeddings, so the base scale below is 1 up to rounding.
-        seq_len, factor = config.max_position_embeddings, params["factor"]
-        base = base * ((factor * seq_len / config.max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+        seq_len, factor = max_position_embeddings, params["factor"]
+        base = base * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if rope_type == "linear":
         inv = inv / params["factor"]
@@ -68,17 +73,22 @@ def cos_sin_table(config: ModelConfig, max_positions: int,
             f"max_positions {max_positions} > {limit} for rope_type {params['rope_type']!r}: transformers "
             f"rescales every position of a batch that long, which one table cannot match; "
             f"lower max_model_len to {limit}")
-    inv, scaling = inv_freq(config)
+    return table(*inv_freq(config), max_positions, device)
+
+
+def table(inv: torch.Tensor, scaling: float, max_positions: int,
+          device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_sin_table's rows 0..max_positions-1 from inverse frequencies `inv` and the cos/sin scaling."""
     positions = torch.arange(max_positions, dtype=torch.int64, device=device).float()
     freqs = positions[:, None] * inv.to(device)
     return freqs.cos() * scaling, freqs.sin() * scaling
 
 
-def _yarn(config: ModelConfig, params: dict, base: float, dim: int) -> tuple[torch.Tensor, float]:
+def _yarn(params: dict, base: float, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     factor = params.get("factor")
     original = params["original_max_position_embeddings"]
     if factor is None:
-        factor = config.max_position_embeddings / original
+        factor = max_position_embeddings / original
 
     def get_mscale(scale, mscale=1):
         return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -111,11 +121,11 @@ def _yarn(config: ModelConfig, params: dict, base: float, dim: int) -> tuple[tor
     return inv, float(attention_factor)
 
 
-def _longrope(config: ModelConfig, params: dict, base: float, dim: int) -> tuple[torch.Tensor, float]:
+def _longrope(params: dict, base: float, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     original = params["original_max_position_embeddings"]
     factor = params.get("factor")
     if factor is None:
-        factor = config.max_position_embeddings / original
+        factor = max_position_embeddings / original
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))

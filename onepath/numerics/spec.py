@@ -13,8 +13,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 OPS = ("embedding", "linear", "rmsnorm", "rope", "silu_mul", "attention", "lm_head", "logprobs", "topk", "sampling")
 # Operators with no entry of their own: FP32 whatever the spec's dtype, the mode alone picks the recipe
 # (ops/softmax.py, ops/sigmoid.py: the MoE router's probabilities, the shared-expert gate; ops/relu2.py and
-# ops/conv1d.py: Nemotron-H's activation and Mamba-2's causal conv, rounded once to their input's dtype)
-FP32_OPS = ("softmax", "sigmoid", "relu2", "causal_conv1d")
+# ops/conv1d.py: Nemotron-H's activation and Mamba-2's causal conv, rounded once to their input's dtype;
+# DeepSeek-V4's router score, compressor pooling, indexer score and mHC: ops/sqrtsoftplus.py, compressor.py,
+# indexer.py, mhc.py)
+FP32_OPS = ("softmax", "sigmoid", "relu2", "causal_conv1d", "sqrtsoftplus", "compressor", "indexer", "mhc")
 # Linear layers of one module class, named apart so a spec can give them their own formats (the Mamba mixers'
 # in/out projections, the routed experts): until a spec sets one, it computes as the op it names here.
 MODULE_OPS = {"mamba_proj": "linear", "expert": "linear"}

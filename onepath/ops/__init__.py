@@ -10,10 +10,14 @@ import torch
 
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import attention as _attention
+from onepath.ops import cache_rows as _cache_rows
+from onepath.ops import compressor as _compressor
 from onepath.ops import conv1d as _conv1d
 from onepath.ops import embedding as _embedding
+from onepath.ops import indexer as _indexer
 from onepath.ops import linear as _linear
 from onepath.ops import logprobs as _logprobs
+from onepath.ops import mhc as _mhc
 from onepath.ops import relu2 as _relu2
 from onepath.ops import rmsnorm as _rmsnorm
 from onepath.ops import rope as _rope
@@ -21,6 +25,8 @@ from onepath.ops import sampling as _sampling
 from onepath.ops import sigmoid as _sigmoid
 from onepath.ops import silu_mul as _silu_mul
 from onepath.ops import softmax as _softmax
+from onepath.ops import sparse_attention as _sparse_attention
+from onepath.ops import sqrtsoftplus as _sqrtsoftplus
 from onepath.ops import ssd as _ssd
 from onepath.ops import topk as _topk
 from onepath.ops.attention import AttentionMetadata
@@ -44,10 +50,10 @@ class Ops:
         """MoE router scores x W^T, FP32 at every batch size: the LM head's GEMM (FP32 output)."""
         return _linear.linear(self.spec, x, weight, op="lm_head")
 
-    def expert_down(self, x, weight, op="linear"):
+    def expert_down(self, x, weight, bias=None, op="linear"):
         """An MoE expert's down projection with FP32 output (the experts are combined in FP32 and rounded
         once); a linear layer otherwise, quantised as the spec's `op` says."""
-        return _linear.linear(self.spec, x, weight, op=op, out_dtype=torch.float32)
+        return _linear.linear(self.spec, x, weight, bias, op=op, out_dtype=torch.float32)
 
     @property
     def grouped_experts(self) -> bool:
@@ -93,8 +99,12 @@ class Ops:
         return _softmax.softmax(self.spec, x)
 
     def sigmoid(self, x):
-        """FP32 sigmoid (Qwen2-MoE's shared-expert gate)."""
+        """FP32 sigmoid (Qwen2-MoE's shared-expert gate, DeepSeek-V4's sigmoid router score)."""
         return _sigmoid.sigmoid(self.spec, x)
+
+    def sqrtsoftplus(self, x):
+        """FP32 sqrt(softplus(x)) (DeepSeek-V4's router score)."""
+        return _sqrtsoftplus.sqrtsoftplus(self.spec, x)
 
     def rmsnorm(self, x, weight, eps):
         return _rmsnorm.rmsnorm(self.spec, x, weight, eps)
@@ -110,8 +120,13 @@ class Ops:
         """x [T, heads, D], q's heads then k's: rmsnorm each part by its weight, then rope."""
         return _rope.qk_norm_rope(self.spec, x, q_weight, k_weight, q_heads, eps, positions, cos_table, sin_table)
 
-    def silu_mul(self, gate, up):
-        return _silu_mul.silu_mul(self.spec, gate, up)
+    def rope_interleaved(self, x, positions, cos_table, sin_table, inverse=False):
+        """RoPE on the trailing channels of each head in adjacent pairs (DeepSeek-V4's partial RoPE); inverse:
+        the rotation undone (by -sin)."""
+        return _rope.rope_interleaved(self.spec, x, positions, cos_table, sin_table, inverse)
+
+    def silu_mul(self, gate, up, limit=None):
+        return _silu_mul.silu_mul(self.spec, gate, up, limit)
 
     def relu2(self, x):
         """relu(x)^2 (Nemotron-H's MLP and experts)."""
@@ -132,6 +147,47 @@ class Ops:
 
     def attention(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window=None):
         return _attention.attention(self.spec, q, k, v, k_cache, v_cache, meta, scale, sliding_window)
+
+    def cache_write(self, cache, slots, x):
+        """Rows x [N, *row] into a paged cache at slots [N] (FP8 by the spec's attention.kv)."""
+        _cache_rows.write(self.spec, cache, slots, x)
+
+    def cache_read(self, cache, slots, fresh=None, rows=None):
+        """The paged cache's rows at slots [...] (-1: zeros) in the model's dtype: every phase's one read path;
+        the gradient goes to `fresh` at `rows` (ops/cache_rows.py)."""
+        return _cache_rows.read(self.spec, cache, slots, self.spec.dtype, fresh, rows)
+
+    def sparse_attention(self, q, keys, valid, sinks, scale):
+        """Each query over its own gathered keys (K = V) with a sink per head (DeepSeek-V4)."""
+        return _sparse_attention.sparse_attention(self.spec, q, keys, valid, sinks, scale)
+
+    def attention_weights(self, q, keys, valid, sinks, scale):
+        """sparse_attention's probabilities [T, H, L] in plain FP32 (a training target, not a forward value)."""
+        return _sparse_attention.weights(q, keys, valid, sinks, scale)
+
+    def compress(self, kv, gate, bias, valid):
+        """Gated pooling of windows of token rows into compressed entries, FP32 (DeepSeek-V4's compressor)."""
+        return _compressor.compress(self.spec, kv, gate, bias, valid)
+
+    def index_scores(self, q, keys, weights, valid, softmax_scale, weights_scale):
+        """The lightning indexer's FP32 score of each entry for each query (DeepSeek-V4)."""
+        return _indexer.index_scores(self.spec, q, keys, weights, valid, softmax_scale, weights_scale)
+
+    def index_topk(self, scores, valid, k):
+        """The k best valid entries by (score, position), emitted by descending position, -1 last."""
+        return _topk.index_topk(self.spec, scores, valid, k)
+
+    def hc_pre(self, x, fn, base, scale, norm_eps, hc_eps, iters):
+        """mHC before a block: (post, comb, the collapsed input) from the streams x [T, N, D]."""
+        return _mhc.hc_pre(self.spec, x, fn, base, scale, norm_eps, hc_eps, iters)
+
+    def hc_post(self, out, x, post, comb):
+        """mHC after a block: the new streams from its output and the old streams."""
+        return _mhc.hc_post(self.spec, out, x, post, comb)
+
+    def hc_head(self, x, fn, base, scale, norm_eps, hc_eps):
+        """mHC's final collapse of the streams before the last norm."""
+        return _mhc.hc_head(self.spec, x, fn, base, scale, norm_eps, hc_eps)
 
     def token_logprobs(self, logits, tokens, temperature, keep=None):
         return _logprobs.token_logprobs(self.spec, logits, tokens, temperature, keep)

@@ -15,7 +15,7 @@ FP8 KV cache (the spec's attention.kv, FP8_KV): a layer's cache is an FP8Tensor 
 [blocks, block_size, Hkv, D], FP32 scales [blocks, block_size, Hkv, 1]). write_kv quantises each new
 token's K and V per head by quant.py's rule; every read dequantises the same way, before attending:
     k = (code.float() * scale).to(q.dtype)     one FP32 product, then one rounding to q's dtype
-(`_load` here, the `FP8_KV` branch of the Triton kernel). Prefill, chunks, decode and the trainer's
+(`load_slots` here, the `FP8_KV` branch of the Triton kernel). Prefill, chunks, decode and the trainer's
 private cache all read through it, so the quantisation moves no bit between them. The backward
 stays straight-through: `reference` differentiates attention over the fresh, unquantised K/V.
 The baseline's SDPA prefill attends to the fresh K/V and so ignores the quantisation (the naive
@@ -73,12 +73,18 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, kv: QuantSpec | None = None):
 
 def write_kv_cpu(k_cache, v_cache, k, v, slot_mapping, kv):
     for cache, x in ((k_cache, k), (v_cache, v)):
-        if kv is None:
-            cache.view(-1, *cache.shape[2:])[slot_mapping] = x.to(cache.dtype)
-            continue
-        fp8 = quantize_fp8(x, kv)
-        cache.codes.view(-1, *cache.codes.shape[2:])[slot_mapping] = fp8.codes
-        cache.scales.view(-1, *cache.scales.shape[2:])[slot_mapping] = fp8.scales
+        write_slots(cache, x, slot_mapping, kv)
+
+
+def write_slots(cache, x, slots, kv: QuantSpec | None):
+    """Rows x [N, *row] into a paged cache's slots [N] (torch, either device): as they are, or quantised by `kv`
+    (quant.py's rule, per row) into an FP8 cache."""
+    if kv is None:
+        cache.view(-1, *cache.shape[2:])[slots] = x.to(cache.dtype)
+        return
+    fp8 = quantize_fp8(x, kv)
+    cache.codes.view(-1, *cache.codes.shape[2:])[slots] = fp8.codes
+    cache.scales.view(-1, *cache.scales.shape[2:])[slots] = fp8.scales
 
 
 def write_kv_cuda(k_cache, v_cache, k, v, slot_mapping, kv):
@@ -105,7 +111,7 @@ def cache_shape(cache) -> torch.Size:
     return cache.codes.shape if isinstance(cache, FP8Tensor) else cache.shape
 
 
-def _load(cache, slots, dtype):
+def load_slots(cache, slots, dtype):
     """The cache rows at `slots` (any shape) -> [*slots.shape, Hkv, D]: an FP8 cache's dequantised to
     dtype, code.float() * scale then one rounding (the kernel's order); a plain cache's as stored."""
     if isinstance(cache, FP8Tensor):
@@ -134,8 +140,8 @@ def consistent(q, k_cache, v_cache, meta: AttentionMetadata, scale, window, kv_t
         j = torch.arange(length, device=q.device)
         blocks = meta.block_tables[seq][:, (j // bs).clamp(max=meta.block_tables.shape[1] - 1)]
         slots = torch.where(valid, blocks * bs + j % bs, 0)
-        k = _load(k_cache, slots, q.dtype)[:, :, head_to_kv].float()     # [R, L, H, D]
-        v = _load(v_cache, slots, q.dtype)[:, :, head_to_kv].float()
+        k = load_slots(k_cache, slots, q.dtype)[:, :, head_to_kv].float()     # [R, L, H, D]
+        v = load_slots(v_cache, slots, q.dtype)[:, :, head_to_kv].float()
         v = torch.where(valid[:, :, None, None], v, 0.0)
         s = tree_sum(qc.float()[:, None] * k) * scale            # [R, L, H]
         s = torch.where(valid[:, :, None], s, -math.inf)
@@ -150,7 +156,7 @@ def consistent(q, k_cache, v_cache, meta: AttentionMetadata, scale, window, kv_t
 def _gather_context(cache, meta, b, dtype):
     bs = meta.block_size
     j = torch.arange(meta.context_lens[b], device=meta.block_tables.device)
-    return _load(cache, meta.block_tables[b][j // bs] * bs + j % bs, dtype)
+    return load_slots(cache, meta.block_tables[b][j // bs] * bs + j % bs, dtype)
 
 
 def whole_sequences(meta: AttentionMetadata) -> bool:

@@ -84,3 +84,39 @@ QK_NORM_ROPE_KERNELS = {
     ("consistent", "cuda"): qk_norm_rope_cuda,
     ("baseline", "cuda"): qk_norm_rope_cuda,
 }
+
+
+def interleaved_reference(x, cos, sin):
+    """DeepSeek-V4's partial RoPE: the trailing 2 * cos.shape[-1] channels of x rotated in adjacent pairs
+    (2i, 2i+1), the leading ones left as they are. The pairs are the halves `reference` rotates, so the
+    arithmetic is reference's (x_a * c - x_b * s, x_b * c + x_a * s in FP32, one rounding)."""
+    rotated = 2 * cos.shape[-1]
+    if rotated == 0:
+        return x
+    pairs = x[..., x.shape[-1] - rotated:].unflatten(-1, (-1, 2))
+    out = reference(torch.cat([pairs[..., 0], pairs[..., 1]], dim=-1), cos, sin)
+    out = torch.stack(out.chunk(2, dim=-1), dim=-1).flatten(-2)
+    return torch.cat([x[..., :x.shape[-1] - rotated], out], dim=-1)
+
+
+def rope_interleaved(spec: ExecutionSpec, x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                     sin_table: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; tables: [max_positions, rotated // 2] FP32: rotate the trailing `rotated`
+    channels of each head in adjacent pairs (interleaved_reference); inverse: by -sin, which undoes it."""
+    if positions.numel() and not capturing(positions) and int(positions.max()) >= cos_table.shape[0]:
+        raise ValueError(f"position {int(positions.max())} >= the RoPE table's {cos_table.shape[0]} positions: "
+                         "raise max_model_len / max_position_embeddings")
+    sign = -1.0 if inverse else 1.0
+    kernel = INTERLEAVED_KERNELS[spec.mode, spec.device](positions, cos_table, sin_table, sign)
+    return apply_kernel(kernel, lambda x: interleaved_reference(x, cos_table[positions], sign * sin_table[positions]),
+                        x)
+
+
+def interleaved_torch(positions, cos_table, sin_table, sign):
+    return lambda x: interleaved_reference(x, cos_table[positions], sign * sin_table[positions])
+
+
+# (mode, device) -> kernel factory (positions, cos_table, sin_table, sign) -> kernel(x): elementwise products, exact on
+# both devices, so the torch code serves every backend until a fused kernel lands
+INTERLEAVED_KERNELS = dict.fromkeys([("consistent", "cpu"), ("baseline", "cpu"), ("consistent", "cuda"),
+                                     ("baseline", "cuda")], interleaved_torch)

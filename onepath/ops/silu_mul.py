@@ -39,5 +39,9 @@ KERNELS = {
 }
 
 
-def silu_mul(spec: ExecutionSpec, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(spec: ExecutionSpec, gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up; with `limit` (DeepSeek-V4's swiglu_limit) gate is clamped to <= limit and up to
+    [-limit, limit] first: exact, before every backend's kernel, and differentiable as a clamp is."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return apply_kernel(KERNELS[spec.mode, spec.device](spec), reference, gate, up)

@@ -109,14 +109,20 @@ def test_routing_agreement_counts_a_planted_mismatch_and_skips_uncomputed_positi
 def test_engine_records_routing_at_every_position_it_computes():
     """Chunked prefill, preemption and prefix-cache hits: the engine's routing at each position it
     computed equals a whole-sequence forward's; positions served by the prefix cache read -1."""
-    model = tiny_moe_model("consistent", seed=3)
+    assert engine_routing_hits(tiny_moe_model("consistent", seed=3), max_tokens=24, repeats=1) >= 16
+
+
+def engine_routing_hits(model, max_tokens: int, repeats: int) -> int:
+    """Asserts the engine's recorded routing (chunked prefill, preemption, then the first prompt `repeats` times
+    more) equals a whole-sequence forward's at every position it computed; returns the prefix-cache hits."""
     prompts = random_prompts(torch.Generator().manual_seed(4), 6, low=20, high=40)
     engine = LLMEngine(model, num_blocks=14, block_size=16, record_routing=True,
                        scheduler=SchedulerConfig(max_model_len=96, prefill_chunk_size=16))
-    params = SamplingParams(max_tokens=24, seed=1)
+    params = SamplingParams(max_tokens=max_tokens, seed=1)
     outs = engine.generate(prompts, params, request_ids=list(range(len(prompts))))
     assert engine.scheduler.num_preemptions > 0
-    outs += engine.generate(prompts[:1], params, request_ids=[99])  # its first full blocks: prefix-cache hits
+    for again in range(repeats):  # its first full blocks: prefix-cache hits
+        outs += engine.generate(prompts[:1], params, request_ids=[99 + again])
     hits = 0
     for o in outs:
         fed = o.prompt_token_ids + o.token_ids[:-1]
@@ -125,7 +131,7 @@ def test_engine_records_routing_at_every_position_it_computes():
         assert o.routing.shape == whole.shape and computed.sum() > len(o.token_ids) - 1
         assert torch.equal(o.routing[computed], whole[computed])
         hits += int((~computed).sum())
-    assert hits >= 16
+    return hits
 
 
 def test_twenty_rl_steps_recompute_the_rollout_routing_for_every_token(tmp_path):

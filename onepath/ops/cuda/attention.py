@@ -45,7 +45,7 @@ them otherwise). Timings and the diagnosis: docs/ops/attention.md.
 
 FP8 KV cache (FP8_KV constexpr): the caches are FP8Tensors (float8_e4m3fn codes, FP32 scales per token
 and head). Each K/V tile is loaded as codes and scales and dequantised in registers as ops/attention.py's
-`_load` does, (code.to(fp32) * scale).to(q's dtype), before the dots: the same bits as this kernel
+`load_slots` does, (code.to(fp32) * scale).to(q's dtype), before the dots: the same bits as this kernel
 reading a cache of q's dtype that holds the dequantised values. The kernel only reads; write_kv quantises.
 Caches written by FP8_KV's rule (power-of-two scales, at most 2^7: `pow2_kv`) and read by BF16 queries take
 FP8_KV = KV_FP8_POW2: `_e4m3_pow2_to_bf16` forms the same BF16 values in fewer instructions (4 per pair of

@@ -1,0 +1,163 @@
+"""DeepSeek-V4's contract on the CPU: a sequence's bits alone equal its bits in a batch; whole prefill, chunked prefill
+and decode (and an FP8 KV cache read the same way) give the same bits; the router's FP32 scores and its choices, the
+hash routing from the token id and the expert layouts do not depend on the batch. The baseline mode (torch.topk,
+shape-dependent library kernels) differs on the same cases: the negative controls."""
+import pytest
+import torch
+
+from onepath.consistency.recorder import Layout
+from onepath.models.batch import ForwardBatch, SeqChunk
+from onepath.models.deepseek_v4 import HashRouter, Indexer, MoE, TopKRouter
+from tests.tiny_deepseek_v4 import (BLOCK, CSA, HCA, SLIDING, onepath_logits, onepath_model, sequences,
+                                    transformers_model)
+
+# every layer type, both routers, a binding top-k, rates that leave windows open across chunks and decode steps
+EDITS = dict(num_hidden_layers=4, layer_types=[CSA, HCA, SLIDING, CSA],
+             mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+             compress_rates={CSA: 3, HCA: 5}, index_topk=2, sliding_window=6, hc_mult=3)
+LENGTHS = (9, 23, 40, 31)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return transformers_model(EDITS)
+
+
+def models(hf, mode, quant=None):
+    return onepath_model(hf, mode, quant)
+
+
+def phase_logits(model, seqs, layout: Layout) -> list[torch.Tensor]:
+    """Each sequence's logits at every position, its tokens computed in the passes `layout` schedules (prefill,
+    chunks of it, then one token per pass), all sequences sharing each pass, over one paged cache."""
+    tables, first = [], 0
+    for s in seqs:
+        tables.append(list(range(first, first - (-len(s) // BLOCK))))
+        first = tables[-1][-1] + 1
+    cache = model.make_cache(first, BLOCK)
+    out = [[None] * len(s) for s in seqs]
+    with torch.no_grad():
+        for pieces in layout.schedule([len(s) for s in seqs]):
+            batch = ForwardBatch.build([SeqChunk(seqs[i][a:b], a, tables[i]) for i, a, b in pieces], BLOCK)
+            logits = model.compute_logits(model(batch, cache))
+            rows = iter(logits)
+            for i, a, b in pieces:
+                for p in range(a, b):
+                    out[i][p] = next(rows)
+    return [torch.stack(rows) for rows in out]
+
+
+LAYOUTS = {"chunks of 7": Layout(chunk=7), "decode": Layout(prefill=1), "prefill 11, chunks of 4, decode":
+           Layout(prefill=11, chunk=4)}
+
+
+@pytest.mark.parametrize("quant", [None, "fp8_kv"])
+def test_whole_chunked_and_decode_give_the_same_bits(hf, quant):
+    model = models(hf, "consistent", quant)
+    seqs = sequences(hf.config.vocab_size, LENGTHS)
+    whole = phase_logits(model, seqs, Layout())
+    for name, layout in LAYOUTS.items():
+        for a, b in zip(whole, phase_logits(model, seqs, layout)):
+            assert torch.equal(a, b), name
+
+
+def test_baseline_phases_differ(hf):
+    """Negative control: the stock paths (M-dependent GEMMs, torch.topk's order) move bits between phases."""
+    model = models(hf, "baseline")
+    seqs = sequences(hf.config.vocab_size, LENGTHS)
+    whole = phase_logits(model, seqs, Layout())
+    decode = phase_logits(model, seqs, Layout(prefill=1))
+    assert not all(torch.equal(a, b) for a, b in zip(whole, decode))
+    torch.testing.assert_close(torch.cat(whole), torch.cat(decode), rtol=1e-3, atol=1e-3)
+
+
+def test_fp8_cache_moves_the_logits_it_reads(hf):
+    """The FP8 round trip is real (so its phase equality above says something)."""
+    seqs = sequences(hf.config.vocab_size, LENGTHS)
+    plain = onepath_logits(models(hf, "consistent"), seqs)
+    fp8 = onepath_logits(models(hf, "consistent", "fp8_kv"), seqs)
+    assert not torch.equal(plain, fp8)
+
+
+@pytest.mark.parametrize("mode", ["consistent", "baseline"])
+def test_sequence_alone_equals_sequence_in_a_batch(hf, mode):
+    model = models(hf, mode)
+    seqs = sequences(hf.config.vocab_size, LENGTHS)
+    batch = onepath_logits(model, seqs)
+    alone = torch.cat([onepath_logits(model, [s]) for s in seqs])
+    assert torch.equal(alone, batch) == (mode == "consistent")
+
+
+def test_router_scores_are_fp32_and_batch_invariant_and_hash_routing_follows_the_token(hf):
+    """Each router's experts for a sequence alone equal its experts in the batch; a hash layer's are the token's
+    tid2eid row whatever its context; the gate GEMM gives FP32 rows with the bits of a single-row launch."""
+    model = models(hf, "consistent")
+    seqs = sequences(hf.config.vocab_size, LENGTHS)
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+    def experts(ss):
+        chosen = {id(r): [] for r in routers}
+        handles = [r.register_forward_hook(lambda m, args, out: chosen[id(m)].append(out[1])) for r in routers]
+        try:
+            onepath_logits(model, ss)
+        finally:
+            for h in handles:
+                h.remove()
+        return [torch.cat(chosen[id(r)]) for r in routers]
+
+    batch = experts(seqs)
+    alone = [torch.cat(parts) for parts in zip(*[experts([s]) for s in seqs])]
+    assert all(torch.equal(a, b) for a, b in zip(alone, batch))
+    ids = torch.tensor([t for s in seqs for t in s])
+    hashed = [(r, e) for r, e in zip(routers, batch) if isinstance(r, HashRouter)]
+    assert hashed and all(torch.equal(e, r.tid2eid[ids]) for r, e in hashed)
+    gate = next(r for r in routers if not isinstance(r, HashRouter))
+    x = torch.randn(37, hf.config.hidden_size)
+    for mode in ("consistent", "baseline"):
+        ops = models(hf, mode).ops
+        full = ops.router(x, gate.weight)
+        rows = torch.cat([ops.router(x[i:i + 1], gate.weight) for i in range(37)])
+        assert full.dtype == torch.float32 and torch.equal(rows, full) == (mode == "consistent")
+
+
+def test_masked_and_contiguous_expert_layouts_give_the_same_bits(hf):
+    model = models(hf, "consistent")
+    seqs = sequences(hf.config.vocab_size, LENGTHS)
+    out = {}
+    for layout in ("masked", "contiguous"):
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.layout = layout
+        out[layout] = onepath_logits(model, seqs)
+    assert torch.equal(out["masked"], out["contiguous"])
+
+
+def test_indexer_is_frozen_by_default_and_trainable_as_an_option(hf):
+    """Frozen: the indexer's weights take no gradient. Unfrozen: a training forward leaves the indexer's own loss
+    (KL from the attention's probabilities of the selected entries), whose gradient reaches the indexer's weights
+    only and which a few steps on them lower; the forward's bits are the frozen model's."""
+    model = models(hf, "consistent")
+    indexer = {n: p for n, p in model.named_parameters() if ".indexer." in n}
+    assert indexer and not any(p.requires_grad for p in indexer.values())
+    assert all(p.requires_grad for n, p in model.named_parameters() if n not in indexer)
+    seqs = sequences(hf.config.vocab_size, LENGTHS)
+    batch, blocks = ForwardBatch.for_sequences(seqs, BLOCK)
+    frozen = model.compute_logits(model(batch, model.make_cache(blocks, BLOCK)))
+    with pytest.raises(RuntimeError, match="no indexer loss recorded"):
+        model.indexer_loss()
+    model.freeze_indexer(False)
+    optimizer = torch.optim.SGD(indexer.values(), lr=0.5)
+    losses = []
+    for step in range(4):
+        logits = model.compute_logits(model(batch, model.make_cache(blocks, BLOCK)))
+        if step == 0:
+            assert torch.equal(logits, frozen)
+        loss = model.indexer_loss()
+        optimizer.zero_grad()
+        loss.backward()
+        if step == 0:
+            assert all(p.grad is None for n, p in model.named_parameters() if n not in indexer)
+            assert all(p.grad is not None for p in indexer.values())
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
