@@ -16,12 +16,13 @@ BELOW = {"numerics": set(), "ops": {"numerics"}}
 BELOW["models"] = BELOW["ops"] | {"ops"}
 BELOW["engine"] = BELOW["models"] | {"models"}
 BELOW["tasks"] = BELOW["models"] | {"models"}
-BELOW["train"] = BELOW["engine"] | {"engine", "tasks"}
+BELOW["chat"] = BELOW["tasks"] | {"tasks"}  # chat templates, tool calls: the trainer's and a server's
+BELOW["train"] = BELOW["engine"] | BELOW["chat"] | {"engine", "chat"}
 BELOW["consistency"] = BELOW["train"] | {"train"}
 BELOW["bench"] = BELOW["consistency"] | {"consistency"}
 BELOW["cli"] = BELOW["bench"] | {"bench"}
 # First name under onepath/ -> its layer, where the two differ.
-PLACED = {"__main__": "cli", "config": "train"}
+PLACED = {"__main__": "cli", "config": "train", "user_code": "chat"}
 # Folders a test must not import: experiments and user benchmarks are not the product.
 OUTSIDE = ("bench", "lab")
 

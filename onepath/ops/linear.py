@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops.autograd import apply_kernel
-from onepath.ops.host import to_device
+from onepath.ops.grouped_mm import stock_grouped, stock_grouped_fits
 from onepath.ops.linear_quant import grouped_quant_linear, is_quantised, quant_linear
 from onepath.ops.pinned import row_chunks
 
@@ -128,14 +128,6 @@ def grouped_experts(spec: ExecutionSpec, op: str = "linear") -> bool:
     return grouped_kernel(spec, op) or is_quantised(spec.op(op))
 
 
-def stock_grouped_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm takes these operands: BF16 both, contiguous, rows present, and K and N
-    whole multiples of 16 bytes (it reads weight[g] transposed, whose row stride is K, and writes rows of N)."""
-    align = 16 // x.element_size()
-    return (x.dtype == weight.dtype == torch.bfloat16 and x.is_contiguous() and weight.is_contiguous()
-            and x.shape[0] > 0 and x.shape[-1] % align == 0 and weight.shape[1] % align == 0)
-
-
 def grouped_on_device(spec: ExecutionSpec, weight: torch.Tensor, op: str = "linear") -> bool:
     """True where grouped_linear over `weight` [G, N, K] reads tensor counts on the device only (no host
     sync, shapes fixed by x's: a CUDA graph can hold it): our kernel, or torch._grouped_mm where it takes
@@ -146,13 +138,6 @@ def grouped_on_device(spec: ExecutionSpec, weight: torch.Tensor, op: str = "line
         return True
     hopper = weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) >= (9, 0)
     return hopper and stock_grouped_fits(weight.new_empty(1, weight.shape[2]), weight)
-
-
-def stock_grouped(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
-    """x [M, K] BF16 packed by group, weight [G, N, K] -> [M, N] BF16 by one torch._grouped_mm."""
-    if not isinstance(counts, torch.Tensor):
-        counts = to_device(counts, torch.int64, x.device)
-    return torch._grouped_mm(x, weight.transpose(1, 2), offs=torch.cumsum(counts, 0).to(torch.int32))
 
 
 def grouped_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor,

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from onepath.numerics.quant import FP8Tensor, NVFP4Tensor, quantize
 from onepath.numerics.spec import ExecutionSpec, OpSpec, QuantSpec
+from onepath.ops.grouped_mm import stock_grouped, stock_grouped_fits
 from onepath.ops.host import capturing, to_device
 from onepath.ops.pinned import row_chunks
 
@@ -286,7 +287,6 @@ def grouped_fp8_library(op: OpSpec, x, x2, qw, counts, out_dtype):
 
 
 def grouped_fp8_stock(op: OpSpec, x, x2, qw, counts, out_dtype):
-    from onepath.ops.linear import stock_grouped, stock_grouped_fits
     (w,) = qw  # the dequantised weights, in x's dtype: torch's grouped GEMM takes BF16
     a = quantize(x2, op.act).dequantize(w.dtype)
     if not stock_grouped_fits(a, w):
@@ -310,7 +310,6 @@ def grouped_nvfp4_library(op: OpSpec, a_op, w_op, counts):
 
 
 def grouped_nvfp4_stock(op: OpSpec, a_op, w_op, counts):
-    from onepath.ops.linear import stock_grouped, stock_grouped_fits
     if not stock_grouped_fits(a_op, w_op):
         return grouped_nvfp4_library(op, a_op, w_op, counts)
     return stock_grouped(a_op, w_op, counts).float()

@@ -256,7 +256,6 @@ def test_sequence_counts():
 
 
 @pytest.mark.parametrize("settings,kwargs,message", [
-    (SamplingParams, dict(temperature=0), "temperature 0 "),
     (SamplingParams, dict(temperature=-1.0), "temperature -1.0 "),
     (SamplingParams, dict(temperature=math.nan), "temperature nan "),
     (SamplingParams, dict(top_k=-1), "top_k -1 "),

@@ -21,8 +21,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 PRESETS = ("fp8", "nvfp4_w4a16", "nvfp4_w4a4")
 
 
+BUILD = moe.moe_model  # the unpatched builder: tests below patch moe.moe_model with a quantised one
+
+
 def quantised(preset):
-    return lambda mode, seed=0: moe.moe_model(mode, seed, quant=preset)
+    return lambda mode, seed=0: BUILD(mode, seed, quant=preset)
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -58,11 +61,9 @@ def pair_rows(mode, preset):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_masked_contiguous_and_alone(preset):
+    # the negative control is the model-level one (baseline alone != batch): on the H100, torch._grouped_mm's
+    # rows at these shapes did not move with the row count (2026-12-06), as cuBLAS's did not on the H200
     assert all(masked and alone for masked, alone in pair_rows("consistent", preset))
-
-
-def test_negative_control_masked_contiguous_and_alone_baseline():
-    assert not all(masked and alone for preset in PRESETS for masked, alone in pair_rows("baseline", preset))
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -116,7 +116,7 @@ def test_grouped_linear_keeps_the_loop_where_the_stock_kernel_does_not_apply(gen
     assert L.grouped_kernel(baseline_cuda) and L.grouped_kernel(ExecutionSpec.default("consistent", "cuda"))
     assert not L.grouped_kernel(ExecutionSpec.default("baseline", "cpu"))
     assert not L.grouped_kernel(ExecutionSpec(mode="baseline", device="cuda"))  # FP32
-    assert not L.grouped_kernel(ExecutionSpec.default("baseline", "cuda", quant="fp8"))
+    assert L.grouped_kernel(ExecutionSpec.default("baseline", "cuda", quant="fp8"))  # on the dequantised operands
     for x, w in (_grouped_operands(gen, k=36), _grouped_operands(gen, n=36),  # rows not 16-byte multiples
                  _grouped_operands(gen, dtype=torch.float32)):
         assert torch.equal(L.grouped_linear(baseline_cuda, x, w, COUNTS), L.grouped_reference(x, w, COUNTS))
