@@ -201,6 +201,8 @@ def serve(argv: list[str]) -> int:
     parser.add_argument("--served-model-name", default=None,
                         help="the name requests give as `model` (default: the checkpoint path as given)")
     args, overrides = parser.parse_known_args(argv)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} must be in [0, 65535] (0: any free port)")
     import signal
 
     from onepath.serve import require_extra

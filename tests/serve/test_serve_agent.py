@@ -116,3 +116,23 @@ def test_an_agent_driven_run_trains_with_diff_zero_on_every_policy_token(tmp_pat
 def test_an_agent_driven_baseline_run_reports_a_diff(tmp_path):
     history = agent_run(tmp_path, "baseline")
     assert not all(is_exact(m) for m in history)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--rollout.agent", "grpc"], r"rollout.agent = 'grpc' is not an agent mode"),
+    (["--rollout.agent", "http", "--rollout.env", "calculator"], r"rollout.env = 'calculator' is set with rollout.agent"),
+    (["--rollout.agent", "http", "--mode", "both"], r"mode = 'both' is refused with rollout.agent = http"),
+    (["--rollout.agent", "http", "--parallel.trainer", "fsdp"], r"set parallel.rollout and parallel.trainer single"),
+    (["--rollout.agent", "http", "--rollout.agent_port", "70000"], r"rollout.agent_port = 70000 must be a port"),
+    (["--rollout.agent", "http", "--rollout.agent_timeout_s", "0"], r"rollout.agent_timeout_s = 0.0 must be a finite"),
+])
+def test_agent_settings_are_refused_by_name(extra, match):
+    with pytest.raises(ValueError, match=match):
+        load_run_config(None, extra)
+
+
+def test_the_agent_needs_a_chat_template(tmp_path):
+    cfg = load_run_config(None, ["--rollout.agent", "http", "--rollout.agent_port", "0", "--warm_start.steps", "0",
+                                 "--data.n_train", "8", "--data.n_test", "0", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="rollout.agent = http needs a chat template"):
+        GRPOTrainer(cfg, "consistent", prepare(cfg, tmp_path, progress=False), tmp_path / "run")
