@@ -323,25 +323,42 @@ def sse(chunks, loop: EngineLoop, streams: list[Stream], episode=None) -> Stream
 
 
 async def merged(streams: list[Stream]):
-    """(choice index, Delta) as they come, from every stream, until each has finished."""
-    queue: asyncio.Queue = asyncio.Queue()
+    """(choice index, Delta) as they come, from every stream, until each has finished. The deltas that wait in
+    a stream's queue go out as one: a client that reads slower than the engine steps gets fewer, larger chunks."""
+    if len(streams) == 1:
+        queue = streams[0].queue
+        while True:
+            delta = joined(await queue.get(), queue)
+            yield 0, delta
+            if delta.finish_reason is not None:
+                return
+    out: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, stream):
         while True:
-            delta = await stream.queue.get()
-            await queue.put((i, delta))
+            delta = joined(await stream.queue.get(), stream.queue)
+            await out.put((i, delta))
             if delta.finish_reason is not None:
                 return
     tasks = [asyncio.ensure_future(pump(i, st)) for i, st in enumerate(streams)]
     try:
         left = len(streams)
         while left:
-            i, delta = await queue.get()
+            i, delta = await out.get()
             left -= delta.finish_reason is not None
             yield i, delta
     finally:
         for task in tasks:
             task.cancel()
+
+
+def joined(delta: Delta, queue: asyncio.Queue) -> Delta:
+    """delta and the deltas after it already in the queue, as one."""
+    while delta.finish_reason is None and not queue.empty():
+        more = queue.get_nowait()
+        delta = Delta(delta.token_ids + more.token_ids, delta.logprobs + more.logprobs, more.finish_reason,
+                      more.error, more.weight_version)
+    return delta
 
 
 async def completion_chunks(s: ServedModel, req: CompletionRequest, rid: str, ids: list[int], streams, decoders):

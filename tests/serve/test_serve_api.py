@@ -5,6 +5,7 @@ rendering with the tools; temperature 0 is greedy; a bad request gets a 4xx nami
 alone while the others finish."""
 import json
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -219,3 +220,22 @@ def test_a_bad_request_fails_alone():
     assert "the engine refused the request" in answers[1][1]["error"]["message"]
     for _, answer in (answers[0], answers[3]):
         assert answer["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
+
+
+def test_a_client_that_goes_away_frees_its_rows():
+    import socket
+    with serving(chat_engine()) as (url, served):
+        host, port = url.removeprefix("http://").split(":")
+        body = json.dumps({"model": MODEL, "prompt": "abc", "max_tokens": 200, "stream": True}).encode()
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        seen = b""
+        while b"token_ids" not in seen:  # tokens are streaming
+            seen += sock.recv(4096)
+        sock.close()
+        deadline = time.monotonic() + 10
+        while served.loop.engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not served.loop.streams and not served.loop.engine.has_unfinished()
+        assert served.loop.engine.stats.generated_tokens < 200
