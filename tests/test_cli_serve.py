@@ -9,7 +9,7 @@ from pathlib import Path
 from onepath.cli import main
 from tests.chat_families import write_chat_checkpoint
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_onepath_serve_answers_an_openai_client(tmp_path):
