@@ -22,11 +22,12 @@ from tests.tiny import tiny_model
 MODEL = "tiny-chat"
 
 
-def chat_engine(mode: str = "consistent", seed: int = 0, max_model_len: int = 256, **engine) -> LLMEngine:
+def chat_engine(mode: str = "consistent", seed: int = 0, max_model_len: int = 256, device: str = "cpu",
+                **engine) -> LLMEngine:
     """A random tiny model over the qwen3 character tokenizer, its engine."""
     tok = char_tokenizer("qwen3")
     model = tiny_model(mode, seed=seed, vocab_size=tok.get_vocab_size(), eos_token_id=tok.token_to_id("<|im_end|>"),
-                       max_positions=max_model_len)
+                       max_positions=max_model_len, device=device)
     config = SchedulerConfig(max_num_seqs=engine.pop("max_num_seqs", 16), max_num_batched_tokens=512,
                              max_model_len=max_model_len)
     return LLMEngine(model, num_blocks=engine.pop("num_blocks", 256), scheduler=config, tokenizer=tok, **engine)

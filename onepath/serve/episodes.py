@@ -80,11 +80,15 @@ class AgentEpisodes:
             self.status = "rollout"
             self.cond.notify_all()
 
-    def wait(self, timeout_s: float) -> list[Episode]:
-        """The open episodes, in the order opened, once the agent has finished every one."""
+    def wait(self, timeout_s: float, failure: Callable[[], BaseException | None] = lambda: None) -> list[Episode]:
+        """The open episodes, in the order opened, once the agent has finished every one. failure(): what
+        stopped the engine, if anything (then no episode can finish: the wait ends at once)."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
             while not all(s.finished for s in self.sessions.values()):
+                if failure() is not None:
+                    raise RuntimeError(f"step {self.step}: the engine stopped while the agent ran its episodes: "
+                                       f"{failure()!r}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = [s.key for s in self.sessions.values() if not s.finished]
@@ -92,7 +96,7 @@ class AgentEpisodes:
                                        f"{len(self.sessions)} episodes in {timeout_s:g} s (not {', '.join(missing[:5])}"
                                        f"{'...' if len(missing) > 5 else ''}): POST /episodes/ID/finish after each, "
                                        "or raise rollout.agent_timeout_s")
-                self.cond.wait(left)
+                self.cond.wait(min(left, 1.0))
             self.status = "waiting"
             return [s.episode for s in self.sessions.values()]
 

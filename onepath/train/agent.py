@@ -49,7 +49,7 @@ class AgentRollout:
         n = len(episode_ids) // len(rows)
         tasks = [(eid, rows[i // n]) for i, eid in enumerate(episode_ids)]
         self.episodes.open(step, self.loop.weight_version, tasks, params)
-        return self.episodes.wait(self.timeout_s)
+        return self.episodes.wait(self.timeout_s, lambda: self.loop.failure)
 
     def held(self):
         """The engine to the trainer alone (validation, the weight sync): requests in flight finish first."""
