@@ -1,4 +1,4 @@
-"""onepath command line: `onepath train | generate | report | check | bisect | diagnose | slice | bench`."""
+"""onepath command line: `onepath train | generate | serve | report | check | bisect | diagnose | slice | bench`."""
 from __future__ import annotations
 
 import argparse
@@ -113,6 +113,37 @@ def report(argv: list[str]) -> int:
     return 0
 
 
+def checkpoint_engine(args: argparse.Namespace, overrides: list[str], command: str):
+    """(run config, engine, tokenizer) of the checkpoint args.model, as `generate` and `serve` sample from it:
+    rollout.* sets the engine and the sampling; rollout.max_model_len is at most max_position_embeddings."""
+    from onepath.config import RolloutSection, engine_settings
+    from onepath.engine.device import require_device
+    from onepath.engine.llm_engine import LLMEngine
+    from onepath.models import build_decoder
+    from onepath.models.checkpoint import load_config, load_state_dict, load_tokenizer
+    from onepath.numerics.spec import ExecutionSpec
+    from onepath.ops import Ops
+
+    config = load_config(args.model)
+    cfg = run_config(args.config, args, overrides, "--model.path", args.model)
+    if cfg.mode not in ("consistent", "baseline"):
+        raise ValueError(f"--mode {cfg.mode}: {command} samples in one mode, consistent or baseline")
+    require_device(cfg.device)
+    positions = config.max_position_embeddings
+    if cfg.rollout.max_model_len > positions:
+        if cfg.rollout.max_model_len != RolloutSection().max_model_len:  # set by the user, not the default
+            raise ValueError(f"rollout.max_model_len = {cfg.rollout.max_model_len} > max_position_embeddings = "
+                             f"{positions} of {args.model}: the model has no positions past that; "
+                             f"pass --rollout.max_model_len {positions} or less")
+        cfg = run_config(args.config, args, overrides, "--model.path", args.model,
+                         "--rollout.max_model_len", str(positions))
+    tokenizer = load_tokenizer(args.model)
+    model = build_decoder(config, Ops(ExecutionSpec.default(cfg.mode, cfg.device, quant=cfg.quant)),
+                          max_positions=cfg.rollout.max_model_len)
+    model.load_hf_state_dict(load_state_dict(args.model))
+    return cfg, LLMEngine(model, **engine_settings(cfg), tokenizer=tokenizer), tokenizer
+
+
 def generate(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="onepath generate", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -128,37 +159,15 @@ def generate(argv: list[str]) -> int:
     run_options(parser, train=False)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args, overrides = parser.parse_known_args(argv)
-    from onepath.config import RolloutSection, engine_settings, sampling_params
-    from onepath.engine.device import require_device
-    from onepath.engine.llm_engine import LLMEngine
-    from onepath.models import build_decoder
-    from onepath.models.checkpoint import load_config, load_state_dict, load_tokenizer, unknown_characters
-    from onepath.numerics.spec import ExecutionSpec
-    from onepath.ops import Ops
+    from onepath.config import sampling_params
+    from onepath.models.checkpoint import unknown_characters
 
-    config = load_config(args.model)
-    cfg = run_config(args.config, args, overrides, "--model.path", args.model)
-    if cfg.mode not in ("consistent", "baseline"):
-        raise ValueError(f"--mode {cfg.mode}: generate samples in one mode, consistent or baseline")
-    require_device(cfg.device)
-    positions = config.max_position_embeddings
-    if cfg.rollout.max_model_len > positions:
-        if cfg.rollout.max_model_len != RolloutSection().max_model_len:  # set by the user, not the default
-            raise ValueError(f"rollout.max_model_len = {cfg.rollout.max_model_len} > max_position_embeddings = "
-                             f"{positions} of {args.model}: the model has no positions past that; "
-                             f"pass --rollout.max_model_len {positions} or less")
-        cfg = run_config(args.config, args, overrides, "--model.path", args.model,
-                         "--rollout.max_model_len", str(positions))
-    tokenizer = load_tokenizer(args.model)
+    cfg, engine, tokenizer = checkpoint_engine(args, overrides, "generate")
     for i, prompt in enumerate(args.prompts):
         unknown = unknown_characters(tokenizer, prompt)
         if unknown:
             print(f"onepath generate: warning: prompt {i} {prompt!r} has {', '.join(map(repr, unknown))} outside "
                   f"the tokenizer's vocabulary: the model sees <unk> there", file=sys.stderr)
-    model = build_decoder(config, Ops(ExecutionSpec.default(cfg.mode, cfg.device, quant=cfg.quant)),
-                          max_positions=cfg.rollout.max_model_len)
-    model.load_hf_state_dict(load_state_dict(args.model))
-    engine = LLMEngine(model, **engine_settings(cfg), tokenizer=tokenizer)
     progress = None if args.quiet or len(args.prompts) < 2 else "generate"
     outputs = engine.generate(args.prompts, sampling_params(cfg, cfg.rollout.seed), progress=progress)
     for prompt, out in zip(args.prompts, outputs):
@@ -171,6 +180,61 @@ def generate(argv: list[str]) -> int:
     if failed:
         print(f"onepath generate: {failed} of {len(outputs)} prompts failed", file=sys.stderr)
     return 1 if failed else 0
+
+
+def serve(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="onepath serve", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="An OpenAI-compatible HTTP server over a checkpoint: /v1/completions, /v1/chat/completions\n"
+        "(streaming, tools) and /v1/models; every response carries the token ids, the sampled tokens' log-probs\n"
+        "and the weight version (docs/serve.md). The engine takes the run config's rollout.* settings, the chat\n"
+        "template data.chat_template (auto: the checkpoint's), tool calls rollout.tool_format. Needs the serve\n"
+        "extra: pip install 'onepath[serve]'.",
+        epilog=settings_help(["onepath serve runs/demo/step_20 --port 8000",
+                              "onepath serve CKPT --rollout.max_model_len 4096 --rollout.max_num_seqs 256 --device cuda",
+                              "onepath serve CKPT --data.chat_template my_template.jinja --rollout.tool_format hermes"]))
+    parser.add_argument("model", help="a Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json)")
+    parser.add_argument("--config", default=None, help="YAML run config (default: RunConfig's defaults)")
+    run_options(parser, train=False)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="the port (default 8000; 0: any free port, printed)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name requests give as `model` (default: the checkpoint path as given)")
+    args, overrides = parser.parse_known_args(argv)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port} must be in [0, 65535] (0: any free port)")
+    import signal
+
+    from onepath.serve import require_extra
+    require_extra("onepath serve")
+    from onepath.models.checkpoint import load_tokenizer_config
+    from onepath.serve.app import HTTPServer, ServedModel, build_app
+    from onepath.serve.engine_loop import EngineLoop
+    from onepath.train.data import chat_template
+
+    cfg, engine, tokenizer = checkpoint_engine(args, overrides, "serve")
+    template = chat_template(cfg.data.chat_template, args.model, load_tokenizer_config(args.model))
+    loop = EngineLoop(engine)
+    served = ServedModel(args.served_model_name or args.model, loop, tokenizer, template,
+                         cfg.data.chat_template_kwargs or {}, cfg.rollout.tool_format, seed=cfg.rollout.seed)
+    server = HTTPServer(build_app(served), args.host, args.port)
+    loop.start()
+    server.start()
+    chat = f"chat template {template.source}" if template is not None else "no chat template (completions only)"
+    print(f"onepath serve: {served.name} ({cfg.mode}, {cfg.device}, max_model_len {served.max_model_len}, {chat}) "
+          f"on {server.url}/v1", flush=True)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        server.thread.join()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        loop.stop()
+    return 0
 
 
 def check(argv: list[str]) -> int:
@@ -209,6 +273,7 @@ def bench(argv: list[str]) -> int:
 COMMANDS = {
     "train": (train, "GRPO training, rollout and trainer bitwise consistent (default: the embedded demo)"),
     "generate": (generate, "sample completions from a checkpoint"),
+    "serve": (serve, "an OpenAI-compatible HTTP server over a checkpoint (token ids, log-probs, weight version)"),
     "report": (report, "draw report.png from run directories"),
     "check": (check, "run the consistency gates C0..C10 on a checkpoint or 'tiny'"),
     "bisect": (bisect, "find the first operator whose outputs differ between two sides, and a repro"),

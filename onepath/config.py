@@ -22,6 +22,7 @@ EMBEDDED_TASKS = ("arithmetic", "word_problems", "code")  # onepath/tasks/<name>
 OLD_LOGPROB = ("verify", "every_n", "skip")
 CORRECTION_LEVELS = ("token", "sequence")
 ENVIRONMENTS = ("calculator", "code", "tools")
+AGENTS = ("http",)  # rollout.agent: an external agent drives the episodes over the HTTP API (onepath/serve)
 TOOL_FORMATS = ("auto", "hermes", "llama3", "deepseek")  # onepath/chat/tool_calls.py
 ROLLOUT_LAYOUTS = ("single", "dp", "ep")
 TRAINER_LAYOUTS = ("single", "fsdp", "ep")
@@ -181,9 +182,21 @@ class RolloutSection(_Section):
     # model writes calls in (auto: the one the chat template teaches)
     tools: str | None = None
     tool_format: str = "auto"
+    # agent http: an external agent runs the episodes against the engine over the OpenAI API, served at
+    # agent_host:agent_port (0: a free port, printed) while the trainer waits up to agent_timeout_s a step
+    agent: str | None = None
+    agent_host: str = "127.0.0.1"
+    agent_port: int = 8000
+    agent_timeout_s: float = 600.0
 
     def __post_init__(self):
         self._coerce()
+        self._require("agent", self.agent is None or self.agent in AGENTS, "is not an agent mode",
+                      "use http (an external agent over the OpenAI API), or null for the trainer's own rollout")
+        self._require("env", self.env is None or self.agent is None, f"is set with rollout.agent = {self.agent}",
+                      "the agent is the environment: drop rollout.env")
+        self._require("agent_port", 0 <= self.agent_port <= 65535, "must be a port in [0, 65535]", "0 picks a free one")
+        self._finite_positive("agent_timeout_s")
         self._require("env", self.env is None or self.env in ENVIRONMENTS, "is not an environment",
                       f"use one of {', '.join(ENVIRONMENTS)}, or null for single-turn rollouts")
         self._require("max_turns", self.max_turns >= 1, "must be >= 1", "1 is one policy turn per episode")
@@ -373,6 +386,13 @@ class RunConfig(_Section):
         if self.train.overlong_buffer > self.rollout.max_tokens:
             raise ValueError(f"train.overlong_buffer = {self.train.overlong_buffer} > rollout.max_tokens = "
                              f"{self.rollout.max_tokens}: the penalty window must fit in the response length")
+        if self.rollout.agent is not None:
+            self._require("mode", self.mode != "both", f"is refused with rollout.agent = {self.rollout.agent}",
+                          "an agent drives one trainer at a time: run --mode consistent and --mode baseline as two runs")
+            layouts = (self.parallel.rollout, self.parallel.trainer)
+            if layouts != ("single", "single"):
+                raise ValueError(f"rollout.agent = {self.rollout.agent} serves one engine: set parallel.rollout and "
+                                 f"parallel.trainer single (they are {layouts[0]}, {layouts[1]})")
         if self.train.filter_groups and self.parallel.trainer == "ep":
             raise ValueError("train.filter_groups with parallel.trainer = 'ep': the kept groups may leave a rank "
                              "without rows, and every ep rank must run each step's forward; use fsdp or single")

@@ -11,7 +11,8 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 REQUIREMENTS = {r.name: r for r in map(Requirement, PROJECT["dependencies"] + PROJECT["optional-dependencies"]["test"])}
-BOUNDED = ("torch", "safetensors", "tokenizers", "pyyaml", "math-verify", "transformers", "triton", "numpy")
+BOUNDED = ("torch", "safetensors", "tokenizers", "pyyaml", "math-verify", "transformers", "triton", "numpy", "starlette",
+           "uvicorn", "openai")
 
 
 def test_installed_versions_are_within_the_stated_bounds():

@@ -126,14 +126,17 @@ class LLMEngine:
         self.memory = memory.report(model, self.runner.cache, gpu_memory_utilization if on_cuda else None)
         self.eos_token_ids = model.config.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
         self.next_request_id = 0
+        self.weight_version = 0  # moves at every weight update: what a server tags its responses with
         self.stats = EngineStats()
         self.async_scheduling = async_scheduling
         self.pending: tuple[list, Sampled] | None = None  # the launched step whose tokens are not on the host yet
         # A list here (benchmarks set one) gets (seconds, replayed a graph) for each step generate() runs.
         self.step_times: list[tuple[float, bool]] | None = None
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: int | None = None) -> int:
-        """Queue one request. A bad request raises ValueError naming its problem; nothing else is touched."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: int | None = None,
+                    sample_id: int | None = None) -> int:
+        """Queue one request. A bad request raises ValueError naming its problem; nothing else is touched.
+        sample_id: what its sampling noise is keyed by besides the seed and position (default request_id)."""
         if request_id is None:
             request_id = self.next_request_id
         self.next_request_id = max(self.next_request_id, request_id + 1)
@@ -143,7 +146,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"request {request_id}: token id {bad[0]} is outside the vocabulary [0, {vocab}): "
                              "encode prompts with the model's tokenizer")
-        self.scheduler.add(Sequence(request_id, [int(t) for t in token_ids], params, self.eos_token_ids))
+        self.scheduler.add(Sequence(request_id, [int(t) for t in token_ids], params, self.eos_token_ids, sample_id))
         return request_id
 
     def encode(self, prompt, request_id) -> list[int]:
@@ -261,6 +264,8 @@ class LLMEngine:
     def weights_changed(self) -> None:
         """Weights were written into the engine's storage by someone else (a broadcast): drop what was
         computed from the old ones: the prefix cache, and the quantised weight copies are rewritten in
-        their own storage (captured graphs read them). RoPE tables are not weight-derived."""
+        their own storage (captured graphs read them). RoPE tables are not weight-derived. The weight
+        version moves on."""
         self.block_manager.reset_prefix_cache()
         refresh_quantized(self.model)
+        self.weight_version += 1

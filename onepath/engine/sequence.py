@@ -22,7 +22,9 @@ class SequenceStatus(Enum):
 class Sequence:
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), sample_id: int | None = None):
+        """sample_id: the id the sampling noise is keyed by, with the seed and the position (default request_id):
+        a server keys a request by its own place (choice, episode turn), not by the order it arrived in."""
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id} has an empty prompt: a prompt needs at least one token (e.g. BOS)")
         self.request_id = request_id
@@ -30,7 +32,8 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.params = params
-        self.request_key = request_key(params.seed, request_id)  # sampling keys: one mix per token from here
+        # sampling keys: one mix per token from here
+        self.request_key = request_key(params.seed, request_id if sample_id is None else sample_id)
         self.eos_token_ids = tuple(eos_token_ids)
         self.block_table: list[int] = []
         self.state_slot: int | None = None  # a hybrid model's recurrent state slot while running (Scheduler)

@@ -11,11 +11,11 @@ LM head only over the rows that predict a policy token, so top-k / top-p never s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from onepath.chat.episode import Episode
 from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
 from onepath.models.batch import ForwardBatch
@@ -23,58 +23,6 @@ from onepath.models.kv_cache import KVCache
 from onepath.train.actor import Actor, Responses
 
 MAX_TURNS = 1 << 10
-
-
-@dataclass(slots=True)
-class Episode:
-    episode_id: int
-    token_ids: list[int]                 # the whole history: prompt, then policy and env segments
-    num_prompt_tokens: int
-    policy_mask: list[bool]              # True where the policy sampled the token
-    logprobs: list[float]                # the rollout's log-prob on policy tokens, 0.0 elsewhere
-    segments: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each policy turn
-    finish_reasons: list[str] = field(default_factory=list)        # the engine's, per policy turn
-    finish_reason: str | None = None     # "done" (env), "max_turns", or "length" (max_model_len)
-    reward_info: dict = field(default_factory=dict)                # the env's last answer
-    messages: list[dict] = field(default_factory=list)  # the conversation, for envs that speak a chat template
-
-    @classmethod
-    def start(cls, episode_id: int, prompt: list[int], messages: list[dict] | None = None) -> "Episode":
-        prompt = [int(t) for t in prompt]
-        return cls(episode_id, prompt, len(prompt), [False] * len(prompt), [0.0] * len(prompt),
-                   messages=list(messages or []))
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def turns(self) -> int:
-        return len(self.segments)
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
-
-    @property
-    def completion_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def last_segment(self) -> list[int]:
-        start, end = self.segments[-1]
-        return self.token_ids[start:end]
-
-    def append_policy(self, token_ids: list[int], logprobs: list[float], finish_reason: str) -> None:
-        self.segments.append((len(self.token_ids), len(self.token_ids) + len(token_ids)))
-        self.token_ids += token_ids
-        self.policy_mask += [True] * len(token_ids)
-        self.logprobs += logprobs
-        self.finish_reasons.append(finish_reason)
-
-    def append_env(self, token_ids: list[int]) -> None:
-        self.token_ids += token_ids
-        self.policy_mask += [False] * len(token_ids)
-        self.logprobs += [0.0] * len(token_ids)
 
 
 class Environment(Protocol):

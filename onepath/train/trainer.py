@@ -60,6 +60,7 @@ from onepath.tasks import arithmetic, code, word_problems
 from onepath.tasks.calculator import CalculatorEnv
 from onepath.train import checkpoint
 from onepath.train.actor import Responses
+from onepath.train.agent import AgentRollout
 from onepath.train.data import PromptSampler, Prompts, chat_template, load_rows, prompt_text, reward_kwargs
 from onepath.train.episodes import episode_metrics, episode_responses, masked_logprobs, run_episodes
 from onepath.train.grpo import NonFiniteError, group_advantages, policy_loss, rollout_correction
@@ -277,7 +278,7 @@ class GRPOTrainer:
                      "starting at step 1")
         max_len, r, t = cfg.rollout.max_model_len, cfg.rollout, cfg.train
         # MoE: the engine records its routing, the trainer compares it with its own (moe/routing_agreement)
-        self.routing_check = setup.model_config.is_moe and r.env is None
+        self.routing_check = setup.model_config.is_moe and r.env is None and r.agent is None
         self.engine = self.policy = self.actor = None
         if world.has_engine:
             engine_model = build_model(setup.model_config, self.spec, max_len, init_state)
@@ -288,6 +289,7 @@ class GRPOTrainer:
                 settings["cuda_graphs"] = False
             self.engine = LLMEngine(engine_model, **settings, eos_token_ids=setup.eos_token_ids,
                                     tokenizer=setup.tokenizer, record_routing=self.routing_check)
+            self.engine.weight_version = self.start  # the step whose update made the weights (0: the initial ones)
         if world.trains:
             self.policy = build_model(setup.model_config, self.trainer_spec, max_len, init_state)
             self.actor = ACTORS[world.trainer](
@@ -305,6 +307,9 @@ class GRPOTrainer:
         if saved is not None:
             self.restore(*saved)
             self.say(f"[{mode}] resumed from {found} (step {self.start} of {t.steps})")
+        # rollout.agent http: an external agent runs the episodes over the OpenAI API (train/agent.py); last, so
+        # that nothing after it fails with the server up
+        self.agent = AgentRollout(cfg, self.engine, setup.prompts, self.say) if r.agent is not None else None
 
     def say(self, line: str) -> None:
         if self.world.first:
@@ -382,9 +387,10 @@ class GRPOTrainer:
         own = self.engine.stats.generated_tokens if self.engine is not None else 0
         return sum(self.world.gather(own))
 
-    def rollout(self, rows, step, first_id: int = 0) -> tuple[Responses, list[str], dict]:
-        """Responses, the completion texts the reward reads, and rollout metrics. Request ids run from
-        step * 1_000_000 + first_id (a step's later rollouts, dynamic sampling's, start past the earlier ones)."""
+    def rollout(self, rows, step, first_id: int = 0) -> tuple[Responses, list[str], dict, list | None]:
+        """Responses, the completion texts the reward reads, rollout metrics, and the rewards an external agent
+        gave (None where it gave none, or no agent). Request ids run from step * 1_000_000 + first_id (a step's
+        later rollouts, dynamic sampling's, start past the earlier ones)."""
         n, params = self.cfg.rollout.n, self.params(step)
         if first_id + len(rows) * n > 1_000_000:
             raise ValueError(f"step {step} would sample {first_id + len(rows) * n} responses, more than the "
@@ -393,14 +399,20 @@ class GRPOTrainer:
         ids = [step * 1_000_000 + first_id + i for i in range(len(rows) * n)]
         start_tokens = self.generated_tokens()
         with self.timer("gen"):
-            if self.env is None:
+            if self.agent is not None:
+                start_cached = self.engine.block_manager.num_cached_tokens_hit
+                episodes = self.agent.run(step, rows, ids, params)
+                cached = self.engine.block_manager.num_cached_tokens_hit - start_cached
+            elif self.env is None:
                 outputs = self.generate(rows, params, ids, n, "rollout")
             else:
                 start_cached = self.engine.stats.cached_tokens
                 conversations = [self.setup.prompts.messages(row) for row in rows for _ in range(n)]
                 episodes = run_episodes(self.engine, self.prompts(rows, n), self.env, params,
                                         self.cfg.rollout.max_turns, episode_ids=ids, conversations=conversations)
-        if self.env is None:
+                cached = self.engine.stats.cached_tokens - start_cached
+        given = None
+        if self.env is None and self.agent is None:
             responses = Responses.build([o.prompt_token_ids for o in outputs], [o.token_ids for o in outputs],
                                         [params] * len(outputs), [o.logprobs for o in outputs])
             if self.routing_check:
@@ -409,19 +421,25 @@ class GRPOTrainer:
         else:
             responses = episode_responses(episodes, params)
             texts = [e.reward_info.get("answer", "") for e in episodes]
-            metrics = {**episode_metrics(episodes),
-                       "perf/prefix_cache_hit_tokens": self.engine.stats.cached_tokens - start_cached}
+            metrics = {**episode_metrics(episodes), "perf/prefix_cache_hit_tokens": cached}
+            given = [e.reward_info.get("reward") for e in episodes] if self.agent is not None else None
         metrics["generated_tokens"] = self.generated_tokens() - start_tokens
-        return responses, texts, metrics
+        return responses, texts, metrics, given
 
     def decode(self, outputs) -> list[str]:
         return [self.setup.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in outputs]
 
-    def score(self, rows, texts: list[str], lengths: list[int], n: int, data: str = "train") -> torch.Tensor:
-        """Rewards of completions texts[i] of rows[i // n]; lengths[i] is its response length in tokens."""
-        rewards = score_batch(self.setup.reward_fn, [
-            (prompt_text(rows[i // n]), text, {**reward_kwargs(rows[i // n]), "response_length": length})
-            for i, (text, length) in enumerate(zip(texts, lengths))])
+    def score(self, rows, texts: list[str], lengths: list[int], n: int, data: str = "train",
+              given: list | None = None) -> torch.Tensor:
+        """Rewards of completions texts[i] of rows[i // n]; lengths[i] is its response length in tokens;
+        given[i], where not None, is the reward an external agent gave (the reward function is not asked)."""
+        asked = [i for i in range(len(texts)) if given is None or given[i] is None]
+        rewards = list(given) if given is not None else [None] * len(texts)
+        scored = score_batch(self.setup.reward_fn, [
+            (prompt_text(rows[i // n]), texts[i], {**reward_kwargs(rows[i // n]), "response_length": lengths[i]})
+            for i in asked]) if asked else []
+        for i, value in zip(asked, scored):
+            rewards[i] = value
         for i, value in enumerate(rewards):
             problem = reward_problem(value)
             if problem is not None:
@@ -457,10 +475,10 @@ class GRPOTrainer:
         parts, kept_groups, rounds, generated = [], 0, [], 0
         while True:
             rows = self.sampler.next_batch(t.prompts_per_step)
-            responses, texts, metrics = self.rollout(rows, step, first_id=len(rounds) * len(rows) * n)
+            responses, texts, metrics, given = self.rollout(rows, step, first_id=len(rounds) * len(rows) * n)
             lengths = responses.mask.sum(1)  # policy tokens only: env tokens are outside the mask
             with self.timer("reward"):
-                rewards = self.score(rows, texts, lengths.tolist(), n)
+                rewards = self.score(rows, texts, lengths.tolist(), n, given=given)
             rounds.append(metrics)
             if not t.filter_groups:
                 return responses, rewards, metrics
@@ -514,7 +532,7 @@ class GRPOTrainer:
             scale = valid_tokens / max(float(keep.sum()), 1.0)
             grad_norm = self.actor.step(grad_scale=scale) if self.actor is not None else 0.0
             pg = {key: value * scale for key, value in pg.items()}
-        with self.timer("sync"):
+        with self.timer("sync"), self.engine_held():
             sync_weights(self.engine, self.actor, self.world, self.names)
         metrics.update(corrections)
         metrics.update(routing)
@@ -546,7 +564,8 @@ class GRPOTrainer:
                                                   t.rollout_is_threshold, t.rollout_rs, t.rollout_rs_threshold)
             return policy_loss(logprobs, old, advantages_on[rows], keep, t.clip_ratio, weights, count=valid_tokens)
 
-        forward = self.actor.logprobs if self.env is None else partial(masked_logprobs, self.actor)
+        episodes = self.env is not None or self.agent is not None
+        forward = partial(masked_logprobs, self.actor) if episodes else self.actor.logprobs
         self.actor.routing = [] if mine.routing is not None else None
         logprobs, entropy, pg = self.actor.backward(mine, loss_fn, t.micro_batch_tokens, forward, self.timer,
                                                     "old_logprob" if verify else "update")
@@ -581,15 +600,20 @@ class GRPOTrainer:
         start = time.perf_counter()
         temperature = r.temperature if t.val_temperature is None else t.val_temperature
         params = sampling_params(self.cfg, self.params(step).seed, temperature=temperature)
-        outputs = self.generate(rows, params, [-1 - i for i in range(len(rows))], 1, "evaluation")
-        # the next rollout must find the prefix cache as the weight sync left it: empty
-        if self.engine is not None:
-            self.engine.block_manager.reset_prefix_cache()
+        with self.engine_held():
+            outputs = self.generate(rows, params, [-1 - i for i in range(len(rows))], 1, "evaluation")
+            # the next rollout must find the prefix cache as the weight sync left it: empty
+            if self.engine is not None:
+                self.engine.block_manager.reset_prefix_cache()
         with at_step(step):
             rewards = self.score(rows, self.decode(outputs), [len(o.token_ids) for o in outputs], 1, "val")
         length = sum(len(o.token_ids) for o in outputs) / len(outputs)
         return {"val/score": rewards.mean().item(), "val/response_length/mean": length,
                 "timing_s/val": time.perf_counter() - start}
+
+    def engine_held(self):
+        """The engine to this thread alone: with an agent, once its requests in flight finish (train/agent.py)."""
+        return self.agent.held() if self.agent is not None else nullcontext()
 
     def validates(self, step: int) -> bool:
         every = self.cfg.train.val_every
@@ -608,6 +632,15 @@ class GRPOTrainer:
         return {"project": lg.project, "name": f"{group}-{self.spec.mode}", "group": group,
                 "id": id_file.read_text(), "resume": "allow", "dir": str(self.run_dir),
                 "config": {**self.cfg.to_dict(), "spec_hash": self.spec.hash()}}
+
+    @contextmanager
+    def closing(self):
+        """The agent's server stops when the run ends, however it ends."""
+        try:
+            yield
+        finally:
+            if self.agent is not None:
+                self.agent.close()
 
     def run(self, progress: bool = True) -> list[dict]:
         """The steps from the one after the checkpoint to train.steps; each step's metrics (on rank 0
@@ -631,7 +664,7 @@ class GRPOTrainer:
         t = self.cfg.train
         logger = MetricsLogger(self.run_dir, console=progress, purge_step=self.start + 1 if self.start else None,
                                wandb=self.wandb_settings(), console_every=t.log_every) if first else nullcontext()
-        with logger:
+        with logger, self.closing():
             for step in tqdm(range(self.start + 1, t.steps + 1), desc=self.spec.mode, disable=not progress, leave=False,
                              initial=self.start, total=t.steps):
                 metrics = self.step(step)
