@@ -1,0 +1,234 @@
+"""The Mamba-2 mixer's Triton kernels (ops/cuda/ssd.py, conv1d.py, rmsnorm.gated_rmsnorm) under Triton's CPU
+interpreter, on tiny shapes that cross the scan's chunks (Q = 8 < BLOCK_Q), the row blocks and the head_dim blocks.
+
+The scan: a token's output and the state after it are the kernel's same bits in a whole prefill, a chunked prefill
+cut off the chunks, decode (one token a pass, replaying the open chunk from the slot), the trainer's forward (no
+state) and beside other sequences in other phases, FP32 and BF16, FP32 and BF16 states; values within FP32
+tolerance of a float64 token-by-token loop written here. Controls: baseline's stock paths move bits on the same
+cases; a slot whose open chunk is altered moves the decoded bits (the replay reads it). conv1d and the gated norm
+likewise. The checks run in a subprocess (tests/interpret.py); the bits of Hopper's arithmetic are
+tests/ops/test_ssd_gpu.py's job.
+"""
+from __future__ import annotations
+
+from tests.interpret import check_recorder, interpreted_checks, patch_gemm_interpreter, print_checks
+
+CHECKS = ["discretise_is_softplus_and_limits", "ssd_values_match_a_float64_loop", "ssd_every_phase_gives_the_same_bits",
+          "ssd_a_sequence_has_its_bits_beside_others", "ssd_bfloat16_every_phase", "ssd_a_reused_slot_starts_afresh",
+          "ssd_control_stock_paths_move_bits", "ssd_control_the_replay_reads_the_slot", "conv1d_values",
+          "conv1d_every_phase_gives_the_same_bits", "conv1d_control_the_state_is_read", "gated_rmsnorm_values",
+          "gated_rmsnorm_rows_alone_equal_rows_in_batch"]
+Q = 8
+
+
+def _run_checks() -> dict:
+    patch_gemm_interpreter()
+    import torch
+    import torch.nn.functional as F
+
+    from onepath.numerics.spec import ExecutionSpec
+    from onepath.ops import conv1d as CONV
+    from onepath.ops import rmsnorm as RN
+    from onepath.ops import ssd as SSD
+    from onepath.ops.cuda import conv1d as kconv
+    from onepath.ops.cuda import rmsnorm as knorm
+    from onepath.ops.cuda import ssd as kssd
+    from onepath.ops.spans import SeqSpans
+
+    gen = torch.Generator().manual_seed(0)
+    results, record = check_recorder()
+    limit = (0.0, float("inf"))
+
+    def shapes(h=4, p=6, g=2, n=8):
+        return dict(h=h, p=p, g=g, n=n)
+
+    def params(s):
+        return (torch.log(1 + 7 * torch.rand(s["h"], generator=gen)), torch.randn(s["h"], generator=gen),
+                torch.randn(s["h"], generator=gen) * 0.5 - 0.5)  # A_log, D, dt_bias
+
+    def tokens(s, t, dtype=torch.float32):
+        return [v.to(dtype) if k != 1 else v for k, v in enumerate((
+            torch.randn(t, s["h"], s["p"], generator=gen), torch.randn(t, s["h"], generator=gen),
+            torch.randn(t, s["g"], s["n"], generator=gen), torch.randn(t, s["g"], s["n"], generator=gen)))]
+
+    def state(s, dtype=torch.float32, state_dtype=torch.float32, slots=2):
+        return SSD.SSDState.empty(slots, s["h"], s["p"], s["g"], s["n"], Q, dtype, state_dtype)
+
+    def passes(kernel, inputs, p, cuts, st, slot=1, state_dtype=torch.float32, dt_limit=limit):
+        outs = [kernel(*(v[a:b] for v in inputs), *p, SeqSpans((0, b - a), (a,), (slot,)), st, Q, dt_limit,
+                       state_dtype) for a, b in zip(cuts, cuts[1:])]
+        return torch.cat(outs)
+
+    def triton_ssd(*args):
+        return kssd.ssd(*args)
+
+    def stock_ssd(spec):
+        def run(x, dt, B, C, A_log, D, dt_bias, spans, st, chunk, dt_limit, state_dtype):
+            return SSD.stock(x, dt, B, C, A_log, D, dt_bias, spans=spans, state=st, chunk=chunk, dt_limit=dt_limit,
+                             state_dtype=state_dtype)
+        return run
+
+    def loop(inputs, p, s, dt_limit=limit):
+        x, dt, B, C = (v.double() for v in inputs)
+        A_log, D, dt_bias = (v.double() for v in p)
+        A, st, ys = -torch.exp(A_log), torch.zeros(s["h"], s["p"], s["n"], dtype=torch.float64), []
+        r = s["h"] // s["g"]
+        for t in range(x.shape[0]):
+            d = F.softplus(dt[t] + dt_bias).clamp(*dt_limit)
+            b, c = B[t].repeat_interleave(r, 0), C[t].repeat_interleave(r, 0)
+            st = torch.exp(d * A)[:, None, None] * st + (d[:, None] * x[t])[..., None] * b[:, None, :]
+            ys.append((st * c[:, None, :]).sum(-1) + D[:, None] * x[t])
+        return torch.stack(ys), st
+
+    # discretise: softplus (threshold 20) and the limits, on values from -30 to 60
+    v = torch.linspace(-30, 60, 97)[:, None].repeat(1, 3)
+    bias = torch.tensor([0.0, -1.5, 2.0])
+    for lim in (limit, (0.01, 0.5)):
+        got = kssd.discretised(v, bias, lim)
+        want = F.softplus((v + bias).double()).clamp(*lim).float()
+        ok = torch.allclose(got, want, rtol=2e-6, atol=0)
+        record("discretise_is_softplus_and_limits", ok, f"limits {lim}: max rel {((got - want) / want).abs().max()}")
+
+    # the scan against a float64 loop: lengths across chunk and row-block boundaries, P over two head_dim blocks
+    for s, t, lim in ((shapes(), 1, limit), (shapes(), Q + 1, limit), (shapes(), 3 * Q + 5, (0.05, 0.6)),
+                      (shapes(h=2, p=70, g=1, n=5), 2 * Q + 3, limit)):
+        p, inputs = params(s), tokens(s, t)
+        y = triton_ssd(*inputs, *p, SeqSpans((0, t), (0,)), None, Q, lim, torch.float32)
+        st = state(s)
+        passes(triton_ssd, inputs, p, [0, t], st, dt_limit=lim)
+        want, want_state = loop(inputs, p, s, lim)
+        ok = torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5)
+        record("ssd_values_match_a_float64_loop", ok, f"{s} T={t}: max |d| {(y.double() - want).abs().max()}")
+        after = SSD.state_after(st, 1, t, p[0])  # the CPU formula over the kernel's boundary state and open chunk
+        ok = torch.allclose(after.double(), want_state, rtol=1e-5, atol=1e-5)
+        record("ssd_values_match_a_float64_loop", ok, f"{s} T={t}: state after, max |d| "
+               f"{(after.double() - want_state).abs().max()}")
+
+    cuts = {Q - 1: [0, 2, 3, Q - 1], Q + 1: [0, Q - 1, Q + 1], 3 * Q + 5: [0, 3, 5, 13, 14, 2 * Q, 3 * Q + 5]}
+
+    def every_phase(s, t, dtype, state_dtype):
+        p, inputs = params(s), tokens(s, t, dtype)
+        trainer = triton_ssd(*inputs, *p, SeqSpans((0, t), (0,)), None, Q, limit, state_dtype)
+        out, states = {}, {}
+        for name, cut in (("whole", [0, t]), ("chunked", cuts[t]), ("decode", list(range(t + 1)))):
+            states[name] = state(s, dtype, state_dtype)
+            out[name] = passes(triton_ssd, inputs, p, cut, states[name], state_dtype=state_dtype)
+        m = t % Q
+        for name in ("whole", "chunked", "decode"):
+            yield name, torch.equal(out[name], trainer), "output"
+            a, b = states[name], states["whole"]
+            yield name, torch.equal(a.ssm[1], b.ssm[1]), "boundary state"
+            yield name, all(torch.equal(getattr(a, k)[1, :m], getattr(b, k)[1, :m]) for k in ("x", "dt", "B")), \
+                "open chunk"
+
+    for t in cuts:
+        for name, ok, what in every_phase(shapes(), t, torch.float32, torch.float32):
+            record("ssd_every_phase_gives_the_same_bits", ok, f"T={t} {name}: {what} differs from the trainer's")
+    for t in (Q + 1, 3 * Q + 5):
+        for state_dtype in (torch.float32, torch.bfloat16):
+            for name, ok, what in every_phase(shapes(), t, torch.bfloat16, state_dtype):
+                record("ssd_bfloat16_every_phase", ok, f"T={t} state {state_dtype} {name}: {what} differs")
+
+    # three sequences in one pass, each in another phase: a fresh prompt, a chunk from mid-chunk, one decode token
+    s = shapes()
+    p = params(s)
+    lengths, starts = (11, 6, 1), (0, 13, 21)
+    seqs = [tokens(s, a + n) for a, n in zip(starts, lengths)]
+    alone, shared = [], state(s, slots=3)
+    for i, (a, n, inputs) in enumerate(zip(starts, lengths, seqs)):
+        own = state(s, slots=3)
+        alone.append(passes(triton_ssd, inputs, p, [0, a, a + n] if a else [0, n], own, slot=0)[a:])
+        if a:
+            passes(triton_ssd, inputs, p, [0, a], shared, slot=i)
+    batch = [torch.cat([v[a:a + n] for a, n, v in zip(starts, lengths, (q[k] for q in seqs))]) for k in range(4)]
+    cu = (0, 11, 17, 18)
+    out = triton_ssd(*batch, *p, SeqSpans(cu, starts, (0, 1, 2)), shared, Q, limit, torch.float32)
+    for i in range(3):
+        record("ssd_a_sequence_has_its_bits_beside_others", torch.equal(out[cu[i]:cu[i + 1]], alone[i]),
+               f"sequence {i} (start {starts[i]}, {lengths[i]} tokens)")
+
+    # a slot that held another sequence: a new one from position 0 gets the bits of a fresh slot
+    inputs, other = tokens(s, 13), tokens(s, 21)
+    reused = state(s)
+    passes(triton_ssd, other, p, [0, 21], reused)
+    got = passes(triton_ssd, inputs, p, [0, 5, 6, 13], reused)
+    fresh = passes(triton_ssd, inputs, p, [0, 5, 6, 13], state(s))
+    record("ssd_a_reused_slot_starts_afresh", torch.equal(got, fresh), "a reused slot leaks its old state")
+
+    # controls: the stock paths (baseline) on the same cases move bits; an altered open chunk moves the replay
+    base = stock_ssd(ExecutionSpec(mode="baseline"))
+    moved = 0
+    for t in cuts:
+        p, inputs = params(s), tokens(s, t)
+        whole = passes(base, inputs, p, [0, t], state(s))
+        moved += not torch.equal(passes(base, inputs, p, list(range(t + 1)), state(s)), whole)
+        moved += not torch.equal(passes(base, inputs, p, cuts[t], state(s)), whole)
+    record("ssd_control_stock_paths_move_bits", moved >= 4, f"only {moved} of 6 stock runs moved bits")
+    t = 2 * Q + 5
+    p, inputs = params(s), tokens(s, t)
+    st = state(s)
+    passes(triton_ssd, inputs, p, [0, t - 1], st)
+    clean = passes(triton_ssd, inputs, p, [t - 1, t], SSD.SSDState(st.ssm.clone(), st.x.clone(), st.dt.clone(),
+                                                                    st.B.clone()))
+    st.x[1, 2] *= 1 + 2 ** -20
+    altered = passes(triton_ssd, inputs, p, [t - 1, t], st)
+    record("ssd_control_the_replay_reads_the_slot", not torch.equal(clean, altered),
+           "decode ignored a change in the slot's open chunk")
+
+    # conv1d: K = 4 taps, C = 300 channels (two blocks), the ring state across passes
+    c, k = 300, 4
+    w, bias = torch.randn(c, k, generator=gen) * 0.5, torch.randn(c, generator=gen)
+
+    def conv_passes(x, cut, ring, b=bias):
+        return torch.cat([kconv.causal_conv1d(x[a:e], w, b, SeqSpans((0, e - a), (a,), (1,)), ring)
+                          for a, e in zip(cut, cut[1:])])
+
+    for t, cut in ((1, [0, 1]), (3, [0, 2, 3]), (17, [0, 3, 4, 11, 17])):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(t, c, generator=gen).to(dtype)
+            for b in (bias, None):
+                trainer = kconv.causal_conv1d(x, w, b, SeqSpans((0, t), (0,)), None)
+                want = CONV.reference(x.float(), w, b, SeqSpans((0, t), (0,)))
+                ok = torch.allclose(trainer.float(), want, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+                record("conv1d_values", ok, f"T={t} {dtype} bias={b is not None}")
+                rings = {name: torch.zeros(2, k - 1, c, dtype=dtype) for name in ("whole", "chunked", "decode")}
+                outs = {name: conv_passes(x, ct, rings[name], b) for name, ct in
+                        (("whole", [0, t]), ("chunked", cut), ("decode", list(range(t + 1))))}
+                for name in outs:
+                    record("conv1d_every_phase_gives_the_same_bits", torch.equal(outs[name], trainer)
+                           and torch.equal(rings[name], rings["whole"]), f"T={t} {dtype} {name}")
+    x = torch.randn(9, c, generator=gen)
+    ring = torch.zeros(2, k - 1, c)
+    conv_passes(x, [0, 8], ring)
+    kept = ring.clone()
+    cpu_ring = torch.zeros(2, k - 1, c)
+    CONV.consistent(x[:8], w, bias, SeqSpans((0, 8), (0,), (1,)), cpu_ring)
+    record("conv1d_every_phase_gives_the_same_bits", torch.equal(kept, cpu_ring), "the ring differs from the CPU's")
+    decoded = conv_passes(x, [8, 9], ring)
+    zeroed = conv_passes(x, [8, 9], torch.zeros(2, k - 1, c))
+    record("conv1d_control_the_state_is_read", not torch.equal(decoded, zeroed), "decode ignored the ring")
+
+    # gated rmsnorm: groups of 40 (I = 160, four groups) and of 1100 (over a BLOCK)
+    for width, group in ((160, 40), (2200, 1100)):
+        for dtype in (torch.float32, torch.bfloat16):
+            x, z = torch.randn(5, width, generator=gen), torch.randn(5, width, generator=gen) * 2
+            wt = (torch.randn(width, generator=gen) * 0.3 + 1).to(dtype)
+            got = knorm.gated_rmsnorm(x, z, wt, 1e-5, group)
+            want = RN.gated_reference(x, z, wt, 1e-5, group)
+            tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+            record("gated_rmsnorm_values", got.dtype == dtype and torch.allclose(got.float(), want.float(), **tol),
+                   f"I={width} group={group} {dtype}")
+            for m in (1, 3, 7):
+                pos = int(torch.randint(m, (1,), generator=gen))
+                bx, bz = torch.randn(m, width, generator=gen), torch.randn(m, width, generator=gen)
+                bx[pos], bz[pos] = x[2], z[2]
+                record("gated_rmsnorm_rows_alone_equal_rows_in_batch",
+                       torch.equal(knorm.gated_rmsnorm(bx, bz, wt, 1e-5, group)[pos], got[2]), f"M={m} pos={pos}")
+    return results
+
+
+interpreted, test_ssd_interpreted = interpreted_checks(__file__, "ssd", CHECKS)
+
+
+if __name__ == "__main__":
+    print_checks(_run_checks)
