@@ -265,10 +265,11 @@ def stock(x, dt, B, C, A_log, D, dt_bias, *, spans: SeqSpans, state: SSDState | 
           state_dtype):
     h = x.shape[1]
     A, step = -torch.exp(A_log.float()), discretised(dt, dt_bias, dt_limit, pinned=False)
-    if spans.decode_only:  # a static decode batch: every row one step of its slot's running state, slots on the device
-        slots = spans.on(x.device).slots
-        y, s = recurrent_step(x.float(), step, A, per_head(B, h), per_head(C, h), D.float(), state.ssm[slots].float())
-        state.ssm[slots] = s.to(state_dtype)
+    if spans.decode_only:  # a static decode batch: every row one step of its slot's state (zeros at position 0)
+        on = spans.on(x.device)
+        held = state.ssm[on.slots].float() * (on.starts > 0)[:, None, None, None]
+        y, s = recurrent_step(x.float(), step, A, per_head(B, h), per_head(C, h), D.float(), held)
+        state.ssm[on.slots] = s.to(state_dtype)
         return y
     out = x.new_empty(x.shape, dtype=torch.float32)
     decode = [b for b in range(spans.num_seqs) if spans.starts[b] and spans.rows(b).stop - spans.rows(b).start == 1]
