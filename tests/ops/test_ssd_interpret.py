@@ -34,6 +34,7 @@ def _run_checks() -> dict:
     from onepath.ops.cuda import rmsnorm as knorm
     from onepath.ops.cuda import ssd as kssd
     from onepath.ops.spans import SeqSpans
+    from tests.ops.test_ssd import loop
 
     gen = torch.Generator().manual_seed(0)
     results, record = check_recorder()
@@ -68,18 +69,6 @@ def _run_checks() -> dict:
                              state_dtype=state_dtype)
         return run
 
-    def loop(inputs, p, s, dt_limit=limit):
-        x, dt, B, C = (v.double() for v in inputs)
-        A_log, D, dt_bias = (v.double() for v in p)
-        A, st, ys = -torch.exp(A_log), torch.zeros(s["h"], s["p"], s["n"], dtype=torch.float64), []
-        r = s["h"] // s["g"]
-        for t in range(x.shape[0]):
-            d = F.softplus(dt[t] + dt_bias).clamp(*dt_limit)
-            b, c = B[t].repeat_interleave(r, 0), C[t].repeat_interleave(r, 0)
-            st = torch.exp(d * A)[:, None, None] * st + (d[:, None] * x[t])[..., None] * b[:, None, :]
-            ys.append((st * c[:, None, :]).sum(-1) + D[:, None] * x[t])
-        return torch.stack(ys), st
-
     # discretise: softplus (threshold 20) and the limits, on values from -30 to 60
     v = torch.linspace(-30, 60, 97)[:, None].repeat(1, 3)
     bias = torch.tensor([0.0, -1.5, 2.0])
@@ -96,7 +85,7 @@ def _run_checks() -> dict:
         y = triton_ssd(*inputs, *p, SeqSpans((0, t), (0,)), None, Q, lim, torch.float32)
         st = state(s)
         passes(triton_ssd, inputs, p, [0, t], st, dt_limit=lim)
-        want, want_state = loop(inputs, p, s, lim)
+        want, want_state = loop(inputs, p, dt_limit=lim)
         ok = torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5)
         record("ssd_values_match_a_float64_loop", ok, f"{s} T={t}: max |d| {(y.double() - want).abs().max()}")
         after = SSD.state_after(st, 1, t, p[0])  # the CPU formula over the kernel's boundary state and open chunk

@@ -142,7 +142,8 @@ def _ssd_scan_kernel(x_ptr, dt_ptr, B_ptr, C_ptr, A_log_ptr, D_ptr, y_ptr, cu_pt
             u = tl.dot(tl.trans((xc.to(tl.float32) * weights[:, None]).to(dtype)), bc, input_precision="ieee")
             S = (tl.exp(cum_end) * S + u).to(ssm_ptr.dtype.element_ty).to(tl.float32)
     if HAS_STATE:
-        if n > 0:
+        # the boundary state moved (a chunk closed), or a fresh sequence replaces the slot's old one
+        if (n > 0) & ((end // Q > c_first) | (start == 0)):
             tl.store(ssm_ptr + slot * ssm_slot + h * ssm_h + p[:, None] * ssm_p + nn[None, :],
                      S.to(ssm_ptr.dtype.element_ty), mask=pm[:, None] & nm[None, :])
 
@@ -150,8 +151,8 @@ def _ssd_scan_kernel(x_ptr, dt_ptr, B_ptr, C_ptr, A_log_ptr, D_ptr, y_ptr, cu_pt
 @triton.jit(do_not_specialize=["x_t", "x_h", "b_t", "b_g", "sx_slot", "sx_q", "sx_h", "sdt_slot", "sdt_q", "sb_slot",
                                "sb_q", "sb_g"])
 def _keep_open_chunk_kernel(x_ptr, dt_ptr, B_ptr, row_seq_ptr, cu_ptr, start_ptr, slot_ptr, sx_ptr, sdt_ptr, sB_ptr,
-                            x_t, x_h, b_t, b_g, sx_slot, sx_q, sx_h, sdt_slot, sdt_q, sb_slot, sb_q, sb_g, H, P, G, N, Q,
-                            BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+                            x_t, x_h, b_t, b_g, sx_slot, sx_q, sx_h, sdt_slot, sdt_q, sb_slot, sb_q, sb_g, H, P, G, N,
+                            Q, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
     """A row in its sequence's open chunk once the pass is done: its x, dt and B into the slot at its offset."""
     row = tl.program_id(0).to(tl.int64)
     b = tl.load(row_seq_ptr + row)
