@@ -221,3 +221,44 @@ interpreted, test_ssd_interpreted = interpreted_checks(__file__, "ssd", CHECKS)
 
 if __name__ == "__main__":
     print_checks(_run_checks)
+
+
+def test_mixer_kernels_build_for_sm90():
+    """What the launchers pick at Nemotron-3-Nano's mixer shape builds for the H200 (sm_90, no GPU needed), within
+    its shared memory: the scan on tensor cores for BF16 inputs, on FMAs for FP32 (IEEE dots, no TF32); the conv,
+    the gated norm, dt's discretisation and the open chunk's store."""
+    from onepath.ops.cuda import conv1d, rmsnorm, ssd
+    from tests.interpret import SM90_SHARED_BYTES, build_sm90
+
+    class Launch:
+        num_warps, num_stages, enable_fp_fusion = ssd.NUM_WARPS, 3, False
+
+    ints = ("x_t", "x_h", "b_t", "b_g", "c_t", "c_g", "y_t", "y_h", "ssm_slot", "ssm_h", "ssm_p", "sx_slot", "sx_q",
+            "sx_h", "sdt_slot", "sdt_q", "sb_slot", "sb_q", "sb_g", "H", "P", "N", "Q", "HEADS_PER_GROUP")
+    block_p, block_n, block_q = ssd.blocks(64, 128, 128)
+    for dtype, state in (("bf16", "fp32"), ("fp32", "fp32")):
+        sig = dict(x_ptr=f"*{dtype}", dt_ptr="*fp32", B_ptr=f"*{dtype}", C_ptr=f"*{dtype}", A_log_ptr="*fp32",
+                   D_ptr="*fp32", y_ptr="*fp32", cu_ptr="*i64", start_ptr="*i64", slot_ptr="*i64", ssm_ptr=f"*{state}",
+                   sx_ptr=f"*{dtype}", sdt_ptr="*fp32", sB_ptr=f"*{dtype}", **{n: "i32" for n in ints})
+        consts = dict(HAS_STATE=True, BLOCK_L=ssd.BLOCK_L, BLOCK_Q=block_q, BLOCK_P=block_p, BLOCK_N=block_n)
+        built = build_sm90(ssd._ssd_scan_kernel, sig, consts, (), Launch)
+        ptx = built.asm["ptx"]
+        assert built.metadata.shared <= SM90_SHARED_BYTES, (dtype, built.metadata.shared)
+        on_tensor_cores = "mma.sync" in ptx or "wgmma" in ptx
+        assert on_tensor_cores == (dtype == "bf16"), dtype
+    keep_ints = ("x_t", "x_h", "b_t", "b_g", "sx_slot", "sx_q", "sx_h", "sdt_slot", "sdt_q", "sb_slot", "sb_q", "sb_g",
+                 "H", "P", "G", "N", "Q")
+    build_sm90(ssd._keep_open_chunk_kernel, dict(
+        x_ptr="*bf16", dt_ptr="*fp32", B_ptr="*bf16", row_seq_ptr="*i64", cu_ptr="*i64", start_ptr="*i64",
+        slot_ptr="*i64", sx_ptr="*bf16", sdt_ptr="*fp32", sB_ptr="*bf16", **{n: "i32" for n in keep_ints}),
+        dict(BLOCK=ssd.BLOCK_ROW, BLOCK_H=64), (), Launch)
+    build_sm90(ssd._discretise_kernel, dict(dt_ptr="*bf16", bias_ptr="*bf16", out_ptr="*fp32", dt_stride="i32",
+                                            H="i32", lo="fp32", hi="fp32"), dict(BLOCK=64), (), Launch)
+    conv_ints = ("x_stride", "out_stride", "state_slot_stride", "state_row_stride", "C")
+    build_sm90(conv1d._conv_kernel, dict(
+        x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", state_ptr="*bf16", row_seq_ptr="*i64",
+        cu_ptr="*i64", start_ptr="*i64", slot_ptr="*i64", **{n: "i32" for n in conv_ints}),
+        dict(K=4, HAS_BIAS=True, HAS_STATE=True, BLOCK=conv1d.BLOCK_C), (), Launch)
+    build_sm90(rmsnorm._gated_rmsnorm_kernel, dict(
+        x_ptr="*fp32", z_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", x_stride="i32", z_stride="i32",
+        out_stride="i32", group_size="i32", eps="fp32"), dict(BLOCK=512), (), Launch)
