@@ -236,11 +236,11 @@ def test_mixer_kernels_build_for_sm90():
     ints = ("x_t", "x_h", "b_t", "b_g", "c_t", "c_g", "y_t", "y_h", "ssm_slot", "ssm_h", "ssm_p", "sx_slot", "sx_q",
             "sx_h", "sdt_slot", "sdt_q", "sb_slot", "sb_q", "sb_g", "H", "P", "N", "Q", "HEADS_PER_GROUP")
     block_p, block_n, block_q = ssd.blocks(64, 128, 128)
-    for dtype, state in (("bf16", "fp32"), ("fp32", "fp32")):
+    for dtype, state, has_state in (("bf16", "fp32", True), ("fp32", "bf16", False)):  # the engine's; the trainer's
         sig = dict(x_ptr=f"*{dtype}", dt_ptr="*fp32", B_ptr=f"*{dtype}", C_ptr=f"*{dtype}", A_log_ptr="*fp32",
                    D_ptr="*fp32", y_ptr="*fp32", cu_ptr="*i64", start_ptr="*i64", slot_ptr="*i64", ssm_ptr=f"*{state}",
                    sx_ptr=f"*{dtype}", sdt_ptr="*fp32", sB_ptr=f"*{dtype}", **{n: "i32" for n in ints})
-        consts = dict(HAS_STATE=True, BLOCK_L=ssd.BLOCK_L, BLOCK_Q=block_q, BLOCK_P=block_p, BLOCK_N=block_n)
+        consts = dict(HAS_STATE=has_state, BLOCK_L=ssd.BLOCK_L, BLOCK_Q=block_q, BLOCK_P=block_p, BLOCK_N=block_n)
         built = build_sm90(ssd._ssd_scan_kernel, sig, consts, (), Launch)
         ptx = built.asm["ptx"]
         assert built.metadata.shared <= SM90_SHARED_BYTES, (dtype, built.metadata.shared)
@@ -255,10 +255,15 @@ def test_mixer_kernels_build_for_sm90():
     build_sm90(ssd._discretise_kernel, dict(dt_ptr="*bf16", bias_ptr="*bf16", out_ptr="*fp32", dt_stride="i32",
                                             H="i32", lo="fp32", hi="fp32"), dict(BLOCK=64), (), Launch)
     conv_ints = ("x_stride", "out_stride", "state_slot_stride", "state_row_stride", "C")
-    build_sm90(conv1d._conv_kernel, dict(
-        x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", state_ptr="*bf16", row_seq_ptr="*i64",
-        cu_ptr="*i64", start_ptr="*i64", slot_ptr="*i64", **{n: "i32" for n in conv_ints}),
-        dict(K=4, HAS_BIAS=True, HAS_STATE=True, BLOCK=conv1d.BLOCK_C), (), Launch)
+    for has_state in (True, False):
+        build_sm90(conv1d._conv_kernel, dict(
+            x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", state_ptr="*bf16", row_seq_ptr="*i64",
+            cu_ptr="*i64", start_ptr="*i64", slot_ptr="*i64", **{n: "i32" for n in conv_ints}),
+            dict(K=4, HAS_BIAS=has_state, HAS_STATE=has_state, BLOCK=conv1d.BLOCK_C), (), Launch)
+    build_sm90(conv1d._keep_kernel, dict(
+        x_ptr="*bf16", state_ptr="*bf16", row_seq_ptr="*i64", cu_ptr="*i64", start_ptr="*i64", slot_ptr="*i64",
+        x_stride="i32", state_slot_stride="i32", state_row_stride="i32", C="i32"), dict(K=4, BLOCK=conv1d.BLOCK_C),
+        (), Launch)
     build_sm90(rmsnorm._gated_rmsnorm_kernel, dict(
         x_ptr="*fp32", z_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", x_stride="i32", z_stride="i32",
         out_stride="i32", group_size="i32", eps="fp32"), dict(BLOCK=512), (), Launch)
