@@ -5,7 +5,8 @@ procedures of tests/engine/test_engine_gpu.py and test_cuda_graphs_gpu.py run on
 batches (and in a batch of 256), chunked prefill and preemption vs whole prefill, graph vs eager decode, trainer ==
 engine before and after an update with in-place sync. Baseline negative controls on the same runs.
 
-    python -m pytest -q -m gpu tests/ops/test_ssd_gpu.py tests/models/test_nemotron_h_gpu.py
+    python -m pytest -q -m gpu tests/ops/test_ssd_gpu.py tests/models/test_nemotron_h_gpu.py \
+        tests/consistency/test_hybrid_check_gpu.py
 """
 import pytest
 import torch

@@ -10,7 +10,8 @@ Controls: baseline's stock paths (a chunked scan from each pass's start, the one
 bits on the same phase cases; the batch control is the model's (tests/models/test_nemotron_h_gpu.py). The whole
 GPU set of the hybrid, as one command:
 
-    python -m pytest -q -m gpu tests/ops/test_ssd_gpu.py tests/models/test_nemotron_h_gpu.py
+    python -m pytest -q -m gpu tests/ops/test_ssd_gpu.py tests/models/test_nemotron_h_gpu.py \
+        tests/consistency/test_hybrid_check_gpu.py
 """
 import pytest
 import torch
