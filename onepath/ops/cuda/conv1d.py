@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from onepath.ops.cuda import SPAN_POINTERS
 from onepath.ops.spans import SeqSpans
 
 BLOCK_C = 256
@@ -33,7 +34,8 @@ def _row_position(row, row_seq_ptr, cu_ptr, start_ptr, slot_ptr, HAS_STATE: tl.c
     return row0, start, end, slot, start + (row - row0)
 
 
-@triton.jit(do_not_specialize=["x_stride", "out_stride", "state_slot_stride", "state_row_stride"])
+@triton.jit(do_not_specialize=["x_stride", "out_stride", "state_slot_stride", "state_row_stride"],
+            do_not_specialize_on_alignment=SPAN_POINTERS)
 def _conv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, row_seq_ptr, cu_ptr, start_ptr, slot_ptr, x_stride,
                  out_stride, state_slot_stride, state_row_stride, C, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_STATE: tl.constexpr, BLOCK: tl.constexpr):
@@ -58,7 +60,8 @@ def _conv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, row_seq_ptr, cu_ptr
     tl.store(out_ptr + row * out_stride + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["x_stride", "state_slot_stride", "state_row_stride"])
+@triton.jit(do_not_specialize=["x_stride", "state_slot_stride", "state_row_stride"],
+            do_not_specialize_on_alignment=SPAN_POINTERS)
 def _keep_kernel(x_ptr, state_ptr, row_seq_ptr, cu_ptr, start_ptr, slot_ptr, x_stride, state_slot_stride,
                  state_row_stride, C, K: tl.constexpr, BLOCK: tl.constexpr):
     """A row among its sequence's last K - 1 inputs goes to its ring row."""

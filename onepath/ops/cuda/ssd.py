@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from onepath.ops.cuda import SPAN_POINTERS
 from onepath.ops.spans import SeqSpans
 
 BLOCK_L = 16   # a chunk's rows per step: fixed, so a row's tiles never change with the phase (tl.dot needs >= 16)
@@ -65,7 +66,8 @@ def _discretise_kernel(dt_ptr, bias_ptr, out_ptr, dt_stride, H, lo, hi, BLOCK: t
 
 
 @triton.jit(do_not_specialize=["x_t", "x_h", "b_t", "b_g", "c_t", "c_g", "y_t", "y_h", "ssm_slot", "ssm_h", "ssm_p",
-                               "sx_slot", "sx_q", "sx_h", "sdt_slot", "sdt_q", "sb_slot", "sb_q", "sb_g"])
+                               "sx_slot", "sx_q", "sx_h", "sdt_slot", "sdt_q", "sb_slot", "sb_q", "sb_g"],
+            do_not_specialize_on_alignment=SPAN_POINTERS)
 def _ssd_scan_kernel(x_ptr, dt_ptr, B_ptr, C_ptr, A_log_ptr, D_ptr, y_ptr, cu_ptr, start_ptr, slot_ptr,
                      ssm_ptr, sx_ptr, sdt_ptr, sB_ptr,
                      x_t, x_h, b_t, b_g, c_t, c_g, y_t, y_h,
@@ -149,7 +151,7 @@ def _ssd_scan_kernel(x_ptr, dt_ptr, B_ptr, C_ptr, A_log_ptr, D_ptr, y_ptr, cu_pt
 
 
 @triton.jit(do_not_specialize=["x_t", "x_h", "b_t", "b_g", "sx_slot", "sx_q", "sx_h", "sdt_slot", "sdt_q", "sb_slot",
-                               "sb_q", "sb_g"])
+                               "sb_q", "sb_g"], do_not_specialize_on_alignment=SPAN_POINTERS)
 def _keep_open_chunk_kernel(x_ptr, dt_ptr, B_ptr, row_seq_ptr, cu_ptr, start_ptr, slot_ptr, sx_ptr, sdt_ptr, sB_ptr,
                             x_t, x_h, b_t, b_g, sx_slot, sx_q, sx_h, sdt_slot, sdt_q, sb_slot, sb_q, sb_g, H, P, G, N,
                             Q, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
