@@ -113,7 +113,7 @@ def _run_checks() -> dict:
     for t in cuts:
         for name, ok, what in every_phase(shapes(), t, torch.float32, torch.float32):
             record("ssd_every_phase_gives_the_same_bits", ok, f"T={t} {name}: {what} differs from the trainer's")
-    for t in (Q + 1, 3 * Q + 5):
+    for t in (3 * Q + 5,):
         for state_dtype in (torch.float32, torch.bfloat16):
             for name, ok, what in every_phase(shapes(), t, torch.bfloat16, state_dtype):
                 record("ssd_bfloat16_every_phase", ok, f"T={t} state {state_dtype} {name}: {what} differs")
