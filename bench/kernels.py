@@ -1,6 +1,6 @@
 """Every GPU kernel against its stock counterpart, one table per operator family, JSON in bench/results/.
 
-`python bench/kernels.py --out-dir bench/results` runs bench/kernels_{linear,fp8,attention,moe,pointwise}.py
+`python bench/kernels.py --out-dir bench/results` runs bench/kernels_{linear,fp8,attention,moe,pointwise,ssd}.py
 in turn, each writing <out-dir>/<topic>/kernels-<name>.json (FOLDER; each also runs alone, with more options).
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-PARTS = ("linear", "fp8", "attention", "moe", "pointwise")
-FOLDER = dict(linear="linear", fp8="linear", attention="attention", moe="moe", pointwise="pointwise")
+PARTS = ("linear", "fp8", "attention", "moe", "pointwise", "ssd")
+FOLDER = dict(linear="linear", fp8="linear", attention="attention", moe="moe", pointwise="pointwise", ssd="ssd")
 
 
 def main():

@@ -13,7 +13,7 @@ import yaml
 from onepath.engine.llm_engine import CPU_NUM_BLOCKS, GPU_MEMORY_UTILIZATION
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
-from onepath.models.config import SUPPORTED_MODEL_TYPES
+from onepath.models.config import SUPPORTED_MODEL_TYPES, NemotronHConfig, pattern_layers
 from onepath.models.kv_cache import BLOCK_SIZE
 from onepath.numerics.spec import ExecutionSpec
 
@@ -28,7 +28,7 @@ ROLLOUT_LAYOUTS = ("single", "dp", "ep")
 TRAINER_LAYOUTS = ("single", "fsdp", "ep")
 SAMPLING = {f.name: f.default for f in fields(SamplingParams)}  # the engine's defaults, defined there once
 # the embedded model's architectures (a checkpoint's config.json may also name qwen2_moe)
-EMBEDDED_MODEL_TYPES = SUPPORTED_MODEL_TYPES + ("qwen3_moe",)
+EMBEDDED_MODEL_TYPES = SUPPORTED_MODEL_TYPES + ("qwen3_moe", "nemotron_h")
 
 
 class _Section:
@@ -73,6 +73,10 @@ class ModelSection(_Section):
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # the hybrid (model_type nemotron_h): a letter per layer, the layer count its length (M Mamba-2, * attention,
+    # - relu2 MLP, E MoE with the experts above); Mamba-2 heads as attention's, B and C per key-value group
+    hybrid_override_pattern: str = "M*EM-"
+    ssm_state_size: int = 16
     path: str | None = None  # a Hugging Face checkpoint dir; its config.json then decides the architecture
 
     def __post_init__(self):
@@ -92,7 +96,12 @@ class ModelSection(_Section):
         else:
             self._require("head_dim", self.head_dim >= 2 and self.head_dim % 2 == 0, "must be an even number >= 2",
                           "rotary embedding rotates pairs of dimensions")
-        if self.model_type == "qwen3_moe":
+        if self.model_type == "nemotron_h":
+            self._require("hybrid_override_pattern", bool(self.hybrid_override_pattern) and
+                          set(self.hybrid_override_pattern) <= set("M*-E"), "is not a layer pattern",
+                          "one letter per layer: M (Mamba-2), * (attention), - (MLP), E (MoE)")
+            self._positive("ssm_state_size")
+        if self.model_type == "qwen3_moe" or (self.model_type == "nemotron_h" and "E" in self.hybrid_override_pattern):
             moe = f"must be >= 1 for model.model_type = {self.model_type}"
             self._require("num_experts", self.num_experts >= 1, moe, "set the experts of each sparse layer")
             self._require("moe_intermediate_size", self.moe_intermediate_size >= 1, moe, "set each expert's MLP width")
@@ -100,6 +109,21 @@ class ModelSection(_Section):
                           f"must be in [1, model.num_experts = {self.num_experts}]", "each token picks distinct experts")
         self._require("path", self.path is None or self.path != "", "is empty",
                       "give a checkpoint directory, or null for the embedded tiny model")
+
+    def hybrid_config(self, vocab_size: int, bos: int, eos: int, pad: int) -> NemotronHConfig:
+        """The embedded hybrid (model_type nemotron_h) of this section, for a tokenizer's vocabulary and ids."""
+        head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        return NemotronHConfig(
+            vocab_size=vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            layers_block_type=pattern_layers(self.hybrid_override_pattern),
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=head_dim, mamba_num_heads=self.num_attention_heads, mamba_head_dim=head_dim,
+            n_groups=self.num_key_value_heads, ssm_state_size=self.ssm_state_size,
+            chunk_size=16, n_routed_experts=max(self.num_experts, 1), num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=max(self.moe_intermediate_size, 1), norm_topk_prob=self.norm_topk_prob,
+            moe_shared_expert_intermediate_size=self.intermediate_size, tie_word_embeddings=False,
+            max_position_embeddings=self.max_position_embeddings, bos_token_id=bos, eos_token_id=eos,
+            pad_token_id=pad)
 
 
 @dataclass(slots=True)

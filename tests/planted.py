@@ -1,6 +1,11 @@
 """Backends with planted defects: each breaks one part of the contract, so a check can show it fails.
 Top-level classes of an importable module, so a bisect repro can load them by name."""
+import math
+
+import torch
+
 from onepath.ops import Ops
+from onepath.ops.ssd import NO_LIMIT
 
 
 class SplitKAboveEightOps(Ops):
@@ -43,3 +48,15 @@ class SplitKExpertsAboveTwoRowsOps(Ops):
             return super().expert_down(x, weight)
         h = x.shape[-1] // 2
         return super().expert_down(x[..., :h], weight[:, :h]) + super().expert_down(x[..., h:], weight[:, h:])
+
+
+class ScanDecodeUlpOps(Ops):
+    """A one-ulp divergence inside the scan: in a decode pass (every sequence continues its state with one token) the
+    scan reads each token's dt one ulp up, as a replay that rounded dt's discretisation differently would."""
+
+    def ssd(self, x, dt, B, C, A_log, D, dt_bias, spans, state=None, dt_limit=NO_LIMIT, state_dtype=torch.float32):
+        decode = state is not None and all(p and spans.rows(b).stop - spans.rows(b).start == 1
+                                           for b, p in enumerate(spans.starts))
+        if decode:
+            dt = torch.nextafter(dt, torch.full_like(dt, math.inf))
+        return super().ssd(x, dt, B, C, A_log, D, dt_bias, spans, state, dt_limit, state_dtype)

@@ -12,6 +12,8 @@ import torch
 
 from onepath.models.config import ModelConfig
 from onepath.models.moe import fuse_experts
+from onepath.models.nemotron_h import fuse_experts as fuse_hybrid_experts
+from onepath.models.nemotron_h import renamed
 
 
 def hf_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str):
@@ -19,6 +21,9 @@ def hf_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.d
 
     raw = {k: v for k, v in config.to_dict().items()
            if v is not None and k not in ("model_type", "architectures", "torch_dtype", "dtype")}
+    if config.model_type == "nemotron_h":  # the hybrid: its limits as floats, its state in transformers' layout
+        raw["time_step_limit"] = tuple(config.time_step_limit)
+        state = fuse_hybrid_experts(renamed(state, "backbone.", "model."))
     hf_config = transformers.AutoConfig.for_model(config.model_type, **raw)
     with torch.device(device):  # build in place: a 2B-parameter CPU init would take longer than the run
         model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")

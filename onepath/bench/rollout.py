@@ -13,7 +13,8 @@ the next is built. After the first fixed workload, a window of steps in which ev
 decodes is timed against the decode roofline of its batch and context. A measurement that fails is
 recorded with its error and the run goes on; the JSON is rewritten after every measurement.
 An MoE model (qwen3-30b-a3b-12l, tiny-moe) decodes eagerly (it reads expert counts on the host) and
-is held to its own consistent/baseline target (summary.TARGETS).
+is held to its own consistent/baseline target (summary.TARGETS); so is the hybrid (nemotron-3-nano-13l,
+tiny-hybrid: Nemotron-H, its decode in CUDA graphs, its roofline counting each sequence's recurrent state).
 
 Each generate shows a progress bar with its time left; on the CPU the run first prints its estimated
 length: the engine tokens it will run times the seconds a token took in a first timed step.

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from onepath.bench.results import print_table
 from onepath.bench.roofline import COPY_CEILING_B_S, HBM_PEAK_B_S, decode_roofline, roofline_fraction
-from onepath.models.config import MOE_MODEL_TYPES, ModelConfig
+from onepath.models.config import HYBRID_MODEL_TYPES, MOE_MODEL_TYPES, ModelConfig
 
 WORKLOAD_ROOFLINE = ("a workload's roofline: one decode step at batch min(requests, max_num_seqs) and context "
                      "mean prompt + mean output / 2, reading every weight once (embedding: the batch's rows; MoE "
-                     "experts: those the batch touches under uniform routing, all of them at batch 256) and "
-                     "the batch's K/V; prefill is not counted, so the fraction is exact for decode-dominated "
-                     "fixed workloads only")
+                     "experts: those the batch touches under uniform routing, all of them at batch 256), "
+                     "the batch's K/V and a hybrid's recurrent state; prefill is not counted, so the fraction is "
+                     "exact for decode-dominated fixed workloads only")
 TARGETS = {"consistent_over_baseline": 0.97, "consistent_over_baseline_moe": 0.90, "consistent_over_hf": 10.0,
            "decode_fraction_of_peak": 0.60}
 
@@ -40,7 +40,8 @@ def checks(model: str, entry: dict) -> list[dict]:
         return dict(name=name, model=model, workload=workload, value=value, target=target,
                     passed=None if value is None else value >= target)
 
-    moe = entry.get("config", {}).get("model_type") in MOE_MODEL_TYPES
+    # a hybrid's MoE layers: the MoE target (its rollout's experts and routing as MoE's)
+    moe = entry.get("config", {}).get("model_type") in MOE_MODEL_TYPES + HYBRID_MODEL_TYPES
     out = []
     for name, row in entry.get("workloads", {}).items():
         out.append(check("consistent/baseline tokens/s", name, row.get("consistent_over_baseline"),

@@ -2,6 +2,10 @@
 
 qwen3-30b-a3b-12l is Qwen3-30B-A3B's shape (128 experts, top-8, untied LM head) cut from 48 layers to
 12: about 8.1B parameters, 15 GiB in BF16, so one H200 holds it with room for the KV cache.
+nemotron-3-nano-13l is NVIDIA-Nemotron-3-Nano-30B-A3B's published shape (hidden 2688; Mamba-2 of 64 heads of 64, 8
+groups, state 128, chunk 128; GQA 32 / 2 heads of 128; 128 relu2 experts of 1856, top-6, a shared expert of 3712,
+routed_scaling_factor 2.5) with the first 13 layers of its 52-layer pattern (MEMEM*EMEMEM*: 6 Mamba-2, 5 MoE, 2
+attention): about 7.4B parameters, 14 GiB in BF16.
 """
 from __future__ import annotations
 
@@ -16,6 +20,14 @@ QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_attention_heads=16, num_
              eos_token_id=151645)
 QWEN3_MOE = dict(QWEN3, model_type="qwen3_moe", num_attention_heads=32, num_key_value_heads=4, num_experts=128,
                  num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False)
+NEMOTRON_3_NANO = dict(model_type="nemotron_h", vocab_size=131072, hidden_size=2688, intermediate_size=1856,
+                       num_attention_heads=32, num_key_value_heads=2, head_dim=128, mamba_num_heads=64,
+                       mamba_head_dim=64, n_groups=8, ssm_state_size=128, conv_kernel=4, chunk_size=128,
+                       n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
+                       moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5, norm_topk_prob=True,
+                       n_group=1, topk_group=1, layer_norm_epsilon=1e-5, mamba_ssm_cache_dtype="float32",
+                       max_position_embeddings=262144, tie_word_embeddings=False, eos_token_id=2)
+NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 MODELS = {
     "qwen3-0.6b": dict(QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28),
     "qwen3-1.7b": dict(QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28),
@@ -26,13 +38,19 @@ MODELS = {
     "tiny-moe": dict(QWEN3_MOE, vocab_size=512, hidden_size=64, intermediate_size=192, moe_intermediate_size=32,
                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
                      num_experts_per_tok=2, eos_token_id=2),
+    "nemotron-3-nano-13l": dict(NEMOTRON_3_NANO, hybrid_override_pattern=NEMOTRON_3_NANO_PATTERN[:13]),
+    "tiny-hybrid": dict(NEMOTRON_3_NANO, vocab_size=512, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                        head_dim=16, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
+                        chunk_size=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        moe_shared_expert_intermediate_size=64, hybrid_override_pattern="MEM*"),
 }
 
 
 def model_config(name: str) -> ModelConfig:
     if name not in MODELS:
         raise ValueError(f"model {name!r} is unknown: use one of {sorted(MODELS)}")
-    return ModelConfig(**MODELS[name])
+    raw = MODELS[name]
+    return ModelConfig.from_dict(raw) if raw["model_type"] == "nemotron_h" else ModelConfig(**raw)
 
 
 @dataclass(frozen=True, slots=True)

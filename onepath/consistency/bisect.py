@@ -222,6 +222,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
 from onepath.numerics.spec import ExecutionSpec
@@ -240,6 +241,8 @@ def load(path):
 def decode(v, device):
     if "tensor" in v:
         return tensors[v["tensor"]].to(device)
+    if "dtype" in v:
+        return getattr(torch, v["dtype"])
     if "dataclass" in v:
         return load(v["dataclass"])(**{{k: decode(f, device) for k, f in v["fields"].items()}})
     return v["value"]
@@ -288,6 +291,8 @@ def _encode(value, key: str, tensors: dict) -> dict:
     if isinstance(value, torch.Tensor):
         tensors[key] = value.detach().cpu().contiguous()
         return {"tensor": key}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
     if dataclasses.is_dataclass(value):
         path, _ = _import_path(value)
         return {"dataclass": path, "fields": {f.name: _encode(getattr(value, f.name), f"{key}.{f.name}", tensors)
@@ -295,8 +300,8 @@ def _encode(value, key: str, tensors: dict) -> dict:
     try:
         json.dumps(value)
     except TypeError:
-        raise ValueError(f"argument {key} is a {type(value).__name__}: the repro stores tensors, dataclasses and "
-                         "JSON values only") from None
+        raise ValueError(f"argument {key} is a {type(value).__name__}: the repro stores tensors, dtypes, "
+                         "dataclasses and JSON values only") from None
     return {"value": value}
 
 

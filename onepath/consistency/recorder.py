@@ -16,10 +16,11 @@ Alignment rule. Every pass makes the same sequence of ops calls (the model has n
 branch): the k-th body call of a pass, then the k-th head call (lm_head, token_logprobs), is *site*
 k, named by op and module. Every site's output has one row per token of its launch (dim 0): the
 pass's tokens for body sites, the rows that need logits for head sites. A mixture-of-experts layer's
-experts (`models.moe.Experts`) run their ops over (token, expert) pairs, as many calls as the routing
-has experts in use: they are one site instead, op "experts", whose output is the module's, one row
-[k, H] per token; the ops calls inside it are not recorded. A token is (sequence,
-position); its value at site k is the row of the launch that computed it. Two sides are compared at
+experts (`models.moe.Experts`, Nemotron-H's `models.nemotron_h.Experts`) run their ops over (token,
+expert) pairs, as many calls as the routing has experts in use: they are one site instead, op
+"experts", whose output is the module's, one row [k, H] per token; the ops calls inside it are not
+recorded. A model with recurrent state (a hybrid) keeps each sequence's in a slot of its own, as the
+engine's HybridCache does. A token is (sequence, position); its value at site k is the row of the launch that computed it. Two sides are compared at
 site k over the positions of one sequence that both computed there, whatever the passes, batch
 neighbours or row offsets that held them.
 """
@@ -37,9 +38,11 @@ from onepath.models.batch import ForwardBatch, SeqChunk
 from onepath.models.dense import DenseDecoder
 from onepath.models.kv_cache import BLOCK_SIZE, KVCache
 from onepath.models.moe import Experts
+from onepath.models.nemotron_h import Experts as HybridExperts
+from onepath.models.state_cache import HybridCache
 
 # Modules recorded as one site (their output, one row per token): their ops calls are per pair, not token.
-MODULE_SITES = (Experts,)
+MODULE_SITES = (Experts, HybridExperts)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -292,11 +295,14 @@ def trace(model: DenseDecoder, sequences: list[list[int]], layout: Layout = Layo
         tables.append(list(range(next_block, next_block - (-n // block_size))))
         next_block = tables[-1][-1] + 1
     device = model.device
-    cache = KVCache.for_model(model, next_block, block_size)
+    # a model with recurrent state (a hybrid) keeps each sequence's in a slot of its own, as the engine does
+    recurrent = getattr(model, "has_recurrent_state", False)
+    cache = HybridCache.for_model(model, next_block, block_size, len(sequences)) if recurrent \
+        else KVCache.for_model(model, next_block, block_size)
     recorder, gather = Recorder(capture), _Gather(len(sequences))
     with recorder.installed(model):
         for pieces in layout.schedule(lengths):
-            chunks = [SeqChunk(sequences[s][a:b], a, tables[s]) for s, a, b in pieces]
+            chunks = [SeqChunk(sequences[s][a:b], a, tables[s], s if recurrent else None) for s, a, b in pieces]
             mark = len(recorder.calls)
             hidden = model(ForwardBatch.build(chunks, block_size, device), cache)
             owners = [(s, pos) for s, a, b in pieces for pos in range(a, b)]

@@ -3,12 +3,15 @@
 The slice keeps the layers' tensors bit for bit, in their stored dtypes (quantised weights and their
 scales travel as stored), the embeddings, the final norm, lm_head (a tied checkpoint stays tied), every
 other top-level file (tokenizer, generation config, chat template), and config.json with
-num_hidden_layers = N and its per-layer fields re-indexed; nothing else in config.json changes. Layer
-tensors are renumbered `model.layers.{i - start}.*`. Only the kept tensors are read, one shard at a time.
+num_hidden_layers = N and its per-layer fields re-indexed (a hybrid's layers_block_type list or
+hybrid_override_pattern string too); nothing else in config.json changes. Layer tensors are renumbered
+`model.layers.{i - start}.*` (a Nemotron-H checkpoint's `backbone.layers.*` keep their prefix). Only the kept
+tensors are read, one shard at a time.
 
 Two or more layers keep the layer-to-layer interaction (one layer's output is the next one's input).
-A layer's kind is its layer_types entry and the names of its tensors (expert indices folded); the report
-lists every kind the model has and the slice lacks, so a slice that drops an operator class is seen.
+A layer's kind is its layer_types (or layers_block_type, or pattern letter) entry and the names of its
+tensors (expert indices folded); the report lists every kind the model has and the slice lacks, so a
+slice that drops an operator class is seen.
 """
 from __future__ import annotations
 
@@ -23,10 +26,11 @@ from safetensors import SafetensorError, safe_open
 from onepath.models.checkpoint import (CONFIG, INDEX, REDOWNLOAD, WEIGHTS, atomic_directory, read_index, read_json,
                                        read_safetensors, write_json, write_weights)
 
-LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+LAYER_KEY = re.compile(r"^(model|backbone)\.layers\.(\d+)\.(.+)$")
 NOT_COPIED = (".safetensors", ".index.json", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 # config.json fields that describe layers by index, and how a slice rewrites them.
-PER_LAYER = ("layer_types", "no_rope_layers")                  # one entry per layer: sliced
+PER_LAYER = ("layer_types", "no_rope_layers", "layers_block_type")  # one entry per layer: sliced
+PATTERNS = ("hybrid_override_pattern",)                        # one letter per layer: sliced
 LAYER_INDICES = ("mlp_only_layers",)                           # indices of some layers: kept ones renumbered
 LEADING_COUNTS = ("max_window_layers", "first_k_dense_replace")  # "the first k layers": shifted, clamped
 PERIODS = ("decoder_sparse_step", "moe_layer_freq", "interleave_moe_layer_step", "sliding_window_pattern",
@@ -64,9 +68,25 @@ class SliceReport:
         return "\n".join(lines)
 
 
+def layer_count(raw: dict):
+    """num_hidden_layers, or the length of a hybrid's per-layer list or pattern (Nemotron-H may give only those)."""
+    for key in ("num_hidden_layers", "layers_block_type", *PATTERNS):
+        if raw.get(key) is not None:
+            return raw[key] if key == "num_hidden_layers" else len(raw[key])
+    return None
+
+
+def layer_kinds(raw: dict) -> list | None:
+    """Each layer's kind as config.json names it (layer_types, layers_block_type or a pattern's letters)."""
+    for key in ("layer_types", "layers_block_type", *PATTERNS):
+        if isinstance(raw.get(key), (list, str)):
+            return list(raw[key])
+    return None
+
+
 def slice_config(raw: dict, start: int, count: int) -> dict:
     """config.json of layers [start, start + count) of the model `raw` describes."""
-    total = raw.get("num_hidden_layers")
+    total = layer_count(raw)
     if not isinstance(total, int) or total < 1:
         raise ValueError(f"config.json has num_hidden_layers {total!r}: slice needs the model's layer count there")
     if count < 1 or start < 0 or start + count > total:
@@ -79,6 +99,11 @@ def slice_config(raw: dict, start: int, count: int) -> dict:
         if isinstance(raw.get(key), list):
             if len(raw[key]) != total:
                 raise ValueError(f"config.json's {key} has {len(raw[key])} entries for {total} layers: fix the config")
+            out[key] = raw[key][start:stop]
+    for key in PATTERNS:
+        if isinstance(raw.get(key), str):
+            if len(raw[key]) != total:
+                raise ValueError(f"config.json's {key} has {len(raw[key])} letters for {total} layers: fix the config")
             out[key] = raw[key][start:stop]
     for key in LAYER_INDICES:
         if isinstance(raw.get(key), list):
@@ -109,17 +134,17 @@ def slice_checkpoint(model: str | Path, out: str | Path, layers: int, start: int
     if out.exists() and not (overwrite and out.is_dir()):
         raise ValueError(f"output {out} exists: choose a new directory, or pass --overwrite to replace it")
 
-    stop, total = start + layers, raw["num_hidden_layers"]
+    stop, total = start + layers, layer_count(raw)
     files = _weight_files(src)
     names = {}  # layer -> its tensor names after the layer prefix
     for keys in files.values():
         for key in keys:
             m = LAYER_KEY.match(key)
-            if m and int(m[1]) < total:
-                names.setdefault(int(m[1]), set()).add(m[2])
+            if m and int(m[2]) < total:
+                names.setdefault(int(m[2]), set()).add(m[3])
     if not names:
-        raise ValueError(f"{src} has no tensor named model.layers.<i>.*: slice cuts Hugging Face causal-LM "
-                         "checkpoints whose decoder layers are named so")
+        raise ValueError(f"{src} has no tensor named model.layers.<i>.* (or backbone.layers.<i>.*): slice cuts "
+                         "Hugging Face causal-LM checkpoints whose decoder layers are named so")
     absent = [i for i in range(start, stop) if i not in names]
     if absent:
         raise ValueError(f"{src} has no tensors for layers {absent} though config.json has num_hidden_layers "
@@ -142,7 +167,7 @@ def slice_checkpoint(model: str | Path, out: str | Path, layers: int, start: int
                 shutil.copy2(p, tmp / p.name)
                 copied.append(p.name)
     return SliceReport(str(src), str(out), start, stop, total, len(state), sum(t.nbytes for t in state.values()),
-                       copied, *_missing_kinds(names, raw.get("layer_types"), start, stop))
+                       copied, *_missing_kinds(names, layer_kinds(raw), start, stop))
 
 
 def _weight_files(path: Path) -> dict[str, list[str]]:
@@ -165,8 +190,8 @@ def _renamed(key: str, start: int, stop: int) -> str | None:
     m = LAYER_KEY.match(key)
     if m is None:
         return key
-    i = int(m[1])
-    return f"model.layers.{i - start}.{m[2]}" if start <= i < stop else None
+    i = int(m[2])
+    return f"{m[1]}.layers.{i - start}.{m[3]}" if start <= i < stop else None
 
 
 def _missing_kinds(names: dict[int, set[str]], layer_types: list | None, start: int,

@@ -63,7 +63,8 @@ def kv_blocks_for(model: DenseDecoder, config: SchedulerConfig, block_size: int,
     peak = activation_peak(model, config, block_size)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    budget = total * utilization - (total - free) - peak - state_bytes(model, state_slots)
+    # the scheduler's state slots and the one the padding rows of captured graphs use (ModelRunner)
+    budget = total * utilization - (total - free) - peak - state_bytes(model, state_slots + 1 if state_slots else 0)
     per_block = kv_bytes_per_token(model) * block_size
     blocks = int(budget // per_block)
     needed = -(-config.max_model_len // block_size)
@@ -92,7 +93,7 @@ def report(model: DenseDecoder, cache: KVCache, utilization: float | None) -> di
            "kv_tokens": (cache.num_blocks - 1) * cache.block_size}
     states = getattr(cache, "states", None)
     if states is not None:
-        out.update(state_cache_gib=state_bytes(model, states.num_slots) / GIB, state_slots=states.num_slots)
+        out.update(state_cache_gib=state_bytes(model, states.num_slots) / GIB, state_slots=states.num_slots - 1)
     if model.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(model.device)
         out.update(gpu_memory_utilization=utilization, device_gib=total / GIB, in_use_gib=(total - free) / GIB)

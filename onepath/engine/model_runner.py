@@ -6,11 +6,14 @@ graph holds the model and the LM head; sampling runs eagerly on its logits. A re
 between the two paths with its batch, so they must give the same bits, and they do because every
 consistent kernel's row result is independent of the row count (tests/engine/test_cuda_graphs_gpu.py):
 a graph is the eager forward at a padded batch. Padding rows decode token 0 at position 0 into a
-scratch block that the block manager never hands out, so they touch no sequence's K/V.
+scratch block that the block manager never hands out, so they touch no sequence's K/V, and a hybrid
+model's padding rows use a scratch state slot that the scheduler never hands out.
 
 Inside a graph nothing depends on the live batch: inputs sit in static buffers (ids, positions,
-slots, block tables as wide as max_model_len), the attention's key bound is max_model_len, and the
-ops skip their host-side input checks while capturing (the engine checked ids and lengths on entry).
+slots, block tables as wide as max_model_len; a hybrid's state slots), the attention's key bound is
+max_model_len, the recurrent ops read each row's position and state slot on the device
+(ops/spans.SeqSpans.decode), and the ops skip their host-side input checks while capturing (the engine
+checked ids and lengths on entry).
 """
 from __future__ import annotations
 
@@ -58,6 +61,10 @@ class DecodeGraphs:
         self.query_seq = torch.arange(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=device)
         self.block_tables = torch.full((n, self.width), scratch_block, dtype=torch.long, device=device)
+        # a hybrid's recurrent state slots (the last one scratch: HybridCache gets one more than the scheduler's)
+        self.scratch_state = cache.states.num_slots - 1 if isinstance(cache, HybridCache) else None
+        self.state_slots = None if self.scratch_state is None else \
+            torch.full((n,), self.scratch_state, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self.capture()
@@ -68,7 +75,7 @@ class DecodeGraphs:
                                  cu_seqlens=list(range(size + 1)), context_lens=[self.max_model_len] * size,
                                  block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
                                  block_size=self.block_size)
-        return ForwardBatch(self.input_ids[:size], attn)
+        return ForwardBatch(self.input_ids[:size], attn, None if self.state_slots is None else self.state_slots[:size])
 
     def forward(self, size: int) -> torch.Tensor:
         return self.model.compute_logits(self.model(self.batch(size), self.cache))
@@ -120,11 +127,17 @@ class DecodeGraphs:
             host.fromlist(c.block_table)
             host.extend(scratch_row[:width - len(c.block_table)])
         host.extend(scratch_row * pad)
+        if self.state_slots is not None:
+            host.fromlist([c.state_slot for c in chunks])
+            host.extend(array("q", [self.scratch_state]) * pad)
         staged = to_device(torch.frombuffer(host, dtype=torch.long), torch.long, self.input_ids.device)
         self.input_ids[:size].copy_(staged[:size])
         self.positions[:size].copy_(staged[size:2 * size])
         self.slot_mapping[:size].copy_(staged[2 * size:3 * size])
-        self.block_tables[:size, :width].copy_(staged[3 * size:].view(size, width))
+        tables = 3 * size + size * width
+        self.block_tables[:size, :width].copy_(staged[3 * size:tables].view(size, width))
+        if self.state_slots is not None:
+            self.state_slots[:size].copy_(staged[tables:])
         return size
 
 
@@ -189,8 +202,9 @@ class ModelRunner:
         if self.recorder is not None and graph_batch_sizes:
             raise ValueError("record_routing reads each forward's router choices on the host: turn cuda_graphs off")
         self.block_size = block_size
-        # one block past the block manager's: the padding rows of captured graphs write there
-        self.cache = HybridCache.for_model(model, num_blocks + 1, block_size, state_slots) if state_slots \
+        # one block (and state slot) past the block manager's (and scheduler's): the padding rows of captured
+        # graphs write there
+        self.cache = HybridCache.for_model(model, num_blocks + 1, block_size, state_slots + 1) if state_slots \
             else KVCache.for_model(model, num_blocks + 1, block_size)
         self.graphs = None
         if graph_batch_sizes:

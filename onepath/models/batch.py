@@ -25,7 +25,9 @@ class SeqChunk:
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     attn: AttentionMetadata
-    state_slots: list[int] | None = None  # each sequence's recurrent state slot (hybrid models); None: 0, 1, ...
+    # each sequence's recurrent state slot (hybrid models); None: 0, 1, ...; a tensor: a static decode batch (one
+    # token a sequence at `positions`, the slots on the device: ModelRunner's captured graphs)
+    state_slots: list[int] | torch.Tensor | None = None
 
     @property
     def positions(self) -> torch.Tensor:

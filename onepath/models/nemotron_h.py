@@ -160,6 +160,12 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(self.num_experts, i, d, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, d, i, dtype=dtype))
 
+    @property
+    def counts_on_device(self) -> bool:
+        """Both projections are grouped launches that read the expert counts on the device (no host sync)."""
+        return self.ops.grouped_kernel("expert") and all(self.ops.grouped_on_device(w)
+                                                         for w in (self.up_proj, self.down_proj))
+
     def mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert `expert` on rows [n, D] -> [n, D] FP32."""
         up = self.ops.linear(rows, self.up_proj[expert], op="expert")
@@ -222,8 +228,6 @@ class Block(nn.Module):
 
 
 class NemotronHDecoder(nn.Module):
-    # the recurrent ops read each sequence's span on the host: decode steps run eagerly
-    capturable = False
     # the engine keeps each running sequence's Mamba state in a slot beside the paged KV (HybridCache)
     has_recurrent_state = True
 
@@ -249,6 +253,13 @@ class NemotronHDecoder(nn.Module):
         return self.lm_head.weight.device
 
     @property
+    def capturable(self) -> bool:
+        """Whether decode steps may run in CUDA graphs: the recurrent ops read a static decode batch's positions and
+        slots on the device (SeqSpans.decode), and every MoE layer's experts read their counts there (grouped
+        launches; on the CPU, loops read them on the host)."""
+        return all(m.counts_on_device for m in self.modules() if isinstance(m, Experts))
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.lm_head.weight
 
@@ -262,8 +273,11 @@ class NemotronHDecoder(nn.Module):
         sequence's state from its slot (batch.state_slots, default 0, 1, ...) and keep it there; with a plain
         KVCache every sequence must start at position 0 and no state is kept (the trainer)."""
         states = cache.states if isinstance(cache, HybridCache) else None
-        slots = None if states is None else (batch.state_slots or list(range(batch.attn.num_seqs)))
-        spans = SeqSpans.of(batch.attn.cu_seqlens, batch.attn.context_lens, slots)
+        if isinstance(batch.state_slots, torch.Tensor):  # a static decode batch: positions and slots on the device
+            spans = SeqSpans.decode(batch.attn.positions, batch.state_slots)
+        else:
+            slots = None if states is None else (batch.state_slots or list(range(batch.attn.num_seqs)))
+            spans = SeqSpans.of(batch.attn.cu_seqlens, batch.attn.context_lens, slots, batch.input_ids.device)
         x = self.ops.embedding(batch.input_ids, self.model.embeddings.weight)
         for i, layer in enumerate(self.model.layers):
             conv, ssd = (None, None) if states is None else (states.conv[i], states.ssd[i])

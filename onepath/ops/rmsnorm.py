@@ -7,8 +7,9 @@ The order of the final products follows Hugging Face (normalise, cast, then scal
 
 gated_rmsnorm (Mamba-2's norm before out_proj, Nemotron-H's RMSNormGated with norm_before_gate False): the input
 times silu(gate), normalised over groups of `group_size` channels, in FP32; scaled by w in FP32 and rounded once to
-w's dtype. Consistent: silu and rsqrt on fixed-shape pieces, each group's sum of squares a fixed tree; baseline: the
-stock mean and functions over the whole tensor. The same torch code on both devices for now.
+w's dtype. Consistent: silu and rsqrt on fixed-shape pieces, each group's sum of squares a fixed tree (CPU), the
+Triton kernel of ops/cuda/rmsnorm.py (CUDA: one program per row and group, the squares in a fixed order); baseline:
+the stock mean and functions over the whole tensor.
 """
 from __future__ import annotations
 
@@ -92,10 +93,15 @@ def gated_consistent(x, gate, weight, eps, group_size):
     return (weight.float() * (g * inv.unsqueeze(-1)).view(h.shape)).to(weight.dtype)
 
 
+def gated_cuda(x, gate, weight, eps, group_size):
+    from onepath.ops.cuda.rmsnorm import gated_rmsnorm as triton_gated_rmsnorm
+    return triton_gated_rmsnorm(x.detach(), gate.detach(), weight.detach(), eps, group_size)
+
+
 # (mode, device) -> gated_rmsnorm's kernel(x, gate, weight, eps, group_size)
 GATED_KERNELS = {
     ("consistent", "cpu"): gated_consistent,
-    ("consistent", "cuda"): gated_consistent,
+    ("consistent", "cuda"): gated_cuda,
     ("baseline", "cpu"): gated_reference,
     ("baseline", "cuda"): gated_reference,
 }

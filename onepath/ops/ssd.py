@@ -18,9 +18,11 @@ B so far (SSDState) and computes its token by the formula above: it replays the 
 The state is rounded to its dtype (mamba_ssm_cache_dtype) at every chunk boundary, in every phase. Design and
 tests: docs/ops/ssd.md.
 
-Backends, from KERNELS by (mode, device): consistent: the formula above (elementwise torch ops: no GEMM, so no
-kernel chosen by M); baseline: the stock paths, a chunked scan of torch's cumsum and einsum GEMMs over each call's
-tokens (its chunks start where the call starts) and a one-step recurrence for decode, keeping the running state.
+Backends, from KERNELS by (mode, device): consistent: the formula above (CPU: elementwise torch ops, no GEMM, so no
+kernel chosen by M; CUDA: the Triton kernels of ops/cuda/ssd.py, the same formula with tensor-core dots and the
+segment sums as differences of one prefix scan: their own bits, one arithmetic in every phase); baseline: the stock
+paths, a chunked scan of torch's cumsum and einsum GEMMs over each call's tokens (its chunks start where the call
+starts) and a one-step recurrence for decode, keeping the running state.
 Backward: `reference`, the stock chunked scan on whole sequences.
 """
 from __future__ import annotations
@@ -252,10 +254,23 @@ def per_head(t, h):
     return t.float().repeat_interleave(h // t.shape[1], dim=1)
 
 
+def cuda(x, dt, B, C, A_log, D, dt_bias, *, spans: SeqSpans, state: SSDState | None, chunk: int, dt_limit,
+         state_dtype):
+    from onepath.ops.cuda.ssd import ssd as triton_ssd
+    return triton_ssd(*(t.detach() for t in (x, dt, B, C, A_log, D, dt_bias)), spans, state, chunk, dt_limit,
+                      state_dtype)
+
+
 def stock(x, dt, B, C, A_log, D, dt_bias, *, spans: SeqSpans, state: SSDState | None, chunk: int, dt_limit,
           state_dtype):
     h = x.shape[1]
     A, step = -torch.exp(A_log.float()), discretised(dt, dt_bias, dt_limit, pinned=False)
+    if spans.decode_only:  # a static decode batch: every row one step of its slot's state (zeros at position 0)
+        on = spans.on(x.device)
+        held = state.ssm[on.slots].float() * (on.starts > 0)[:, None, None, None]
+        y, s = recurrent_step(x.float(), step, A, per_head(B, h), per_head(C, h), D.float(), held)
+        state.ssm[on.slots] = s.to(state_dtype)
+        return y
     out = x.new_empty(x.shape, dtype=torch.float32)
     decode = [b for b in range(spans.num_seqs) if spans.starts[b] and spans.rows(b).stop - spans.rows(b).start == 1]
     for b in set(range(spans.num_seqs)) - set(decode):
@@ -291,7 +306,7 @@ def reference(x, dt, B, C, A_log, D, dt_bias, *, spans: SeqSpans, chunk: int, dt
 # (mode, device) -> kernel(x, dt, B, C, A_log, D, dt_bias, *, spans, state, chunk, dt_limit, state_dtype)
 KERNELS = {
     ("consistent", "cpu"): consistent,
-    ("consistent", "cuda"): consistent,
+    ("consistent", "cuda"): cuda,
     ("baseline", "cpu"): stock,
     ("baseline", "cuda"): stock,
 }

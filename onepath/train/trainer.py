@@ -136,7 +136,8 @@ def _prepare(cfg: RunConfig, out: Path, progress: bool, data_dir: Path, first: b
         tokenizer = task.build_tokenizer()
         tok_config = task.tokenizer_config(tokenizer, model_max_length=cfg.rollout.max_model_len)
         m = cfg.model
-        model_config = ModelConfig(
+        model_config = m.hybrid_config(tokenizer.get_vocab_size(), task.BOS_ID, task.EOS_ID, task.PAD_ID) \
+            if m.model_type == "nemotron_h" else ModelConfig(
             vocab_size=tokenizer.get_vocab_size(), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
             num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
             num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, model_type=m.model_type,

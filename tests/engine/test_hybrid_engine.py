@@ -2,11 +2,14 @@
 beside the paged KV of the attention layers; continuous batching (more requests than slots), chunked prefill cut
 off the scan's chunks, preemption by recompute and in-place weight updates all give the log-probs the trainer's
 forward recomputes, bit for bit. Baseline mode (the stock scan paths) does not: the negative control. Prefix
-caching is refused for the hybrid, with the reason."""
+caching is refused for the hybrid, with the reason. The CUDA-graph decode path, run eagerly on the CPU (static
+buffers, the slots and positions on the device, padding rows in a scratch slot) gives the eager steps' bits, before
+and after an in-place weight update."""
 import pytest
 import torch
 
 from onepath.engine.llm_engine import LLMEngine
+from onepath.engine.model_runner import DecodeGraphs
 from onepath.engine.sampling_params import SamplingParams, sampling_tensors
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.batch import ForwardBatch
@@ -97,4 +100,49 @@ def test_weight_updates_in_place_give_the_new_weights_bits():
     fresh = engine(new).generate(ps, PARAMS, request_ids=ids)
     assert all(same(a, b) for a, b in zip(after, fresh))
     assert not all(same(a, b) for a, b in zip(before, after))
+    assert diffs(new, after, ps) == [0.0] * len(ps)
+
+
+def static_decode(model, ps, params, padded: bool, update=None):
+    """The engine eager, or with decode steps on the static buffers of DecodeGraphs (padded to 2, 4 or 8 rows, run
+    eagerly: a captured graph replays exactly this forward); with `update`, a second generate after update_weights."""
+    eng = engine(model, num_blocks=128, max_num_seqs=6)
+    if padded:
+        runner = eng.runner
+        runner.graphs = DecodeGraphs(model, runner.cache, eng.block_manager.num_blocks, 64, [2, 4, 8], capture=False)
+    ids = list(range(len(ps)))
+    outs = eng.generate(ps, params, request_ids=ids)
+    if update is not None:
+        eng.update_weights(update.named_parameters())
+        outs = eng.generate(ps, params, request_ids=ids)
+    assert (eng.stats.graph_steps > 10) == padded
+    return outs
+
+
+def static_params(count):
+    return [SamplingParams(max_tokens=13, seed=i, ignore_eos=True) for i in range(count)]
+
+
+def test_static_decode_buffers_give_the_eager_bits():
+    model, ps = tiny_model(seed=4), prompts(count=9)
+    ps[2] = ps[2][:1]  # a one-token prompt decodes its first token at position 0 (a fresh slot)
+    params = static_params(len(ps))
+    eager, padded = (static_decode(model, ps, params, p) for p in (False, True))
+    assert all(same(a, b) for a, b in zip(eager, padded))
+    assert diffs(model, padded, ps) == [0.0] * len(ps)
+
+
+def test_negative_control_static_decode_baseline():
+    model, ps = tiny_model("baseline", seed=4), prompts(count=9)
+    params = static_params(len(ps))
+    eager, padded = (static_decode(model, ps, params, p) for p in (False, True))
+    assert not all(same(a, b) for a, b in zip(eager, padded))
+
+
+def test_static_decode_after_an_in_place_update_gives_the_new_weights_bits():
+    old, new, ps = tiny_model(seed=4), tiny_model(seed=9), prompts(count=6)
+    params = static_params(len(ps))
+    after = static_decode(old, ps, params, True, update=new)
+    fresh = static_decode(new, ps, params, False)
+    assert all(same(a, b) for a, b in zip(after, fresh))
     assert diffs(new, after, ps) == [0.0] * len(ps)

@@ -42,7 +42,7 @@ def prompts(seed=5):
 
 
 def trainer_logits(model, seqs):
-    batch, blocks = ForwardBatch.for_sequences(seqs, BLOCK)
+    batch, blocks = ForwardBatch.for_sequences(seqs, BLOCK, model.device)
     with torch.no_grad():
         logits = model.compute_logits(model(batch, KVCache.for_model(model, blocks, BLOCK)))
     return list(logits.split([len(s) for s in seqs]))
@@ -59,7 +59,8 @@ def engine_logits(model, seqs, passes):
     slot = {i: len(seqs) + 1 - i for i in range(len(seqs))}  # not the batch order
     rows = [[None] * len(s) for s in seqs]
     for pieces in passes:
-        batch = ForwardBatch.build([SeqChunk(seqs[i][a:e], a, tables[i], slot[i]) for i, a, e in pieces], BLOCK)
+        batch = ForwardBatch.build([SeqChunk(seqs[i][a:e], a, tables[i], slot[i]) for i, a, e in pieces], BLOCK,
+                                   model.device)
         with torch.no_grad():
             logits = model.compute_logits(model(batch, cache))
         offset = 0
@@ -80,7 +81,8 @@ def chunked(seqs, cuts=(3, 5, 11, 19, 20, 33)):
         pieces = [(i, done[i], min(cut, len(s))) for i, s in enumerate(seqs) if done[i] < min(cut, len(s))]
         for i, _, e in pieces:
             done[i] = e
-        passes.append(pieces)
+        if pieces:
+            passes.append(pieces)
     return passes
 
 

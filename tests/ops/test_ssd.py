@@ -45,14 +45,16 @@ def decode_cuts(t):
     return list(range(t + 1))
 
 
-def loop(inputs, p, state_dtype=None, chunk=Q):
-    """float64 recurrence, token by token; with state_dtype, the state rounded to it after every chunk-th token."""
-    x, dt, B, C = (t.double() for t in inputs)
-    A_log, D, dt_bias = (t.double() for t in p)
-    A, s, ys = -torch.exp(A_log), torch.zeros(H, P, N, dtype=torch.float64), []
+def loop(inputs, p, state_dtype=None, chunk=Q, dt_limit=(0.0, float("inf"))):
+    """float64 recurrence, token by token; with state_dtype, the state rounded to it after every chunk-th token.
+    The shapes are the inputs' (x [T, H, P], B and C [T, G, N]): the kernels' tests use it too."""
+    x, dt, B, C = (t.double().cpu() for t in inputs)
+    A_log, D, dt_bias = (t.double().cpu() for t in p)
+    h, g = x.shape[1], B.shape[1]
+    A, s, ys = -torch.exp(A_log), torch.zeros(h, x.shape[2], B.shape[2], dtype=torch.float64), []
     for t in range(x.shape[0]):
-        d = F.softplus(dt[t] + dt_bias)
-        b, c = B[t].repeat_interleave(H // G, 0), C[t].repeat_interleave(H // G, 0)
+        d = F.softplus(dt[t] + dt_bias).clamp(*dt_limit)
+        b, c = B[t].repeat_interleave(h // g, 0), C[t].repeat_interleave(h // g, 0)
         s = torch.exp(d * A)[:, None, None] * s + (d[:, None] * x[t])[..., None] * b[:, None, :]
         ys.append((s * c[:, None, :]).sum(-1) + D[:, None] * x[t])
         if state_dtype is not None and (t + 1) % chunk == 0:

@@ -53,3 +53,38 @@ def test_hybrid_grpo_steps_keep_diff_exactly_zero(tmp_path, reward):
 def test_hybrid_baseline_reports_a_diff(tmp_path, reward):
     history = hybrid_run("baseline", tmp_path, reward)
     assert any(m["training/rollout_probs_diff_max"] > 0 for m in history)
+
+
+def embedded_hybrid_run(mode, tmp_path, reward, pattern="M*EM-"):
+    cfg = load_run_config(None, ["--model.model_type", "nemotron_h", "--model.hybrid_override_pattern", pattern,
+                                 "--model.num_experts", "4", "--model.moe_intermediate_size", "16",
+                                 "--warm_start.steps", "0", "--train.steps", "2", "--train.prompts_per_step", "4",
+                                 "--rollout.n", "4", "--data.n_train", "32", "--data.n_test", "4",
+                                 "--rollout.prefill_chunk_size", "5", "--train.reward", reward, "--out", str(tmp_path)])
+    setup = prepare(cfg, tmp_path, progress=False)
+    assert isinstance(setup.model_config, NemotronHConfig)
+    assert setup.model_config.layers_block_type == ["linear_attention", "full_attention", "moe", "linear_attention",
+                                                    "mlp"]
+    return GRPOTrainer(cfg, mode, setup, tmp_path / mode).run(progress=False)
+
+
+@pytest.mark.slow
+def test_the_embedded_hybrid_trains_with_diff_exactly_zero(tmp_path, reward):
+    """`onepath train --model.model_type nemotron_h` (no checkpoint): the embedded tiny hybrid of the pattern."""
+    history = embedded_hybrid_run("consistent", tmp_path, reward)
+    assert len(history) == 2 and all(is_exact(m) for m in history), history
+    baseline = embedded_hybrid_run("baseline", tmp_path, reward)
+    assert any(m["training/rollout_probs_diff_max"] > 0 for m in baseline)
+
+
+def test_the_embedded_hybrid_is_built_from_the_pattern_and_a_bad_one_is_refused():
+    cfg = load_run_config(None, ["--model.model_type", "nemotron_h", "--model.hybrid_override_pattern", "M-M*",
+                                 "--model.ssm_state_size", "8"])
+    config = cfg.model.hybrid_config(40, 1, 2, 0)
+    assert config.layers_block_type == ["linear_attention", "mlp", "linear_attention", "full_attention"]
+    assert (config.mamba_num_heads, config.mamba_head_dim, config.n_groups, config.ssm_state_size) == (4, 16, 2, 8)
+    build_decoder(config, Ops(ExecutionSpec("consistent")))
+    with pytest.raises(ValueError, match="model.hybrid_override_pattern = 'M\\*X' is not a layer pattern"):
+        load_run_config(None, ["--model.model_type", "nemotron_h", "--model.hybrid_override_pattern", "M*X"])
+    with pytest.raises(ValueError, match="model.num_experts = 0 must be >= 1 for model.model_type = nemotron_h"):
+        load_run_config(None, ["--model.model_type", "nemotron_h", "--model.hybrid_override_pattern", "ME"])

@@ -8,8 +8,10 @@ from onepath.consistency.bisect import BisectReport, Side
 from onepath.consistency.gates.context import GateContext, GateResult, locate, recompute, rollout, sampling_params
 from onepath.consistency.recorder import Layout
 from onepath.consistency.reference import ReferenceDecoder
+from onepath.consistency.reference_nemotron_h import ReferenceNemotronH
 from onepath.engine.llm_engine import RequestOutput
 from onepath.engine.sampling_params import SamplingParams
+from onepath.models.config import NemotronHConfig
 from onepath.numerics.spec import check_same_spec
 from onepath.train.actor import Actor, Responses
 
@@ -71,18 +73,28 @@ def gate_c6(ctx: GateContext) -> GateResult:
                                              f"position {f.first_position}, max |d| {f.max_abs:.3g}, {f.max_ulp} ULP")
 
 
+# a hybrid's parameters past the dense groups (Nemotron-H's mixers: model.layers.N.mixer.*), by name fragment
+HYBRID_GROUPS = (("mixer.in_proj.", "mamba.in_proj"), ("mixer.out_proj.", "mamba.out_proj"),
+                 ("mixer.conv1d.", "mamba.conv1d"), ("mixer.A_log", "mamba.ssm"), ("mixer.D", "mamba.ssm"),
+                 ("mixer.dt_bias", "mamba.ssm"), ("mixer.gate.", "moe.router"), ("mixer.experts.", "moe.experts"),
+                 ("mixer.shared_experts.", "moe.shared_expert"), ("_latent_proj.", "moe.latent"))
+
+
 def param_group(name: str) -> str:
-    if "embed_tokens" in name:
+    if "embed_tokens" in name or "embeddings." in name:
         return "embeddings"
     if name.startswith("lm_head"):
         return "lm_head"
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
         return "norms"
     for part in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        if f"self_attn.{part}." in name:
+        if f"self_attn.{part}." in name or f"mixer.{part}." in name:
             return f"attention.{part}"
+    for fragment, group in HYBRID_GROUPS:
+        if fragment in name:
+            return group
     for part in ("gate_proj", "up_proj", "down_proj"):
-        if f"mlp.{part}." in name:
+        if f"mlp.{part}." in name or f"mixer.{part}." in name:
             return f"mlp.{part}"
     return "other"
 
@@ -96,7 +108,10 @@ def gate_c7(ctx: GateContext) -> GateResult:
     r = Responses.build(prompts, completions, params, [[0.0] * len(c) for c in completions])
     lp, _ = Actor(policy, ctx.block_size, lr=ctx.lr).logprobs(r)
     lp[r.mask.to(lp.device)].sum().backward()
-    reference = ReferenceDecoder(ctx.config, ctx.state)
+    # the hybrid's yardstick takes the policy's own names (its checkpoint's layout differs: backbone.*, one tensor
+    # per expert); the values are the checkpoint's
+    reference = ReferenceNemotronH(ctx.config, policy.state_dict()) if isinstance(ctx.config, NemotronHConfig) \
+        else ReferenceDecoder(ctx.config, ctx.state)
     lp_ref = torch.cat([reference.completion_logprobs(p, c, s.temperature)
                         for p, c, s in zip(prompts, completions, params)])
     lp_ref.sum().backward()

@@ -9,6 +9,9 @@ import torch
 
 # Programs of an interpreted (CPU) launch: small, so a persistent loop walks several tiles.
 INTERPRET_NUM_SMS = 3
+# The recurrent ops' per-sequence tensors (ops/spans.SpanTensors) sit at offsets of one staging copy that follow the
+# batch size: their kernels do not specialise on those pointers' alignment, so every batch runs one binary.
+SPAN_POINTERS = ["cu_ptr", "start_ptr", "slot_ptr", "row_seq_ptr"]
 
 
 def interpreting() -> bool:

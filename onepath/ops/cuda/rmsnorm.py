@@ -15,7 +15,8 @@ with the optional fused residual add `s = round(x + residual, x.dtype)` (what a 
 - the squares are summed by explicit FMAs and the launches pass `enable_fp_fusion=False`, so no
   other product and add is contracted at the compiler's choice.
 `qk_norm_rope` runs this reduction (`inv_rms`) and rounding on each head of q and k (Qwen3's QK-norm),
-then rope.py's RoPE arithmetic, in one launch: the bits of the two kernels.
+then rope.py's RoPE arithmetic, in one launch: the bits of the two kernels. `gated_rmsnorm` (Mamba-2's norm of
+x * silu(z) by groups of channels) sums each group's squares the same way, one program per (row, group).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 from onepath.numerics.spec import QuantSpec
-from onepath.ops.cuda import aligned_rows, row_stride
+from onepath.ops.cuda import aligned_rows, row_stride, unit_stride
 from onepath.ops.cuda.quant_rows import fused_quant_outputs, fused_quant_result, quantize_stored
 
 # The chunk of H summed per step: it fixes the reduction order of a row.
@@ -201,3 +202,49 @@ def qk_norm_rope(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor
             VEC=vec, BLOCK=block, BLOCK_HALF=triton.next_power_of_2(half), num_warps=warps,
             enable_fp_fusion=False)
     return out
+
+
+@triton.jit
+def _gated(x_row, z_row, offs, mask):
+    """x * silu(z) in FP32 (silu as silu_mul.py computes it)."""
+    x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_row + offs, mask=mask, other=0.0).to(tl.float32)
+    return x * tl.math.div_rn(z, 1.0 + tl.exp(-z))
+
+
+@triton.jit(do_not_specialize=["x_stride", "z_stride", "out_stride"])
+def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, x_stride, z_stride, out_stride, group_size, eps,
+                          BLOCK: tl.constexpr):
+    """One (row, group): h = x * silu(z); the squares of the group summed by explicit FMAs into one [BLOCK] vector
+    in ascending chunks, then one tl.sum (the order a function of the group size alone); out = round(w * (h * inv))."""
+    row = tl.program_id(0).to(tl.int64)
+    base = tl.program_id(1) * group_size
+    x_row, z_row = x_ptr + row * x_stride + base, z_ptr + row * z_stride + base
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, group_size, BLOCK):
+        offs = start + cols
+        h = _gated(x_row, z_row, offs, offs < group_size)
+        acc = tl.fma(h, h, acc)
+    inv = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(tl.sum(acc, axis=0), group_size * 1.0) + eps))
+    for start in range(0, group_size, BLOCK):
+        offs = start + cols
+        mask = offs < group_size
+        h = _gated(x_row, z_row, offs, mask)
+        w = tl.load(w_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * out_stride + base + offs, (w * (h * inv)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                  group_size: int) -> torch.Tensor:
+    """x, gate [..., I], weight [I] -> [..., I] in weight's dtype: RMSNorm of x * silu(gate) over groups of
+    group_size channels, scaled by weight (Mamba-2's gated norm, norm after the gate)."""
+    lead, width = x.shape[:-1], x.shape[-1]
+    x2, z2 = unit_stride(x.reshape(-1, width)), unit_stride(gate.reshape(-1, width))
+    out = torch.empty(x2.shape, device=x.device, dtype=weight.dtype)
+    if out.numel():
+        block = min(BLOCK_H, triton.next_power_of_2(group_size))  # a function of the group size alone
+        _gated_rmsnorm_kernel[(x2.shape[0], width // group_size)](
+            x2, z2, weight.contiguous(), out, x2.stride(0), z2.stride(0), out.stride(0), group_size, eps,
+            BLOCK=block, num_warps=NUM_WARPS, enable_fp_fusion=False)
+    return out.reshape(*lead, width)
