@@ -159,7 +159,7 @@ def _run_checks() -> dict:
     passes(triton_ssd, inputs, p, [0, t - 1], st)
     clean = passes(triton_ssd, inputs, p, [t - 1, t], SSD.SSDState(st.ssm.clone(), st.x.clone(), st.dt.clone(),
                                                                     st.B.clone()))
-    st.x[1, 2] *= 1 + 2 ** -20
+    st.x[1, 2] *= 1 + 2 ** -10  # an ulp-sized change can round away in one token's few terms
     altered = passes(triton_ssd, inputs, p, [t - 1, t], st)
     record("ssd_control_the_replay_reads_the_slot", not torch.equal(clean, altered),
            "decode ignored a change in the slot's open chunk")
