@@ -58,6 +58,10 @@ class DecodeGraphs:
         self.query_seq = torch.arange(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=device)
         self.block_tables = torch.full((n, self.width), scratch_block, dtype=torch.long, device=device)
+        # a cache with per-sequence rings (DeepSeek-V4's) names a scratch slot: padding rows write there
+        self.scratch_state = getattr(cache, "scratch_slot", None)
+        self.state_slots = None if self.scratch_state is None else \
+            torch.full((n,), self.scratch_state, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             self.capture()
@@ -68,7 +72,8 @@ class DecodeGraphs:
                                  cu_seqlens=list(range(size + 1)), context_lens=[self.max_model_len] * size,
                                  block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
                                  block_size=self.block_size)
-        return ForwardBatch(self.input_ids[:size], attn)
+        return ForwardBatch(self.input_ids[:size], attn,
+                            None if self.state_slots is None else self.state_slots[:size])
 
     def forward(self, size: int) -> torch.Tensor:
         return self.model.compute_logits(self.model(self.batch(size), self.cache))
@@ -125,6 +130,9 @@ class DecodeGraphs:
         self.positions[:size].copy_(staged[size:2 * size])
         self.slot_mapping[:size].copy_(staged[2 * size:3 * size])
         self.block_tables[:size, :width].copy_(staged[3 * size:].view(size, width))
+        if self.state_slots is not None:
+            slots = [c.state_slot for c in chunks] + [self.scratch_state] * pad
+            self.state_slots[:size].copy_(to_device(slots, torch.long, self.state_slots.device))
         return size
 
 
@@ -190,8 +198,11 @@ class ModelRunner:
             raise ValueError("record_routing reads each forward's router choices on the host: turn cuda_graphs off")
         self.block_size = block_size
         # one block past the block manager's: the padding rows of captured graphs write there
-        self.cache = HybridCache.for_model(model, num_blocks + 1, block_size, state_slots) if state_slots \
-            else KVCache.for_model(model, num_blocks + 1, block_size)
+        if hasattr(model, "make_cache"):  # a cache layout of its own (DeepSeek-V4's pages and rings)
+            self.cache = model.make_cache(num_blocks + 1, block_size, state_slots)
+        else:
+            self.cache = HybridCache.for_model(model, num_blocks + 1, block_size, state_slots) if state_slots \
+                else KVCache.for_model(model, num_blocks + 1, block_size)
         self.graphs = None
         if graph_batch_sizes:
             if model.device.type != "cuda":

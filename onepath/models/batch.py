@@ -25,7 +25,8 @@ class SeqChunk:
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     attn: AttentionMetadata
-    state_slots: list[int] | None = None  # each sequence's recurrent state slot (hybrid models); None: 0, 1, ...
+    # each sequence's recurrent state slot (hybrid models; a device tensor in a captured decode step); None: 0, 1, ...
+    state_slots: list[int] | torch.Tensor | None = None
 
     @property
     def positions(self) -> torch.Tensor:

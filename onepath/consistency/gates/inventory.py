@@ -15,7 +15,8 @@ OP_SPEC = {"token_logprobs": "logprobs", "probs": "logprobs", "sampling_mask": "
            "expert_down": "linear", "grouped_linear": "linear", "grouped_expert_down": "linear",
            "experts": "linear",  # the recorder's one site for a MoE layer's experts: their GEMMs and silu_mul
            "gated_rmsnorm": "rmsnorm",
-           "rope_interleaved": "rope", "cache_write": "attention", "cache_read": "attention",
+           "rope_interleaved": "rope", "cache_write": "attention", "cache_read": "attention", "cache_stage": "attention",
+           "cache_copy": "attention",
            "sparse_attention": "attention", "attention_weights": "attention", "index_topk": "topk",
            "compress": "compressor",
            "index_scores": "indexer", "hc_pre": "mhc", "hc_post": "mhc", "hc_head": "mhc"}
