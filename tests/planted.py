@@ -1,5 +1,9 @@
 """Backends with planted defects: each breaks one part of the contract, so a check can show it fails.
 Top-level classes of an importable module, so a bisect repro can load them by name."""
+import math
+
+import torch
+
 from onepath.ops import Ops
 
 
@@ -43,3 +47,15 @@ class SplitKExpertsAboveTwoRowsOps(Ops):
             return super().expert_down(x, weight)
         h = x.shape[-1] // 2
         return super().expert_down(x[..., :h], weight[:, :h]) + super().expert_down(x[..., h:], weight[:, h:])
+
+
+class IndexerUlpInSmallLaunchesOps(Ops):
+    """A one-ulp change in DeepSeek-V4's lightning-indexer score: a launch of at most 8 queries (a decode step, a
+    short chunk) scores every valid entry one ulp higher."""
+
+    def index_scores(self, q, keys, weights, valid, softmax_scale, weights_scale):
+        scores = super().index_scores(q, keys, weights, valid, softmax_scale, weights_scale)
+        if q.shape[0] > 8:
+            return scores
+        up = torch.nextafter(scores, torch.full_like(scores, math.inf))
+        return torch.where(torch.isfinite(scores), up, scores)

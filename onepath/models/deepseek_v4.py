@@ -119,7 +119,9 @@ class Compressor(nn.Module):
         ops.cache_write(entry_cache, loc.entry_writes(closing, closes, rate), entries)
         if state_cache is not None:
             ops.cache_copy(state_cache, staged, *loc.ring_writes(span))
-        return entries.new_zeros(x.shape[0], 1, dim).index_copy(0, closing, entries)
+        # zeros at the rows that close nothing (a decode step computes every row): one row per token, as recorded
+        return entries.new_zeros(x.shape[0], 1, dim).index_copy(0, closing, torch.where(closes[:, None, None],
+                                                                                         entries, 0.0))
 
 
 class Scorer(nn.Module):
@@ -238,10 +240,9 @@ class Attention(nn.Module):
                 weights = ops.attention_weights(q, keys, masks, self.sinks, self.head_dim ** -0.5)[:, :, window:]
             self.indexer_loss = self.compressor.indexer.loss(*selection, weights.sum(1))
         o = ops.rope_interleaved(o, pos, cos, sin, inverse=True)
-        grouped = o.reshape(t, self.groups, -1).transpose(0, 1).reshape(self.groups * t, -1)
-        weight = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
-        mixed = ops.grouped_linear(grouped, weight, [t] * self.groups).view(self.groups, t, -1)
-        return self.o_b_proj(mixed.transpose(0, 1).reshape(t, -1))
+        grouped = o.reshape(t, self.groups, -1)
+        mixed = ops.group_linear(grouped, self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1]))
+        return self.o_b_proj(mixed.reshape(t, -1))
 
     def compressed(self, x, q_residual, batch, cache: LayerCache, loc: Locator, rope: Rope):
         """This query's compressed entries [T, C, 1, D] and their validity [T, C]: all it may see in an HCA

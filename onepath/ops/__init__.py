@@ -90,6 +90,13 @@ class Ops:
         """x's rows packed by expert (counts[e] rows each) through ops.linear against weight[e]."""
         return _linear.grouped_linear(self.spec, x, weight, counts, op=op)
 
+    def group_linear(self, x, weight):
+        """x [T, G, K] through weight [G, N, K] group by group -> [T, G, N] (DeepSeek-V4's grouped output
+        projection): grouped_linear over the groups' rows, one row per token."""
+        t, groups = x.shape[:2]
+        packed = x.transpose(0, 1).reshape(groups * t, -1)
+        return self.grouped_linear(packed, weight, [t] * groups).view(groups, t, -1).transpose(0, 1)
+
     def grouped_expert_down(self, x, weight, counts, op="linear"):
         """ops.expert_down (FP32 output) of rows packed by expert, as grouped_linear."""
         return _linear.grouped_linear(self.spec, x, weight, counts, op=op, out_dtype=torch.float32)

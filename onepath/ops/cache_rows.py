@@ -4,7 +4,7 @@ A paged cache holds one row per slot, [blocks, block_size, *row]: a plain tensor
 the spec's attention.kv rule (quant.py, per row). `write` stores a step's rows at their slots; `read` gathers
 the rows at any slots ([...] slot ids, -1 for none: exact zeros) dequantised as ops/attention.py's
 `load_slots` does (code.float() * scale, one rounding). `stage` stores a forward's own rows in a cache's format
-(one block of them, quantised by the same rule), and `read` takes a position from the stage where `rows` points
+(a block per row, quantised by the same rule), and `read` takes a position from the stage where `rows` points
 into it, from the cache elsewhere: a row read from the stage has the bits it has once `copy` moves it into the
 cache (a per-sequence ring, say) for a later forward. A model that reads everything it attends to through
 `read` (DeepSeek-V4's sliding window, compressed entries and compressor state) computes on the same bits in
@@ -46,9 +46,9 @@ def write(spec: ExecutionSpec, cache, slots: torch.Tensor, x: torch.Tensor) -> N
 
 
 def stage(spec: ExecutionSpec, x: torch.Tensor, quantised: bool):
-    """x [N, 1, width] stored as a one-block cache in the format of a cache `quantised` (FP8 by the spec's
-    attention.kv) or not: what a write would store, row for row."""
-    store = paged(1, x.shape[0], x.shape[-1], x.dtype, spec.op("attention").kv if quantised else None, x.device)
+    """x [N, 1, width] stored as a cache of N one-row blocks (one row per token) in the format of a cache
+    `quantised` (FP8 by the spec's attention.kv) or not: what a write would store, row for row."""
+    store = paged(x.shape[0], 1, x.shape[-1], x.dtype, spec.op("attention").kv if quantised else None, x.device)
     write(spec, store, torch.arange(x.shape[0], device=x.device), x)
     return store
 

@@ -103,10 +103,11 @@ class GateContext:
     def baseline_model(self) -> DenseDecoder:
         return self.model(spec=self.spec.with_mode("baseline"), ops_factory=Ops)
 
-    def engine(self, model: DenseDecoder, prompts, max_tokens: int, prefix_caching: bool = True,
+    def engine(self, model: DenseDecoder, prompts, max_tokens: int, prefix_caching: bool | None = None,
                graphs: bool | None = None, **scheduler) -> LLMEngine:
         """graphs: the engine's cuda_graphs (None: its default, on for a CUDA model); an engine without
-        CUDA graphs runs eager whatever it says."""
+        CUDA graphs runs eager whatever it says. prefix_caching None: the engine's default (on, off for a
+        model with per-sequence state)."""
         blocks = sum(-(-(len(p) + max_tokens) // self.block_size) for p in prompts) + 4
         options = {"cuda_graphs": graphs} if graphs is not None and engine_has_graphs() else {}
         return LLMEngine(model, num_blocks=blocks, block_size=self.block_size,

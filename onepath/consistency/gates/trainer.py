@@ -8,7 +8,9 @@ from onepath.consistency.bisect import BisectReport, Side
 from onepath.consistency.gates.context import GateContext, GateResult, locate, recompute, rollout, sampling_params
 from onepath.consistency.recorder import Layout
 from onepath.consistency.reference import ReferenceDecoder
+from onepath.consistency.reference_deepseek_v4 import ReferenceDeepseekV4
 from onepath.engine.llm_engine import RequestOutput
+from onepath.models.deepseek_v4_config import DeepseekV4Config
 from onepath.engine.sampling_params import SamplingParams
 from onepath.numerics.spec import check_same_spec
 from onepath.train.actor import Actor, Responses
@@ -84,6 +86,11 @@ def param_group(name: str) -> str:
     for part in ("gate_proj", "up_proj", "down_proj"):
         if f"mlp.{part}." in name:
             return f"mlp.{part}"
+    # DeepSeek-V4's modules
+    for part, group in ((".indexer.", "indexer"), (".compressor.", "compressor"), ("_hc.", "mhc"), ("hc_head.", "mhc"),
+                        ("self_attn.", "attention"), ("mlp.", "mlp")):
+        if part in name:
+            return group
     return "other"
 
 
@@ -96,7 +103,8 @@ def gate_c7(ctx: GateContext) -> GateResult:
     r = Responses.build(prompts, completions, params, [[0.0] * len(c) for c in completions])
     lp, _ = Actor(policy, ctx.block_size, lr=ctx.lr).logprobs(r)
     lp[r.mask.to(lp.device)].sum().backward()
-    reference = ReferenceDecoder(ctx.config, ctx.state)
+    reference = (ReferenceDeepseekV4 if isinstance(ctx.config, DeepseekV4Config) else ReferenceDecoder)(ctx.config,
+                                                                                                        ctx.state)
     lp_ref = torch.cat([reference.completion_logprobs(p, c, s.temperature)
                         for p, c, s in zip(prompts, completions, params)])
     lp_ref.sum().backward()
