@@ -11,7 +11,9 @@ consistent: the dot products as a fixed tree over the head dim, the sums over th
 give exact zeros, so a query's bits follow from its own candidate list alone: not from the queries beside it,
 their number, the phase, or how many candidates its neighbours needed (a longer padded list adds zero tiles).
 The list's order is the model's (window in ascending position, then the entries in the order the layer
-emits them), so it fixes the accumulation order; `decode` is not read.
+emits them), so it fixes the accumulation order; `decode` is not read. consistent CUDA: the Triton kernel of
+ops/cuda/sparse_attention.py (one program per query, tiles of kv_tile, an online softmax that starts at the
+sink), with the same invariances.
 
 baseline, the stock paths: a prefill (or a chunk) as transformers' eager attention runs it in the model's
 dtype (the scores from a GEMM in that dtype, FP32 softmax with the sink, the probabilities rounded to the
@@ -100,16 +102,21 @@ def cpu_consistent(spec: ExecutionSpec, scale: float, decode: bool):
     return lambda q, keys, valid, sinks: consistent(q, keys, valid, sinks, scale, o.kv_tile, o.row_chunk)
 
 
+def cuda_consistent(spec: ExecutionSpec, scale: float, decode: bool):
+    from onepath.ops.cuda.sparse_attention import sparse_attention as triton_sparse_attention
+    tile = spec.op("attention").kv_tile
+    return lambda q, keys, valid, sinks: triton_sparse_attention(q, keys, valid, sinks, scale, tile)
+
+
 def stock(spec: ExecutionSpec, scale: float, decode: bool):
     recipe = stock_decode if decode else stock_prefill
     return lambda q, keys, valid, sinks: recipe(q, keys, valid, sinks, scale)
 
 
-# (mode, device) -> kernel factory (spec, scale, decode) -> kernel(q, keys, valid, sinks); the torch recipes serve
-# CUDA until its Triton kernel lands
+# (mode, device) -> kernel factory (spec, scale, decode) -> kernel(q, keys, valid, sinks)
 KERNELS = {
     ("consistent", "cpu"): cpu_consistent,
-    ("consistent", "cuda"): cpu_consistent,
+    ("consistent", "cuda"): cuda_consistent,
     ("baseline", "cpu"): stock,
     ("baseline", "cuda"): stock,
 }
