@@ -287,6 +287,9 @@ class TrainSection(_Section):
     # step has prompts_per_step groups, in at most max_gen_batches rollouts per step
     filter_groups: bool = False
     max_gen_batches: int = 4
+    # DeepSeek-V4: > 0 trains the lightning indexer (frozen at 0) by its KL loss to the attention's choice of
+    # entries (Decoder.indexer_loss) times this weight, added to the policy loss
+    indexer_loss: float = 0.0
 
     def __post_init__(self):
         self._coerce()
@@ -327,6 +330,8 @@ class TrainSection(_Section):
             self._require("val_temperature", math.isfinite(self.val_temperature) and self.val_temperature >= 0,
                           "must be a finite number >= 0", "0 decodes greedily")
         self._positive("max_gen_batches")
+        self._require("indexer_loss", math.isfinite(self.indexer_loss) and self.indexer_loss >= 0,
+                      "must be a finite number >= 0", "0 keeps a DeepSeek-V4 indexer frozen")
 
 
 @dataclass(slots=True)

@@ -60,3 +60,15 @@ class ScanDecodeUlpOps(Ops):
         if decode:
             dt = torch.nextafter(dt, torch.full_like(dt, math.inf))
         return super().ssd(x, dt, B, C, A_log, D, dt_bias, spans, state, dt_limit, state_dtype)
+
+
+class IndexerUlpInSmallLaunchesOps(Ops):
+    """A one-ulp change in DeepSeek-V4's lightning-indexer score: a launch of at most 8 queries (a decode step, a
+    short chunk) scores every valid entry one ulp higher."""
+
+    def index_scores(self, q, keys, weights, valid, softmax_scale, weights_scale):
+        scores = super().index_scores(q, keys, weights, valid, softmax_scale, weights_scale)
+        if q.shape[0] > 8:
+            return scores
+        up = torch.nextafter(scores, torch.full_like(scores, math.inf))
+        return torch.where(torch.isfinite(scores), up, scores)

@@ -1,5 +1,7 @@
 """Small random DeepSeek-V4 models shared by the DeepSeek-V4 tests: transformers' module with random weights, onepath's
 decoder loaded from it, and the forward of both."""
+from dataclasses import replace
+
 import torch
 from torch import nn
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
@@ -71,9 +73,17 @@ def transformers_logits(hf, seqs) -> torch.Tensor:
         return torch.cat([hf(torch.tensor([s])).logits[0] for s in seqs])
 
 
-def onepath_model(hf, mode: str = "consistent", quant: str | None = None, max_positions: int = MAX_POSITIONS):
+def spec(mode: str = "consistent", quant: str | None = None, dtype: str = "float32") -> ExecutionSpec:
+    """The CPU's FP32 spec, or (bfloat16) the GPU's default spec (BF16, its tiles) run on the CPU."""
+    if dtype == "float32":
+        return ExecutionSpec.default(mode, quant=quant)
+    return replace(ExecutionSpec.default(mode, "cuda", quant=quant), device="cpu")
+
+
+def onepath_model(hf, mode: str = "consistent", quant: str | None = None, max_positions: int = MAX_POSITIONS,
+                  dtype: str = "float32"):
     config = ModelConfig.from_dict(hf.config.to_dict())
-    model = build_decoder(config, Ops(ExecutionSpec.default(mode, quant=quant)), max_positions=max_positions)
+    model = build_decoder(config, Ops(spec(mode, quant, dtype)), max_positions=max_positions)
     model.load_hf_state_dict(hf.state_dict())
     return model
 

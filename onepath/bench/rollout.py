@@ -45,6 +45,8 @@ from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.config import ModelConfig
 from onepath.models import build_decoder
+from onepath.models.deepseek_v4_cache import DeepseekV4Cache
+from onepath.models.deepseek_v4_config import DeepseekV4Config
 from onepath.models.kv_cache import BLOCK_SIZE, KVCache
 from onepath.numerics.spec import MODES, ExecutionSpec
 from onepath.ops import Ops
@@ -498,9 +500,10 @@ def _delta(before: dict, after: dict) -> dict:
     return {k: v - before[k] for k, v in after.items() if isinstance(v, (int, float)) and k in before}
 
 
-def _kv_bytes_per_token(config: ModelConfig, args) -> int:
+def _kv_bytes_per_token(config: ModelConfig, args) -> float:
     spec = ExecutionSpec.default("consistent", args.device, quant=args.quant)
-    return KVCache.bytes_per_token(config, spec.dtype, spec.op("attention").kv)
+    cache = DeepseekV4Cache if isinstance(config, DeepseekV4Config) else KVCache  # a layout of its own
+    return cache.bytes_per_token(config, spec.dtype, spec.op("attention").kv)
 
 
 def _dtype(args) -> torch.dtype:

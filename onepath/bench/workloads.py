@@ -18,6 +18,17 @@ from onepath.models.config import ModelConfig
 QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
              rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=True,
              eos_token_id=151645)
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+# DeepSeek-V4-Flash's config.json (hidden 4096, 64 heads of 512 sharing one KV head, q_lora_rank 1024, o_groups 8 x
+# o_lora_rank 1024, 64 indexer heads of 128 picking 512 entries, window 128, CSA at 4 and HCA at 128, mHC with 4
+# streams, 256 experts of 2048, 6 routed and one shared, 3 hash layers, vocab 129280)
+DEEPSEEK_V4_FLASH = dict(model_type="deepseek_v4", vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048,
+                         num_hidden_layers=43, num_attention_heads=64, head_dim=512, q_lora_rank=1024,
+                         partial_rotary_factor=64 / 512, num_experts_per_tok=6, n_routed_experts=256,
+                         routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", hc_mult=4, hc_sinkhorn_iters=20,
+                         sliding_window=128, o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128,
+                         index_topk=512, swiglu_limit=10.0, max_position_embeddings=1048576,
+                         compress_rates={CSA: 4, HCA: 128}, eos_token_id=1)
 QWEN3_MOE = dict(QWEN3, model_type="qwen3_moe", num_attention_heads=32, num_key_value_heads=4, num_experts=128,
                  num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False)
 NEMOTRON_3_NANO = dict(model_type="nemotron_h", vocab_size=131072, hidden_size=2688, intermediate_size=1856,
@@ -43,6 +54,16 @@ MODELS = {
                         head_dim=16, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
                         chunk_size=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                         moe_shared_expert_intermediate_size=64, hybrid_override_pattern="MEM*"),
+    # DeepSeek-V4-Flash's layer shapes (onepath/bench/deepseek_v4.py) cut to 4 layers (HCA, CSA, HCA, CSA) and 32
+    # experts: about 3.6B parameters, so one GPU holds it with room for the cache
+    "deepseek-v4-flash-4l": dict(DEEPSEEK_V4_FLASH, num_hidden_layers=4, n_routed_experts=32,
+                                 layer_types=[HCA, CSA, HCA, CSA]),
+    "tiny-deepseek-v4": dict(DEEPSEEK_V4_FLASH, vocab_size=512, hidden_size=64, moe_intermediate_size=32,
+                             num_hidden_layers=3, num_attention_heads=4, head_dim=32, q_lora_rank=32, o_lora_rank=16,
+                             o_groups=2, n_routed_experts=8, num_experts_per_tok=2, index_n_heads=4,
+                             index_head_dim=16, index_topk=8, sliding_window=16, hc_mult=2, hc_sinkhorn_iters=5,
+                             layer_types=[SLIDING, CSA, HCA], compress_rates={CSA: 4, HCA: 16},
+                             max_position_embeddings=8192, eos_token_id=2),
 }
 
 
@@ -50,7 +71,8 @@ def model_config(name: str) -> ModelConfig:
     if name not in MODELS:
         raise ValueError(f"model {name!r} is unknown: use one of {sorted(MODELS)}")
     raw = MODELS[name]
-    return ModelConfig.from_dict(raw) if raw["model_type"] == "nemotron_h" else ModelConfig(**raw)
+    # a family with a config of its own (Nemotron-H, DeepSeek-V4) is built from its config.json fields
+    return ModelConfig.from_dict(raw) if raw["model_type"] in ("nemotron_h", "deepseek_v4") else ModelConfig(**raw)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,12 @@ pass's tokens for body sites, the rows that need logits for head sites. A mixtur
 experts (`models.moe.Experts`, Nemotron-H's `models.nemotron_h.Experts`) run their ops over (token,
 expert) pairs, as many calls as the routing has experts in use: they are one site instead, op
 "experts", whose output is the module's, one row [k, H] per token; the ops calls inside it are not
-recorded. A model with recurrent state (a hybrid) keeps each sequence's in a slot of its own, as the
-engine's HybridCache does. A token is (sequence, position); its value at site k is the row of the launch that computed it. Two sides are compared at
+recorded. A DeepSeek-V4 compressor pools one row per window that closes in a pass: its `compress` method
+is one site (METHOD_SITES), whose output has one row per token (its entry at the row that closes a
+window, zeros elsewhere), the ops calls made inside it not recorded. A model with per-sequence state (a
+hybrid's recurrent state, DeepSeek-V4's rings) keeps each sequence's in a slot of its own, as the engine
+does. A token is (sequence, position); its value at site k is the row of the launch that computed it.
+Two sides are compared at
 site k over the positions of one sequence that both computed there, whatever the passes, batch
 neighbours or row offsets that held them.
 """
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from onepath.models.batch import ForwardBatch, SeqChunk
+from onepath.models.deepseek_v4 import Compressor
 from onepath.models.dense import DenseDecoder
 from onepath.models.kv_cache import BLOCK_SIZE, KVCache
 from onepath.models.moe import Experts
@@ -43,6 +48,9 @@ from onepath.models.state_cache import HybridCache
 
 # Modules recorded as one site (their output, one row per token): their ops calls are per pair, not token.
 MODULE_SITES = (Experts, HybridExperts)
+# Methods recorded as one site (their return value, one row per token): their ops calls are per window, not token;
+# ops calls made while one runs are not recorded.
+METHOD_SITES = ((Compressor, "compress"),)
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -62,14 +70,17 @@ class Call:
     inputs: dict | None = None               # bound arguments cloned before the call (captured calls only)
 
     def function(self):
-        """What ran: the backend's op, or a module-level site's module."""
-        return self.ops if isinstance(self.ops, torch.nn.Module) else getattr(self.ops, self.op)
+        """What ran: the backend's op, a module-level site's module, or a method site's method."""
+        if isinstance(self.ops, torch.nn.Module) and not hasattr(type(self.ops), self.op):
+            return self.ops
+        return getattr(self.ops, self.op)
 
 
 class Recorder:
     def __init__(self, capture=()):
         self.calls: list[Call] = []
         self.capture = set(capture)
+        self.inside = 0  # method sites running now: their ops calls are not recorded
 
     @contextmanager
     def installed(self, model: torch.nn.Module):
@@ -83,6 +94,11 @@ class Recorder:
             # an instance attribute shadows the class's forward; nn.Module.__call__ runs it with the hooks
             m.forward = lambda *args, _m=m, _forward=m.forward, _name=name, **kwargs: self.call(
                 _m, type(_m).__name__.lower(), _name, args, kwargs, _forward)
+        methods = [(name, m, method) for name, m in model.named_modules() for cls, method in METHOD_SITES
+                   if isinstance(m, cls)]
+        for name, m, method in methods:
+            setattr(m, method, lambda *args, _m=m, _f=getattr(m, method), _op=method, _name=name, **kwargs:
+                    self.call(_m, _op, _name, args, kwargs, _f, site=True))
         try:
             yield self
         finally:
@@ -90,18 +106,27 @@ class Recorder:
                 m.ops = ops
             for m, _ in originals:
                 del m.forward
+            for _, m, method in methods:
+                delattr(m, method)
 
-    def call(self, inner, op: str, module: str, args, kwargs, method=None):
-        """Run inner's op (or, for a module-level site, `method`, the module's own forward) and record it."""
-        index = len(self.calls)
+    def call(self, inner, op: str, module: str, args, kwargs, method=None, site: bool = False):
+        """Run inner's op (or, for a module-level or method site, `method`) and record it; site: a method site,
+        whose own ops calls go unrecorded."""
         method = method or getattr(inner, op)
+        if self.inside:
+            return method(*args, **kwargs)
+        index = len(self.calls)
         inputs = None
         if index in self.capture:
             # cloned before the call: attention writes this step's K/V into the caches it is given
             bound = inspect.signature(method).bind(*args, **kwargs)
             bound.apply_defaults()
             inputs = {k: snapshot(v) for k, v in bound.arguments.items()}
-        out = method(*args, **kwargs)
+        self.inside += site
+        try:
+            out = method(*args, **kwargs)
+        finally:
+            self.inside -= site
         outs = out if isinstance(out, tuple) else (out,)
         kept = tuple(o.detach().clone() for o in outs if isinstance(o, torch.Tensor))
         self.calls.append(Call(index, op, module, inner, kept, inputs))
@@ -201,8 +226,11 @@ class SiteRows:
     rows: list[int] = field(default_factory=list)    # its row in that launch's output
     parts: list[list[torch.Tensor]] = field(default_factory=list)
     values: tuple[torch.Tensor, ...] = ()
+    present: tuple[torch.Tensor | None, ...] = ()  # per output: which elements are real (None: all of them)
 
     def add(self, call: Call, rows: list[int], positions: list[int]):
+        if not call.outputs:  # a write into a cache returns nothing to compare
+            return
         index = torch.tensor(rows, dtype=torch.long, device=call.outputs[0].device)
         if not self.parts:
             self.parts = [[] for _ in call.outputs]
@@ -213,8 +241,27 @@ class SiteRows:
         self.rows += rows
 
     def finish(self):
-        self.values = tuple(torch.cat(p) for p in self.parts)
-        self.parts = []
+        """Concatenate the launches' rows. An output whose trailing dims grow with its pass (DeepSeek-V4's
+        candidate entries: as many as the pass's longest context has) is zero-padded to the longest, `present`
+        marking the real elements; what lies past a launch's own length is past every row's valid entries."""
+        values, present = [], []
+        for parts in self.parts:
+            widest = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+            if all(list(p.shape[1:]) == widest for p in parts):
+                values.append(torch.cat(parts))
+                present.append(None)
+                continue
+            padded, masks = [], []
+            for p in parts:
+                out = p.new_zeros(p.shape[0], *widest)
+                mask = torch.zeros(out.shape, dtype=torch.bool, device=p.device)
+                region = (slice(None),) + tuple(slice(0, n) for n in p.shape[1:])
+                out[region], mask[region] = p, True
+                padded.append(out)
+                masks.append(mask)
+            values.append(torch.cat(padded))
+            present.append(torch.cat(masks))
+        self.values, self.present, self.parts = tuple(values), tuple(present), []
 
     def common(self, other: "SiteRows") -> tuple[list[int], list[int], list[int]]:
         """Positions both computed at this site, and their indices into self.values and other.values."""
@@ -229,6 +276,17 @@ class Trace:
     sites: list[Site]
     rows: list[list[SiteRows]]        # [site][sequence]
     captured: dict[int, Call]         # call index -> the call with its inputs
+
+
+def common_region(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor cropped to the trailing shape they share (the rows kept): two launches of a site whose trailing
+    dims grow with the pass agree on the region every row's valid entries lie in."""
+    dims = tensors[0].dim()
+    if any(t.dim() != dims for t in tensors):
+        raise ValueError(f"rows of shapes {[tuple(t.shape) for t in tensors]}: compare one architecture under two "
+                         "sides")
+    region = (slice(None),) + tuple(slice(0, min(t.shape[d] for t in tensors)) for d in range(1, dims))
+    return [t[region] for t in tensors]
 
 
 def check_same_sites(a: Trace, b: Trace) -> None:
@@ -282,6 +340,16 @@ class _Gather:
         return Trace(self.sites["body"] + self.sites.get("head", []), [self.rows[key] for key in keys], captured)
 
 
+def trace_cache(model: DenseDecoder, num_blocks: int, block_size: int, num_seqs: int):
+    """A trace's private cache, and whether its sequences take state slots: a model with per-sequence state (a
+    hybrid's, DeepSeek-V4's rings) gets one slot per sequence, so chunks and decode passes continue from it."""
+    if not getattr(model, "has_recurrent_state", False):
+        return KVCache.for_model(model, num_blocks, block_size), False
+    if hasattr(model, "make_cache"):
+        return model.make_cache(num_blocks, block_size, num_seqs), True
+    return HybridCache.for_model(model, num_blocks, block_size, num_seqs), True
+
+
 @torch.no_grad()
 def trace(model: DenseDecoder, sequences: list[list[int]], layout: Layout = Layout(), block_size: int = BLOCK_SIZE,
           capture=()) -> Trace:
@@ -295,14 +363,11 @@ def trace(model: DenseDecoder, sequences: list[list[int]], layout: Layout = Layo
         tables.append(list(range(next_block, next_block - (-n // block_size))))
         next_block = tables[-1][-1] + 1
     device = model.device
-    # a model with recurrent state (a hybrid) keeps each sequence's in a slot of its own, as the engine does
-    recurrent = getattr(model, "has_recurrent_state", False)
-    cache = HybridCache.for_model(model, next_block, block_size, len(sequences)) if recurrent \
-        else KVCache.for_model(model, next_block, block_size)
+    cache, stateful = trace_cache(model, next_block, block_size, len(sequences))
     recorder, gather = Recorder(capture), _Gather(len(sequences))
     with recorder.installed(model):
         for pieces in layout.schedule(lengths):
-            chunks = [SeqChunk(sequences[s][a:b], a, tables[s], s if recurrent else None) for s, a, b in pieces]
+            chunks = [SeqChunk(sequences[s][a:b], a, tables[s], s if stateful else None) for s, a, b in pieces]
             mark = len(recorder.calls)
             hidden = model(ForwardBatch.build(chunks, block_size, device), cache)
             owners = [(s, pos) for s, a, b in pieces for pos in range(a, b)]

@@ -24,7 +24,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-class ReferenceDecoder:
+class Float64Reference:
+    """What C7 asks of a reference: `logits(tokens)` of a whole sequence and `params`, float64 leaves by name."""
+    params: dict[str, torch.Tensor]
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def completion_logprobs(self, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
+        """log p(completion[i] | prompt + completion[:i]) under softmax(logits / temperature), float64."""
+        logits = self.logits(list(prompt) + list(completion[:-1]))[len(prompt) - 1:]
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        return logp.gather(-1, torch.tensor(completion, dtype=torch.long)[:, None])[:, 0]
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        return {name: (t.grad if t.grad is not None else torch.zeros_like(t)) for name, t in self.params.items()}
+
+
+class ReferenceDecoder(Float64Reference):
     """Parameters are float64 leaves named as in the checkpoint; `grads()` returns their gradients."""
 
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor]):
@@ -81,12 +98,3 @@ class ReferenceDecoder:
         x = rms_norm(x, p["model.norm.weight"], c.rms_norm_eps)
         head = p["model.embed_tokens.weight"] if c.tie_word_embeddings else p["lm_head.weight"]
         return x @ head.T
-
-    def completion_logprobs(self, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
-        """log p(completion[i] | prompt + completion[:i]) under softmax(logits / temperature), float64."""
-        logits = self.logits(list(prompt) + list(completion[:-1]))[len(prompt) - 1:]
-        logp = torch.log_softmax(logits / temperature, dim=-1)
-        return logp.gather(-1, torch.tensor(completion, dtype=torch.long)[:, None])[:, 0]
-
-    def grads(self) -> dict[str, torch.Tensor]:
-        return {name: (t.grad if t.grad is not None else torch.zeros_like(t)) for name, t in self.params.items()}

@@ -29,10 +29,11 @@ from onepath.models.checkpoint import (CONFIG, INDEX, REDOWNLOAD, WEIGHTS, atomi
 LAYER_KEY = re.compile(r"^(model|backbone)\.layers\.(\d+)\.(.+)$")
 NOT_COPIED = (".safetensors", ".index.json", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 # config.json fields that describe layers by index, and how a slice rewrites them.
-PER_LAYER = ("layer_types", "no_rope_layers", "layers_block_type")  # one entry per layer: sliced
+PER_LAYER = ("layer_types", "no_rope_layers", "layers_block_type", "mlp_layer_types",
+             "compress_ratios")                                # one entry per layer: sliced
 PATTERNS = ("hybrid_override_pattern",)                        # one letter per layer: sliced
 LAYER_INDICES = ("mlp_only_layers",)                           # indices of some layers: kept ones renumbered
-LEADING_COUNTS = ("max_window_layers", "first_k_dense_replace")  # "the first k layers": shifted, clamped
+LEADING_COUNTS = ("max_window_layers", "first_k_dense_replace", "num_hash_layers")  # "the first k layers": shifted
 PERIODS = ("decoder_sparse_step", "moe_layer_freq", "interleave_moe_layer_step", "sliding_window_pattern",
            "full_attention_interval", "no_rope_layer_interval")  # a pattern every p layers: start % p == 0
 MAX_SHARD_SIZE = 5 * 2**30

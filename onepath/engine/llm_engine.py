@@ -101,8 +101,9 @@ class LLMEngine:
         # a hybrid's Mamba layers keep a state per sequence beside the KV cache, one slot per running sequence
         state_slots = config.max_num_seqs if getattr(model, "has_recurrent_state", False) else 0
         if state_slots and enable_prefix_caching:
-            raise ValueError(f"prefix caching is not supported for {model.config.model_type}: a cached prefix "
-                             "holds the attention layers' K/V but not the Mamba layers' state after it; pass "
+            why = getattr(model, "prefix_caching_refused",
+                          "a cached prefix holds the attention layers' K/V but not the Mamba layers' state after it")
+            raise ValueError(f"prefix caching is not supported for {model.config.model_type}: {why}; pass "
                              "enable_prefix_caching=False (the default for this model)")
         enable_prefix_caching = not state_slots if enable_prefix_caching is None else enable_prefix_caching
         on_cuda = model.device.type == "cuda"

@@ -13,7 +13,7 @@ import torch
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.batch import ForwardBatch
 from onepath.models.dense import DenseDecoder
-from onepath.models.kv_cache import KVCache
+from onepath.models.kv_cache import BLOCK_SIZE, KVCache
 from onepath.models.state_cache import StateCache
 from onepath.numerics.spec import SSD_CHUNK
 from onepath.ops.sampling import sample_key
@@ -46,11 +46,14 @@ def activation_peak(model: DenseDecoder, config: SchedulerConfig, block_size: in
 
 
 def state_bytes(model: DenseDecoder, state_slots: int) -> int:
-    """The recurrent state of `state_slots` sequences (a hybrid model's; 0 for the others)."""
+    """The per-sequence state of `state_slots` running sequences and the scratch slot (a hybrid's recurrent state,
+    DeepSeek-V4's rings; 0 for the others)."""
     if not state_slots:
         return 0
+    if hasattr(model, "cache_state_bytes"):  # a cache layout of its own (DeepSeek-V4's rings)
+        return model.cache_state_bytes(state_slots)
     chunk = model.ops.spec.op("ssd").chunk or SSD_CHUNK
-    return state_slots * StateCache.bytes_per_slot(model.config, model.ops.spec.dtype, chunk)
+    return (state_slots + 1) * StateCache.bytes_per_slot(model.config, model.ops.spec.dtype, chunk)
 
 
 def kv_blocks_for(model: DenseDecoder, config: SchedulerConfig, block_size: int, utilization: float,
@@ -63,9 +66,9 @@ def kv_blocks_for(model: DenseDecoder, config: SchedulerConfig, block_size: int,
     peak = activation_peak(model, config, block_size)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    # the scheduler's state slots and the one the padding rows of captured graphs use (ModelRunner)
-    budget = total * utilization - (total - free) - peak - state_bytes(model, state_slots + 1 if state_slots else 0)
-    per_block = kv_bytes_per_token(model) * block_size
+    # the scheduler's state slots and the scratch slot the padding rows of captured graphs use (ModelRunner)
+    budget = total * utilization - (total - free) - peak - state_bytes(model, state_slots)
+    per_block = kv_bytes_per_token(model, block_size) * block_size
     blocks = int(budget // per_block)
     needed = -(-config.max_model_len // block_size)
     if blocks < needed:
@@ -77,23 +80,24 @@ def kv_blocks_for(model: DenseDecoder, config: SchedulerConfig, block_size: int,
     return blocks
 
 
-def kv_bytes_per_token(model: DenseDecoder) -> int:
+def kv_bytes_per_token(model: DenseDecoder, block_size: int = BLOCK_SIZE) -> float:
     """K/V bytes of one token in the cache the model's spec asks for, FP8 scales included (a model with a cache
-    layout of its own says: `cache_bytes_per_token`)."""
+    layout of its own says, for blocks of block_size tokens: `cache_bytes_per_token`)."""
     if hasattr(model, "cache_bytes_per_token"):
-        return model.cache_bytes_per_token()
+        return model.cache_bytes_per_token(block_size)
     return KVCache.bytes_per_token(model.config, model.ops.spec.dtype, model.ops.kv_quant)
 
 
 def report(model: DenseDecoder, cache: KVCache, utilization: float | None) -> dict:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    per_token = kv_bytes_per_token(model)
+    per_token = kv_bytes_per_token(model, cache.block_size)
     out = {"weights_gib": weights / GIB, "kv_cache_gib": per_token * cache.num_blocks * cache.block_size / GIB,
            "num_blocks": cache.num_blocks - 1, "block_size": cache.block_size, "kv_bytes_per_token": per_token,
            "kv_tokens": (cache.num_blocks - 1) * cache.block_size}
-    states = getattr(cache, "states", None)
-    if states is not None:
-        out.update(state_cache_gib=state_bytes(model, states.num_slots) / GIB, state_slots=states.num_slots - 1)
+    states = getattr(cache, "states", None)  # a hybrid's; DeepSeek-V4's cache counts its rings itself
+    slots = states.num_slots - 1 if states is not None else getattr(cache, "num_slots", 0)  # less the scratch slot
+    if slots:
+        out.update(state_cache_gib=state_bytes(model, slots) / GIB, state_slots=slots)
     if model.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(model.device)
         out.update(gpu_memory_utilization=utilization, device_gib=total / GIB, in_use_gib=(total - free) / GIB)

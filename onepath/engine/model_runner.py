@@ -61,8 +61,10 @@ class DecodeGraphs:
         self.query_seq = torch.arange(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=device)
         self.block_tables = torch.full((n, self.width), scratch_block, dtype=torch.long, device=device)
-        # a hybrid's recurrent state slots (the last one scratch: HybridCache gets one more than the scheduler's)
-        self.scratch_state = cache.states.num_slots - 1 if isinstance(cache, HybridCache) else None
+        # per-sequence state's scratch slot, where padding rows write: a hybrid's recurrent state (HybridCache gets
+        # one slot more than the scheduler's), a cache with rings of its own (DeepSeek-V4's) names it
+        self.scratch_state = cache.states.num_slots - 1 if isinstance(cache, HybridCache) else \
+            getattr(cache, "scratch_slot", None)
         self.state_slots = None if self.scratch_state is None else \
             torch.full((n,), self.scratch_state, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -204,8 +206,11 @@ class ModelRunner:
         self.block_size = block_size
         # one block (and state slot) past the block manager's (and scheduler's): the padding rows of captured
         # graphs write there
-        self.cache = HybridCache.for_model(model, num_blocks + 1, block_size, state_slots + 1) if state_slots \
-            else KVCache.for_model(model, num_blocks + 1, block_size)
+        if hasattr(model, "make_cache"):  # a cache layout of its own (DeepSeek-V4's pages and rings: its scratch
+            self.cache = model.make_cache(num_blocks + 1, block_size, state_slots)  # slot comes with it)
+        else:
+            self.cache = HybridCache.for_model(model, num_blocks + 1, block_size, state_slots + 1) if state_slots \
+                else KVCache.for_model(model, num_blocks + 1, block_size)
         self.graphs = None
         if graph_batch_sizes:
             if model.device.type != "cuda":

@@ -22,12 +22,25 @@ from onepath.models.batch import ForwardBatch
 from onepath.models.deepseek_v4_cache import DeepseekV4Cache, LayerCache, Locator
 from onepath.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from onepath.models.deepseek_v4_names import from_checkpoint, to_checkpoint
-from onepath.models.dense import Linear, RMSNorm
+from onepath.models import dense
+from onepath.models.dense import Linear
+from onepath.models.kv_cache import BLOCK_SIZE
 from onepath.models.moe import CAPACITY, MASKED_MAX_TOKENS, Experts, Router, slot_sum
 from onepath.models.rope_scaling import frequencies, table
 from onepath.ops import Ops
 
 FP32 = torch.float32  # the modules transformers keeps in FP32 whatever the model's dtype
+
+
+class RMSNorm(dense.RMSNorm):
+    """DeepSeek-V4's norm: its weight FP32 whatever the model's dtype, applied before the one rounding to the input's
+    dtype (transformers' DeepseekV4RMSNorm)."""
+
+    def __init__(self, ops: Ops, size: int, eps: float):
+        super().__init__(ops, size, eps, FP32)
+
+    def forward(self, x):
+        return self.ops.rmsnorm(x, self.weight, self.eps, cast_last=True)
 
 
 class HyperConnection(nn.Module):
@@ -78,20 +91,22 @@ class Compressor(nn.Module):
         self.kv_proj = Linear(ops, config.hidden_size, width, False, dtype)
         self.gate_proj = Linear(ops, config.hidden_size, width, False, dtype)
         self.position_bias = nn.Parameter(torch.empty(rate, width, dtype=FP32))
-        self.kv_norm = RMSNorm(ops, dim, config.rms_norm_eps, FP32)
+        self.kv_norm = RMSNorm(ops, dim, config.rms_norm_eps)
 
     def compress(self, x, batch: ForwardBatch, loc: Locator, state_cache, entry_cache, rope: Rope) -> torch.Tensor:
-        """Writes this forward's compressor inputs and the entries of the windows that close in it; returns
-        those entries at their closing rows of a [T, 1, dim] tensor (the reads' gradient source)."""
+        """Pools the windows that close in this forward from their compressor inputs (this forward's, staged, and
+        the earlier ones in the sequence's ring), writes the entries into the pages and the inputs of the windows
+        still open into the ring; returns the entries at their closing rows of a [T, 1, dim] tensor (the reads'
+        gradient source)."""
         ops, rate, dim = self.ops, self.rate, self.dim
         state = torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)[:, None]            # [T, 1, 2 * width]
-        ops.cache_write(state_cache, batch.attn.slot_mapping, state)
-        closing = loc.closing(rate)
+        staged = ops.cache_stage(state)
+        closing, closes = loc.closing(rate)
         span = rate * (2 if self.overlap else 1)
         positions = batch.positions[closing, None] - span + 1 + torch.arange(span, device=x.device)
         valid = positions >= 0
-        slots, rows = loc.locate(closing, positions, valid)
-        kv, gate = ops.cache_read(state_cache, slots, state, rows)[:, :, 0].chunk(2, dim=-1)  # [E, span, width]
+        slots, rows = loc.ring(closing, positions, valid, span)
+        kv, gate = ops.cache_read(state_cache, slots, state, rows, staged)[:, :, 0].chunk(2, dim=-1)  # [E, span, w]
         bias = self.position_bias
         if self.overlap:  # slots 0..rate-1: the previous window's first halves; rate..: this window's second
             kv = torch.cat([kv[:, :rate, :dim], kv[:, rate:, dim:]], dim=1)
@@ -99,9 +114,14 @@ class Compressor(nn.Module):
             bias = torch.cat([bias[:, :dim], bias[:, dim:]], dim=0)
         entries = self.kv_norm(ops.compress(kv, gate, bias, valid))
         cos, sin = rope.tables("compress")
-        entries = ops.rope_interleaved(entries[:, None], batch.positions[closing] - rate + 1, cos, sin)
-        ops.cache_write(entry_cache, batch.attn.slot_mapping[closing], entries)
-        return entries.new_zeros(x.shape[0], 1, dim).index_copy(0, closing, entries)
+        start = (batch.positions[closing] - rate + 1).clamp(min=0)  # a row that closes nothing: its entry unused
+        entries = ops.rope_interleaved(entries[:, None], start, cos, sin)
+        ops.cache_write(entry_cache, loc.entry_writes(closing, closes, rate), entries)
+        if state_cache is not None:
+            ops.cache_copy(state_cache, staged, *loc.ring_writes(span))
+        # zeros at the rows that close nothing (a decode step computes every row): one row per token, as recorded
+        return entries.new_zeros(x.shape[0], 1, dim).index_copy(0, closing, torch.where(closes[:, None, None],
+                                                                                         entries, 0.0))
 
 
 class Scorer(nn.Module):
@@ -133,7 +153,7 @@ class Indexer(Compressor):
             x, q_residual = x.detach(), q_residual.detach()
         ops, t = self.ops, x.shape[0]
         fresh = self.compress(x, batch, loc, cache.index_state, cache.index_entries, rope)
-        positions, valid, slots, rows = loc.cached(("entries", self.rate), lambda: entry_candidates(loc, self.rate))
+        _, valid, slots, rows = loc.cached(("entries", self.rate), lambda: entry_candidates(loc, self.rate))
         cos, sin = rope.tables("compress")
         q = ops.rope_interleaved(self.q_b_proj(q_residual).view(t, self.heads, self.dim), batch.positions, cos, sin)
         keys = ops.cache_read(cache.index_entries, slots, fresh, rows)[:, :, 0]
@@ -162,14 +182,14 @@ class CSACompressor(Compressor):
 
 
 def entry_candidates(loc: Locator, rate: int):
-    """Every entry a query of this forward may see, by index w < the longest context // rate: positions of
-    their closing tokens [T, E], valid (w < (p + 1) // rate), slots and rows."""
+    """Every entry a query of this forward may see, by index w < the longest context // rate: indices [T, E],
+    valid (w < (p + 1) // rate), their page slots and rows."""
     meta = loc.meta
     t = meta.positions.shape[0]
     w = torch.arange(max(meta.context_lens, default=0) // rate, device=meta.positions.device)
-    positions = ((w + 1) * rate - 1).expand(t, -1)
+    index = w.expand(t, -1)
     valid = w[None, :] < ((meta.positions + 1) // rate)[:, None]
-    return (positions, valid, *loc.locate(torch.arange(t, device=w.device), positions, valid))
+    return (index, valid, *loc.entries(torch.arange(t, device=w.device), index, valid, rate))
 
 
 class Attention(nn.Module):
@@ -181,10 +201,10 @@ class Attention(nn.Module):
         h, d, dtype = config.num_attention_heads, config.head_dim, ops.spec.dtype
         self.heads, self.head_dim, self.groups = h, d, config.o_groups
         self.q_a_proj = Linear(ops, config.hidden_size, config.q_lora_rank, False, dtype)
-        self.q_a_norm = RMSNorm(ops, config.q_lora_rank, config.rms_norm_eps, FP32)
+        self.q_a_norm = RMSNorm(ops, config.q_lora_rank, config.rms_norm_eps)
         self.q_b_proj = Linear(ops, config.q_lora_rank, h * d, False, dtype)
         self.kv_proj = Linear(ops, config.hidden_size, d, False, dtype)
-        self.kv_norm = RMSNorm(ops, d, config.rms_norm_eps, FP32)
+        self.kv_norm = RMSNorm(ops, d, config.rms_norm_eps)
         self.o_a_proj = Linear(ops, h * d // self.groups, self.groups * config.o_lora_rank, False, dtype)
         self.o_b_proj = Linear(ops, self.groups * config.o_lora_rank, config.hidden_size, False, dtype)
         self.sinks = nn.Parameter(torch.empty(h, dtype=FP32))
@@ -199,29 +219,30 @@ class Attention(nn.Module):
         pos = batch.positions
         cos, sin = rope.tables(self.rope_label)
         q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = ops.rmsnorm(self.q_b_proj(q_residual).view(t, self.heads, self.head_dim), self.unit, eps)
+        q = ops.rmsnorm(self.q_b_proj(q_residual).view(t, self.heads, self.head_dim), self.unit, eps, cast_last=True)
         q = ops.rope_interleaved(q, pos, cos, sin)
         kv = ops.rope_interleaved(self.kv_norm(self.kv_proj(x)).view(t, 1, self.head_dim), pos, cos, sin)
-        ops.cache_write(cache.kv, batch.attn.slot_mapping, kv)
+        staged = ops.cache_stage(kv, quantised=ops.kv_quant is not None)
         window = self.config.sliding_window
         _, valid, slots, rows = loc.cached("window", lambda: window_candidates(loc, window))
-        keys, masks = [ops.cache_read(cache.kv, slots, kv, rows)], [valid]
+        keys, masks = [ops.cache_read(cache.kv, slots, kv, rows, staged)], [valid]
+        if cache.kv is not None:
+            ops.cache_copy(cache.kv, staged, *loc.ring_writes(window))
         selection = None
         if self.kind != SLIDING:
             keys_c, valid_c, selection = self.compressed(x, q_residual, batch, cache, loc, rope)
             keys.append(keys_c)
             masks.append(valid_c)
         keys, masks = torch.cat(keys, dim=1)[:, :, 0], torch.cat(masks, dim=1)
-        o = ops.sparse_attention(q, keys, masks, self.sinks, self.head_dim ** -0.5)
+        o = ops.sparse_attention(q, keys, masks, self.sinks, self.head_dim ** -0.5, loc.decode)
         if selection is not None and self.compressor.indexer.trained:
             with torch.no_grad():
                 weights = ops.attention_weights(q, keys, masks, self.sinks, self.head_dim ** -0.5)[:, :, window:]
             self.indexer_loss = self.compressor.indexer.loss(*selection, weights.sum(1))
         o = ops.rope_interleaved(o, pos, cos, sin, inverse=True)
-        grouped = o.reshape(t, self.groups, -1).transpose(0, 1).reshape(self.groups * t, -1)
-        weight = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
-        mixed = ops.grouped_linear(grouped, weight, [t] * self.groups).view(self.groups, t, -1)
-        return self.o_b_proj(mixed.transpose(0, 1).reshape(t, -1))
+        grouped = o.reshape(t, self.groups, -1)
+        mixed = ops.group_linear(grouped, self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1]))
+        return self.o_b_proj(mixed.reshape(t, -1))
 
     def compressed(self, x, q_residual, batch, cache: LayerCache, loc: Locator, rope: Rope):
         """This query's compressed entries [T, C, 1, D] and their validity [T, C]: all it may see in an HCA
@@ -235,18 +256,18 @@ class Attention(nn.Module):
         else:
             selection = c.indexer.select(x, q_residual, batch, loc, cache, rope)
             valid = selection[0] >= 0
-            positions = (selection[0] + 1) * c.rate - 1
-            slots, rows = loc.locate(torch.arange(x.shape[0], device=x.device), positions, valid)
+            slots, rows = loc.entries(torch.arange(x.shape[0], device=x.device), selection[0], valid, c.rate)
         return self.ops.cache_read(cache.entries, slots, fresh, rows), valid, selection
 
 
 def window_candidates(loc: Locator, window: int):
-    """Each query's sliding window, positions p - window + 1 .. p ascending [T, window]: valid, slots, rows."""
+    """Each query's sliding window, positions p - window + 1 .. p ascending [T, window]: valid, ring slots and
+    this forward's rows."""
     meta = loc.meta
     t = meta.positions.shape[0]
     positions = meta.positions[:, None] - window + 1 + torch.arange(window, device=meta.positions.device)
     valid = positions >= 0
-    return (positions, valid, *loc.locate(torch.arange(t, device=positions.device), positions, valid))
+    return (positions, valid, *loc.ring(torch.arange(t, device=positions.device), positions, valid, window))
 
 
 class TopKRouter(Router):
@@ -321,8 +342,8 @@ class DecoderLayer(nn.Module):
         n = config.hc_mult
         self.self_attn = Attention(ops, config, layer)
         self.mlp = MoE(ops, config, layer)
-        self.input_layernorm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps, FP32)
-        self.post_attention_layernorm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps, FP32)
+        self.input_layernorm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps)
         self.attn_hc = HyperConnection(config, (2 + n) * n)
         self.ffn_hc = HyperConnection(config, (2 + n) * n)
 
@@ -338,20 +359,25 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV4Decoder(nn.Module):
-    # the forward finds its closing windows and entry counts on the host; the engine runs it eagerly
-    capturable = False
+    # the engine keeps each running sequence's window and open compressor windows in a slot's rings
+    has_recurrent_state = True
+    prefix_caching_refused = ("a cached prefix holds its compressed entries but not the sequence's rings after it "
+                              "(its sliding window and open compressor windows)")
+
+    @property
+    def capturable(self) -> bool:
+        """Whether decode steps may run in CUDA graphs: a decode step finds its rows on the device (Locator), and
+        the experts must read their counts there too (grouped launches: on CUDA; loops read them on the host)."""
+        return all(m.experts.counts_on_device for m in self.modules() if isinstance(m, MoE))
 
     def __init__(self, config: DeepseekV4Config, ops: Ops, max_positions: int | None = None):
         super().__init__()
-        if ops.spec.dtype != torch.float32:
-            raise ValueError(f"DeepSeek-V4 runs in float32 for now, the spec's dtype is {ops.spec.dtype}: the "
-                             "modules transformers keeps in FP32 need their own rounding in BF16 (docs/models.md)")
         self.config, self.ops = config, ops
         dtype = ops.spec.dtype
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.model.layers = nn.ModuleList(DecoderLayer(ops, config, i) for i in range(config.num_hidden_layers))
-        self.model.norm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps, FP32)
+        self.model.norm = RMSNorm(ops, config.hidden_size, config.rms_norm_eps)
         self.model.hc_head = HyperHead(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Module()
@@ -396,19 +422,30 @@ class DeepseekV4Decoder(nn.Module):
         """A RoPE table: its rows are the positions the model can run (the engine checks max_model_len by it)."""
         return self.rope.main_cos
 
-    def make_cache(self, num_blocks: int, block_size: int) -> DeepseekV4Cache:
+    def make_cache(self, num_blocks: int, block_size: int, num_slots: int = 0) -> DeepseekV4Cache:
+        """Pages for num_blocks token blocks and rings for num_slots running sequences (0: whole sequences)."""
         return DeepseekV4Cache(self.config, num_blocks, block_size, self.ops.spec.dtype, self.device,
-                               kv=self.ops.kv_quant)
+                               kv=self.ops.kv_quant, num_slots=num_slots)
 
-    def cache_bytes_per_token(self) -> int:
-        return DeepseekV4Cache.bytes_per_token(self.config, self.ops.spec.dtype, self.ops.kv_quant)
+    def cache_bytes_per_token(self, block_size: int = BLOCK_SIZE) -> float:
+        return DeepseekV4Cache.bytes_per_token(self.config, self.ops.spec.dtype, self.ops.kv_quant, block_size)
+
+    def cache_bytes_per_slot(self) -> int:
+        return DeepseekV4Cache.bytes_per_slot(self.config, self.ops.spec.dtype, self.ops.kv_quant)
+
+    def cache_state_bytes(self, num_slots: int) -> int:
+        """The rings of num_slots running sequences, and the scratch slot's."""
+        return (num_slots + 1) * self.cache_bytes_per_slot()
 
     def forward(self, batch: ForwardBatch, cache: DeepseekV4Cache, layer_fn=None) -> torch.Tensor:
         """Hidden states after the final norm [T, hidden]; layer_fn(layer, *args) as DenseDecoder's."""
         c, ops = self.config, self.ops
         x = ops.embedding(batch.input_ids, self.model.embed_tokens.weight, c.padding_idx)
         x = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
-        loc = Locator(batch.attn)
+        slots = None
+        if cache.num_slots:
+            slots = list(range(batch.attn.num_seqs)) if batch.state_slots is None else batch.state_slots
+        loc = Locator(batch.attn, slots, cache.scratch_block)
         for layer, layer_cache in zip(self.model.layers, cache.layers):
             args = (x, batch, layer_cache, loc, self.rope)
             x = layer(*args) if layer_fn is None else layer_fn(layer, *args)

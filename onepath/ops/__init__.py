@@ -90,6 +90,13 @@ class Ops:
         """x's rows packed by expert (counts[e] rows each) through ops.linear against weight[e]."""
         return _linear.grouped_linear(self.spec, x, weight, counts, op=op)
 
+    def group_linear(self, x, weight):
+        """x [T, G, K] through weight [G, N, K] group by group -> [T, G, N] (DeepSeek-V4's grouped output
+        projection): grouped_linear over the groups' rows, one row per token."""
+        t, groups = x.shape[:2]
+        packed = x.transpose(0, 1).reshape(groups * t, -1)
+        return self.grouped_linear(packed, weight, [t] * groups).view(groups, t, -1).transpose(0, 1)
+
     def grouped_expert_down(self, x, weight, counts, op="linear"):
         """ops.expert_down (FP32 output) of rows packed by expert, as grouped_linear."""
         return _linear.grouped_linear(self.spec, x, weight, counts, op=op, out_dtype=torch.float32)
@@ -106,8 +113,9 @@ class Ops:
         """FP32 sqrt(softplus(x)) (DeepSeek-V4's router score)."""
         return _sqrtsoftplus.sqrtsoftplus(self.spec, x)
 
-    def rmsnorm(self, x, weight, eps):
-        return _rmsnorm.rmsnorm(self.spec, x, weight, eps)
+    def rmsnorm(self, x, weight, eps, cast_last=False):
+        """cast_last: scale by the weight in FP32 before the one rounding to x's dtype (DeepSeek-V4's norm)."""
+        return _rmsnorm.rmsnorm(self.spec, x, weight, eps, cast_last)
 
     def add_rmsnorm(self, x, residual, weight, eps):
         """(rmsnorm(x + residual), x + residual): a residual add and the norm after it, in one launch on CUDA."""
@@ -152,14 +160,24 @@ class Ops:
         """Rows x [N, *row] into a paged cache at slots [N] (FP8 by the spec's attention.kv)."""
         _cache_rows.write(self.spec, cache, slots, x)
 
-    def cache_read(self, cache, slots, fresh=None, rows=None):
-        """The paged cache's rows at slots [...] (-1: zeros) in the model's dtype: every phase's one read path;
-        the gradient goes to `fresh` at `rows` (ops/cache_rows.py)."""
-        return _cache_rows.read(self.spec, cache, slots, self.spec.dtype, fresh, rows)
+    def cache_read(self, cache, slots, fresh=None, rows=None, staged=None):
+        """The cache's rows at slots [...] (-1: zeros) in the model's dtype, or the staged rows at rows where
+        rows >= 0: every phase's one read path; the gradient goes to `fresh` at `rows` (ops/cache_rows.py)."""
+        return _cache_rows.read(self.spec, cache, slots, self.spec.dtype, fresh, rows, staged)
 
-    def sparse_attention(self, q, keys, valid, sinks, scale):
-        """Each query over its own gathered keys (K = V) with a sink per head (DeepSeek-V4)."""
-        return _sparse_attention.sparse_attention(self.spec, q, keys, valid, sinks, scale)
+    def cache_stage(self, x, quantised=False):
+        """This forward's rows x [N, 1, width] as a cache stores them (FP8 by the spec's attention.kv if
+        `quantised`), to read with cache_read before they reach a ring."""
+        return _cache_rows.stage(self.spec, x, quantised)
+
+    def cache_copy(self, cache, staged, slots, rows):
+        """Staged rows `rows` [N] into the cache's slots [N], as stored."""
+        _cache_rows.copy(cache, slots, staged, rows)
+
+    def sparse_attention(self, q, keys, valid, sinks, scale, decode=False):
+        """Each query over its own gathered keys (K = V) with a sink per head (DeepSeek-V4); decode: a decode step
+        (the baseline's path of its own)."""
+        return _sparse_attention.sparse_attention(self.spec, q, keys, valid, sinks, scale, decode)
 
     def attention_weights(self, q, keys, valid, sinks, scale):
         """sparse_attention's probabilities [T, H, L] in plain FP32 (a training target, not a forward value)."""

@@ -10,7 +10,9 @@ whole context); the consistent path scores both by the same per-query formula, d
 over d and the head sum as a fixed tree over the heads, on fixed-shape row chunks, so a query's scores do not
 depend on the layout its keys were read from, on its neighbours, or on the phase. baseline: the stock prefill
 and paged-decode paths, a GEMM over the launch for contiguous keys and per-query products summed by torch for
-gathered keys, then a sum over the heads. Invalid entries score -inf. Backward: `reference`.
+gathered keys, then a sum over the heads. consistent CUDA: the Triton kernel of ops/cuda/indexer.py (tensor-core
+dots in the model's dtype with FP32 accumulation, one fixed head sum), the same invariances. Invalid entries score
+-inf. Backward: `reference`.
 """
 from __future__ import annotations
 
@@ -61,14 +63,19 @@ def cpu_consistent(spec: ExecutionSpec, softmax_scale: float, weights_scale: flo
     return lambda q, k, w, valid: consistent(q, k, w, valid, softmax_scale, weights_scale, rows)
 
 
+def cuda_consistent(spec: ExecutionSpec, softmax_scale: float, weights_scale: float):
+    from onepath.ops.cuda.indexer import index_scores as triton_index_scores
+    return lambda q, k, w, valid: triton_index_scores(q, k, w, valid, softmax_scale, weights_scale)
+
+
 def baseline(spec: ExecutionSpec, softmax_scale: float, weights_scale: float):
     return lambda q, k, w, valid: stock(q, k, w, valid, softmax_scale, weights_scale)
 
 
-# (mode, device) -> kernel factory (spec, scales) -> kernel(q, keys, weights, valid); torch on both devices
+# (mode, device) -> kernel factory (spec, scales) -> kernel(q, keys, weights, valid)
 KERNELS = {
     ("consistent", "cpu"): cpu_consistent,
-    ("consistent", "cuda"): cpu_consistent,
+    ("consistent", "cuda"): cuda_consistent,
     ("baseline", "cpu"): baseline,
     ("baseline", "cuda"): baseline,
 }

@@ -3,7 +3,9 @@
 Backends, from KERNELS by (mode, device): consistent CPU: the sum of squares is a fixed tree over the hidden size
 (elementwise adds only), rsqrt on fixed-shape pieces; baseline CPU: the stock `x.pow(2).mean(-1)` reduction; CUDA,
 both modes: the fused Triton kernel of ops/cuda/rmsnorm.py (a speed-up that is not about consistency goes to both).
-The order of the final products follows Hugging Face (normalise, cast, then scale by w). Backward: `reference`.
+The order of the final products follows Hugging Face's Llama (normalise, cast, then scale by w); `cast_last`
+gives DeepSeek-V4's (normalise, scale by w in FP32, one rounding to the input's dtype: its norm weights stay FP32 in
+a BF16 model, the output is in the input's dtype). Backward: `reference`.
 
 gated_rmsnorm (Mamba-2's norm before out_proj, Nemotron-H's RMSNormGated with norm_before_gate False): the input
 times silu(gate), normalised over groups of `group_size` channels, in FP32; scaled by w in FP32 and rounded once to
@@ -22,26 +24,32 @@ from onepath.ops.pinned import pinned_unary, tree_sum
 from onepath.ops.linear_quant import attach_quantized, fused_act_rule
 
 
-def reference(x, weight, eps):
+def scaled(x, normed, weight, cast_last):
+    """Llama's w * round(normed), or DeepSeek-V4's round(w * normed) (cast_last), normed FP32."""
+    return (weight.float() * normed).to(x.dtype) if cast_last else weight * normed.to(x.dtype)
+
+
+def reference(x, weight, eps, cast_last=False):
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
-    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+    return scaled(x, xf * torch.rsqrt(var + eps), weight, cast_last)
 
 
-def consistent(x, weight, eps):
+def consistent(x, weight, eps, cast_last=False):
     xf = x.float()
     var = tree_sum(xf * xf) / xf.shape[-1]
     inv = pinned_unary(torch.rsqrt, var + eps)
-    return weight * (xf * inv.unsqueeze(-1)).to(x.dtype)
+    return scaled(x, xf * inv.unsqueeze(-1), weight, cast_last)
 
 
-def cuda(spec: ExecutionSpec, eps: float):
+def cuda(spec: ExecutionSpec, eps: float, cast_last: bool = False):
     from onepath.ops.cuda.rmsnorm import BLOCK_H
     from onepath.ops.cuda.rmsnorm import rmsnorm as triton_rmsnorm
     act = fused_act_rule(spec, BLOCK_H)  # here, not in the kernel: autograd's forward runs with grad off
 
     def kernel(x, w):
-        return triton_rmsnorm(x, w, eps) if act is None else attach_quantized(*triton_rmsnorm(x, w, eps, act))
+        out = triton_rmsnorm(x, w, eps, act, cast_last)
+        return out if act is None else attach_quantized(*out)
     return kernel
 
 
@@ -64,10 +72,10 @@ def cpu_residual(spec: ExecutionSpec, eps: float):
     return kernel
 
 
-# (mode, device) -> kernel factory (spec, eps) -> kernel(x, w); ADD_KERNELS: the same for add_rmsnorm's (x, r, w)
+# (mode, device) -> kernel factory (spec, eps, cast_last) -> kernel(x, w); ADD_KERNELS: (spec, eps) -> kernel(x, r, w)
 KERNELS = {
-    ("consistent", "cpu"): lambda spec, eps: lambda x, w: consistent(x, w, eps),
-    ("baseline", "cpu"): lambda spec, eps: lambda x, w: reference(x, w, eps),
+    ("consistent", "cpu"): lambda spec, eps, cast_last=False: lambda x, w: consistent(x, w, eps, cast_last),
+    ("baseline", "cpu"): lambda spec, eps, cast_last=False: lambda x, w: reference(x, w, eps, cast_last),
     ("consistent", "cuda"): cuda,
     ("baseline", "cuda"): cuda,
 }
@@ -118,9 +126,11 @@ def gated_rmsnorm(spec: ExecutionSpec, x: torch.Tensor, gate: torch.Tensor, weig
                         lambda x, z, w: gated_reference(x, z, w, eps, group_size), x, gate, weight)
 
 
-def rmsnorm(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    kernel = KERNELS[spec.mode, spec.device](spec, eps)
-    return apply_kernel(kernel, lambda x, w: reference(x, w, eps), x, weight)
+def rmsnorm(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, eps: float,
+            cast_last: bool = False) -> torch.Tensor:
+    """x [..., H], weight [H]; cast_last: DeepSeek-V4's order (the module docstring), the output in x's dtype."""
+    kernel = KERNELS[spec.mode, spec.device](spec, eps, cast_last)
+    return apply_kernel(kernel, lambda x, w: reference(x, w, eps, cast_last), x, weight)
 
 
 def add_rmsnorm(spec: ExecutionSpec, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -11,8 +11,16 @@ consistent: the dot products as a fixed tree over the head dim, the sums over th
 give exact zeros, so a query's bits follow from its own candidate list alone: not from the queries beside it,
 their number, the phase, or how many candidates its neighbours needed (a longer padded list adds zero tiles).
 The list's order is the model's (window in ascending position, then the entries in the order the layer
-emits them), so it fixes the accumulation order. baseline: one batched matmul and torch.softmax over the
-launch, as a stock eager attention with sinks runs it. Backward: `reference`. `weights` gives the probabilities
+emits them), so it fixes the accumulation order; `decode` is not read. consistent CUDA: the Triton kernel of
+ops/cuda/sparse_attention.py (one program per query, tiles of kv_tile, an online softmax that starts at the
+sink), with the same invariances.
+
+baseline, the stock paths: a prefill (or a chunk) as transformers' eager attention runs it in the model's
+dtype (the scores from a GEMM in that dtype, FP32 softmax with the sink, the probabilities rounded to the
+model's dtype for the value GEMM); a decode step (`decode`: one query per sequence) by a path of its own, as
+flash-decoding runs it: the candidates in splits whose number is chosen from the batch (enough work for
+STOCK_PROGRAMS programs), each split's probabilities against its own maximum rounded to the model's dtype, the
+FP32 partial outputs merged by their log-sum-exp. Backward: `reference`. `weights` gives the probabilities
 themselves (the target of the indexer's training loss): plain FP32 math, no consistency claim.
 """
 from __future__ import annotations
@@ -55,31 +63,72 @@ def consistent(q, keys, valid, sinks, scale, kv_tile: int, rows: int):
     return row_chunks(chunk, rows, q, keys, valid).to(q.dtype)
 
 
-def cpu_consistent(spec: ExecutionSpec, scale: float):
+def stock_prefill(q, keys, valid, sinks, scale):
+    s = torch.matmul(q, keys.to(q.dtype).transpose(1, 2)).float() * scale                # [T, H, L]
+    s = s.masked_fill(~valid[:, None, :], -math.inf)
+    logits = torch.cat([s, sinks.float()[None, :, None].expand(s.shape[0], -1, 1)], dim=-1)
+    p = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.matmul(p.to(q.dtype), keys.to(q.dtype))
+
+
+STOCK_TILE = 8        # the stock decode's candidates per tile: a split holds whole tiles
+STOCK_PROGRAMS = 32   # the (query, head, split) programs the stock decode fills: fewer splits as the batch grows
+
+
+def stock_decode(q, keys, valid, sinks, scale):
+    t, length = q.shape[0], keys.shape[1]
+    splits = max(1, min(-(-length // STOCK_TILE), -(-STOCK_PROGRAMS // max(t * q.shape[1], 1))))
+    size = -(-length // splits // STOCK_TILE) * STOCK_TILE
+    s = torch.matmul(q.float(), keys.float().transpose(1, 2)) * scale
+    s = s.masked_fill(~valid[:, None, :], -math.inf)
+    parts = []
+    for a in range(0, length, size):
+        part = s[..., a:a + size]
+        top = part.amax(dim=-1)
+        top = torch.where(torch.isinf(top), 0.0, top)                                   # an all-invalid split
+        p = torch.exp(part - top[..., None])
+        parts.append((top, p.sum(-1), torch.matmul(p.to(q.dtype), keys[:, a:a + size].to(q.dtype)).float()))
+    sink = sinks.float()[None].expand(t, -1)
+    top = torch.stack([p[0] for p in parts] + [sink]).amax(0)
+    denom, out = torch.exp(sink - top), 0.0
+    for m, total, o in parts:
+        w = torch.exp(m - top)
+        denom, out = denom + w * total, out + w[..., None] * o
+    return (out / denom[..., None]).to(q.dtype)
+
+
+def cpu_consistent(spec: ExecutionSpec, scale: float, decode: bool):
     o = spec.op("attention")
     return lambda q, keys, valid, sinks: consistent(q, keys, valid, sinks, scale, o.kv_tile, o.row_chunk)
 
 
-def stock(spec: ExecutionSpec, scale: float):
-    return lambda q, keys, valid, sinks: reference(q, keys, valid, sinks, scale)
+def cuda_consistent(spec: ExecutionSpec, scale: float, decode: bool):
+    from onepath.ops.cuda.sparse_attention import sparse_attention as triton_sparse_attention
+    tile = spec.op("attention").kv_tile
+    return lambda q, keys, valid, sinks: triton_sparse_attention(q, keys, valid, sinks, scale, tile)
 
 
-# (mode, device) -> kernel factory (spec, scale) -> kernel(q, keys, valid, sinks); the torch recipes serve CUDA
-# until its Triton kernel lands
+def stock(spec: ExecutionSpec, scale: float, decode: bool):
+    recipe = stock_decode if decode else stock_prefill
+    return lambda q, keys, valid, sinks: recipe(q, keys, valid, sinks, scale)
+
+
+# (mode, device) -> kernel factory (spec, scale, decode) -> kernel(q, keys, valid, sinks)
 KERNELS = {
     ("consistent", "cpu"): cpu_consistent,
-    ("consistent", "cuda"): cpu_consistent,
+    ("consistent", "cuda"): cuda_consistent,
     ("baseline", "cpu"): stock,
     ("baseline", "cuda"): stock,
 }
 
 
 def sparse_attention(spec: ExecutionSpec, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
-                     sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, H, D]; keys [T, L, D] each query's candidates (K = V); valid [T, L] bool; sinks [H] -> [T, H, D]."""
+                     sinks: torch.Tensor, scale: float, decode: bool = False) -> torch.Tensor:
+    """q [T, H, D]; keys [T, L, D] each query's candidates (K = V); valid [T, L] bool; sinks [H] -> [T, H, D].
+    decode: the launch is a decode step (one query per sequence); the baseline alone reads it."""
     if keys.shape[:2] != valid.shape or keys.shape[0] != q.shape[0] or keys.shape[-1] != q.shape[-1]:
         raise ValueError(f"sparse_attention: q {tuple(q.shape)}, keys {tuple(keys.shape)} and valid "
                          f"{tuple(valid.shape)} must be [T, H, D], [T, L, D] and [T, L]")
-    kernel = KERNELS[spec.mode, spec.device](spec, scale)
+    kernel = KERNELS[spec.mode, spec.device](spec, scale, decode)
     return apply_kernel(lambda q, k, s: kernel(q, k, valid, s), lambda q, k, s: reference(q, k, valid, s, scale),
                         q, keys, sinks)

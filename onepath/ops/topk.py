@@ -8,7 +8,9 @@ baseline: torch.topk (ties broken however the library does it). The same torch c
 index_topk is the sparse-attention selection (DeepSeek-V4's lightning indexer): the k best valid entries
 of a row by the same 64-bit key, the position being the entry's index within its request (never a batch
 row), emitted sorted by descending position with -1 for the slots no valid entry fills, since that order
-fixes the attention's accumulation order. baseline: torch.topk's indices in its own order (INDEX_KERNELS).
+fixes the attention's accumulation order. baseline: torch.topk's indices in its own order (INDEX_KERNELS). On
+consistent CUDA a radix select and a walk from the row's end in one Triton launch (ops/cuda/topk.py), the same
+positions bit for bit.
 """
 from __future__ import annotations
 
@@ -100,9 +102,14 @@ SORTS = {
     ("baseline", "cpu"): library_sort,
     ("baseline", "cuda"): library_sort,
 }
+def cuda_index_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    from onepath.ops.cuda.topk import index_topk as triton_index_topk
+    return triton_index_topk(scores, valid, k)
+
+
 INDEX_KERNELS = {
     ("consistent", "cpu"): keyed_index_topk,
-    ("consistent", "cuda"): keyed_index_topk,
+    ("consistent", "cuda"): cuda_index_topk,
     ("baseline", "cpu"): library_index_topk,
     ("baseline", "cuda"): library_index_topk,
 }

@@ -99,6 +99,15 @@ def build_model(model_config: ModelConfig, spec: ExecutionSpec, max_positions: i
     return model
 
 
+def train_indexer(policy) -> None:
+    """train.indexer_loss > 0: the policy's lightning indexer takes gradients (refused by name without one)."""
+    kinds = getattr(policy.config, "layer_types", None) or []
+    if not hasattr(policy, "freeze_indexer") or "compressed_sparse_attention" not in kinds:
+        raise ValueError(f"train.indexer_loss is set but {policy.config.model_type} has no lightning indexer (a "
+                         "deepseek_v4 model with compressed_sparse_attention layers has one): set it to 0")
+    policy.freeze_indexer(False)
+
+
 def prepare(cfg: RunConfig, out: Path, progress: bool = True, world: World = World()) -> Setup:
     """On several processes rank 0 prepares first (it writes the data files and the warm start);
     the others then read its warm start and write their copy of the embedded data aside."""
@@ -293,6 +302,8 @@ class GRPOTrainer:
             self.engine.weight_version = self.start  # the step whose update made the weights (0: the initial ones)
         if world.trains:
             self.policy = build_model(setup.model_config, self.trainer_spec, max_len, init_state)
+            if t.indexer_loss:
+                train_indexer(self.policy)
             self.actor = ACTORS[world.trainer](
                 self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm, t.lr_warmup_steps,
                 recompute=t.recompute, master_dtype=DTYPES[t.master_dtype] if t.master_dtype else None)
@@ -563,7 +574,13 @@ class GRPOTrainer:
             old = logprobs.detach() if verify else rollout_logprobs[rows]
             weights, keep, _ = rollout_correction(old, rollout_logprobs[rows], mask[rows], t.rollout_is,
                                                   t.rollout_is_threshold, t.rollout_rs, t.rollout_rs_threshold)
-            return policy_loss(logprobs, old, advantages_on[rows], keep, t.clip_ratio, weights, count=valid_tokens)
+            loss, stats = policy_loss(logprobs, old, advantages_on[rows], keep, t.clip_ratio, weights,
+                                      count=valid_tokens)
+            if t.indexer_loss:  # this forward's indexer loss, a mean over its queries: its share of the step's
+                aux = self.policy.indexer_loss() * (float(mask[rows].sum()) / valid_tokens)
+                loss = loss + t.indexer_loss * aux
+                stats = {**stats, "actor/indexer_loss": float(aux.detach())}
+            return loss, stats
 
         episodes = self.env is not None or self.agent is not None
         forward = partial(masked_logprobs, self.actor) if episodes else self.actor.logprobs

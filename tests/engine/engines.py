@@ -6,7 +6,8 @@ from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
 
 
-def engine(model, num_blocks: int = 128, enable_prefix_caching: bool = True, **scheduler) -> LLMEngine:
+def engine(model, num_blocks: int = 128, enable_prefix_caching: bool | None = None, **scheduler) -> LLMEngine:
+    """enable_prefix_caching None: the engine's default (on, off for a model with per-sequence state)."""
     return LLMEngine(model, num_blocks=num_blocks, block_size=16, enable_prefix_caching=enable_prefix_caching,
                      scheduler=SchedulerConfig(max_model_len=128, **scheduler))
 

@@ -93,3 +93,25 @@ def test_gated_rmsnorm_refuses_groups_that_do_not_split_the_row(consistent):
     import pytest
     with pytest.raises(ValueError, match="split into groups of 7"):
         R.gated_rmsnorm(consistent, torch.ones(2, 24), torch.ones(2, 24), torch.ones(24), 1e-5, 7)
+
+
+def test_cast_last_is_deepseek_v4s_norm(consistent, baseline, gen):
+    """cast_last: BF16 rows and an FP32 weight give transformers' DeepseekV4RMSNorm (round(w * normed), out in x's
+    dtype) within the tree sum's last bit, a row's bits alone = in a batch; Llama's order (round, then scale) gives
+    other bits and an FP32 output."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
+    x = (torch.randn(37, 1030, generator=gen) * 3).bfloat16()
+    w = torch.randn(1030, generator=gen) + 1.0
+    norm = DeepseekV4RMSNorm(1030, eps=1e-6)
+    norm.weight.data.copy_(w)
+    with torch.no_grad():
+        want = norm(x)
+    for spec in (consistent, baseline):
+        got = R.rmsnorm(spec, x, w, 1e-6, cast_last=True)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want, rtol=0, atol=0.02)
+    assert torch.equal(R.rmsnorm(baseline, x, w, 1e-6, cast_last=True), want)
+    got = R.rmsnorm(consistent, x, w, 1e-6, cast_last=True)
+    assert torch.equal(torch.cat([R.rmsnorm(consistent, x[i:i + 1], w, 1e-6, cast_last=True) for i in range(37)]), got)
+    llama = R.rmsnorm(consistent, x, w, 1e-6)
+    assert llama.dtype == torch.float32 and not torch.equal(llama.bfloat16(), got)

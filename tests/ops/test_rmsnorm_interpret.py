@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from tests.interpret import check_recorder, interpreted_checks, kernel_case_tools, patch_bf16_rounding, print_checks
 
-CHECKS = ["rmsnorm_values", "rmsnorm_rows_alone_equal_rows_in_batch", "rmsnorm_residual", "rmsnorm_misaligned_input",
-          "qk_norm_rope_equals_norm_then_rope"]
+CHECKS = ["rmsnorm_values", "rmsnorm_cast_last", "rmsnorm_rows_alone_equal_rows_in_batch", "rmsnorm_residual",
+          "rmsnorm_misaligned_input", "qk_norm_rope_equals_norm_then_rope"]
 
 
 def _run_checks() -> dict:
@@ -30,6 +30,12 @@ def _run_checks() -> dict:
             x, w = rand(5, h, dtype=dtype, scale=3), rand(h, dtype=dtype)
             ok, why = close(rmsnorm.rmsnorm(x, w, 1e-6), RN.reference(x, w, 1e-6))
             record("rmsnorm_values", ok, f"{dtype} H={h}: {why}")
+    # cast_last (DeepSeek-V4's norm: an FP32 weight applied before the one rounding to x's dtype)
+    for h in (40, 1030):
+        x, w = rand(5, h, dtype=torch.bfloat16, scale=3), rand(h, dtype=torch.float32)
+        got, want = rmsnorm.rmsnorm(x, w, 1e-6, cast_last=True), RN.reference(x, w, 1e-6, cast_last=True)
+        ok, why = close(got, want)
+        record("rmsnorm_cast_last", ok and got.dtype == torch.bfloat16, f"H={h}: {why} {got.dtype}")
     h = 1030
     w = rand(h)
     probe = rand(1, h, scale=3)

@@ -61,3 +61,18 @@ def test_mismatched_shapes_are_named(consistent):
     with pytest.raises(ValueError, match="sparse_attention: q"):
         SA.sparse_attention(consistent, torch.zeros(3, 2, 8), torch.zeros(3, 5, 4), torch.ones(3, 5, dtype=torch.bool),
                             torch.zeros(2), 1.0)
+
+
+def test_baseline_decode_has_a_path_of_its_own_split_by_the_batch(consistent, baseline, gen):
+    """The stock decode (flash-decoding: splits chosen from the batch, each split's probabilities rounded to the
+    model's dtype) stays close to the reference, but a query's BF16 bits move with the batch and differ from the
+    stock prefill's; the consistent path ignores `decode`."""
+    q, keys, valid, sinks = (t.bfloat16() if t.is_floating_point() else t for t in inputs(gen, length=60))
+    decode = lambda rows: SA.sparse_attention(baseline, q[rows], keys[rows], valid[rows], sinks, 0.125, decode=True)
+    full, alone = decode(slice(None)), torch.cat([decode(slice(i, i + 1)) for i in range(q.shape[0])])
+    ref = SA.reference(q, keys, valid, sinks, 0.125)
+    torch.testing.assert_close(full, ref, rtol=0.02, atol=0.02)
+    assert not torch.equal(full, alone)
+    assert not torch.equal(full, SA.sparse_attention(baseline, q, keys, valid, sinks, 0.125))
+    assert torch.equal(SA.sparse_attention(consistent, q, keys, valid, sinks, 0.125, decode=True),
+                       SA.sparse_attention(consistent, q, keys, valid, sinks, 0.125))

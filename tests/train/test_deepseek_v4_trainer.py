@@ -1,10 +1,12 @@
 """DeepSeek-V4 through the real engine and trainer on the CPU: the trainer's log-probs (its private cache, whole
 sequences) equal the engine's (paged cache, prefill then decode) bit for bit, before and after an update and in-place
-sync, with the FP8 KV cache too; the engine's outputs do not change with the prefill chunk size or preemption. The
-baseline mode differs: the negative control."""
+sync, with the FP8 KV cache too, in FP32 and in BF16 (the GPU's default spec); the engine's outputs do not change with
+the prefill chunk size or preemption. The baseline mode differs: the negative control."""
 import pytest
 import torch
 
+from onepath.engine.llm_engine import LLMEngine
+from onepath.engine.scheduler import SchedulerConfig
 from onepath.numerics.diff import is_exact
 from tests.engine.engines import chunking_runs
 from tests.models.test_deepseek_v4_consistency import EDITS
@@ -19,17 +21,19 @@ def hf():
     return transformers_model(EDITS)
 
 
-@pytest.mark.parametrize("quant", [None, "fp8_kv"])
-def test_trainer_logprobs_equal_engine_logprobs_before_and_after_an_update(hf, quant):
-    before, after = engine_vs_trainer(onepath_model(hf, quant=quant), onepath_model(hf, quant=quant), update=True,
-                                      prompts=6, max_model_len=64)
+@pytest.mark.parametrize("dtype, quant", [("float32", None), ("float32", "fp8_kv"), ("bfloat16", None),
+                                         ("bfloat16", "fp8_kv")])
+def test_trainer_logprobs_equal_engine_logprobs_before_and_after_an_update(hf, dtype, quant):
+    models = [onepath_model(hf, quant=quant, dtype=dtype) for _ in range(2)]
+    before, after = engine_vs_trainer(*models, update=True, prompts=6, max_model_len=64)
     assert before["rollout_corr/valid_tokens"] > 100
     assert is_exact(before) and is_exact(after), (before, after)
 
 
-def test_baseline_trainer_differs(hf):
-    (metrics,) = engine_vs_trainer(onepath_model(hf, "baseline"), onepath_model(hf, "baseline"), update=False,
-                                   prompts=6, max_model_len=64)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_baseline_trainer_differs(hf, dtype):
+    models = [onepath_model(hf, "baseline", dtype=dtype) for _ in range(2)]
+    (metrics,) = engine_vs_trainer(*models, update=False, prompts=6, max_model_len=64)
     assert metrics["rollout_corr/tokens_differing_frac"] > 0
 
 
@@ -40,6 +44,13 @@ def test_engine_outputs_do_not_depend_on_chunking_or_preemption(hf):
 
 
 def test_engine_routing_equals_the_trainers_whole_sequence_routing(hf):
-    """Chunked prefill, preemption and prefix-cache hits: each router's choices (hash and top-k) at every position
-    the engine computed equal a whole-sequence forward's (no routing replay)."""
-    assert engine_routing_hits(onepath_model(hf, max_positions=96), max_tokens=20, repeats=2) >= 16
+    """Chunked prefill, preemption and repeated prompts: each router's choices (hash and top-k) at every position the
+    engine computed equal a whole-sequence forward's (no routing replay). Prefix caching is off for this model (a
+    cached prefix lacks the sequence's rings), so every position is computed."""
+    assert engine_routing_hits(onepath_model(hf, max_positions=96), max_tokens=20, repeats=2) == 0
+
+
+def test_prefix_caching_is_refused_by_name(hf):
+    with pytest.raises(ValueError, match="prefix caching is not supported for deepseek_v4.*rings"):
+        LLMEngine(onepath_model(hf), num_blocks=8, enable_prefix_caching=True,
+                  scheduler=SchedulerConfig(max_model_len=64))

@@ -106,8 +106,8 @@ class GateContext:
     def engine(self, model: DenseDecoder, prompts, max_tokens: int, prefix_caching: bool | None = None,
                graphs: bool | None = None, **scheduler) -> LLMEngine:
         """graphs: the engine's cuda_graphs (None: its default, on for a CUDA model); an engine without
-        CUDA graphs runs eager whatever it says. prefix_caching None: the engine's default (on, but for a
-        model with recurrent state)."""
+        CUDA graphs runs eager whatever it says. prefix_caching None: the engine's default (on, off for a
+        model with per-sequence state: a hybrid's recurrent state, DeepSeek-V4's rings)."""
         blocks = sum(-(-(len(p) + max_tokens) // self.block_size) for p in prompts) + 4
         options = {"cuda_graphs": graphs} if graphs is not None and engine_has_graphs() else {}
         return LLMEngine(model, num_blocks=blocks, block_size=self.block_size,

@@ -8,10 +8,12 @@ from onepath.consistency.bisect import BisectReport, Side
 from onepath.consistency.gates.context import GateContext, GateResult, locate, recompute, rollout, sampling_params
 from onepath.consistency.recorder import Layout
 from onepath.consistency.reference import ReferenceDecoder
+from onepath.consistency.reference_deepseek_v4 import ReferenceDeepseekV4
 from onepath.consistency.reference_nemotron_h import ReferenceNemotronH
 from onepath.engine.llm_engine import RequestOutput
 from onepath.engine.sampling_params import SamplingParams
 from onepath.models.config import NemotronHConfig
+from onepath.models.deepseek_v4_config import DeepseekV4Config
 from onepath.numerics.spec import check_same_spec
 from onepath.train.actor import Actor, Responses
 
@@ -96,6 +98,11 @@ def param_group(name: str) -> str:
     for part in ("gate_proj", "up_proj", "down_proj"):
         if f"mlp.{part}." in name or f"mixer.{part}." in name:
             return f"mlp.{part}"
+    # DeepSeek-V4's modules
+    for part, group in ((".indexer.", "indexer"), (".compressor.", "compressor"), ("_hc.", "mhc"), ("hc_head.", "mhc"),
+                        ("self_attn.", "attention"), ("mlp.", "mlp")):
+        if part in name:
+            return group
     return "other"
 
 
@@ -110,8 +117,11 @@ def gate_c7(ctx: GateContext) -> GateResult:
     lp[r.mask.to(lp.device)].sum().backward()
     # the hybrid's yardstick takes the policy's own names (its checkpoint's layout differs: backbone.*, one tensor
     # per expert); the values are the checkpoint's
-    reference = ReferenceNemotronH(ctx.config, policy.state_dict()) if isinstance(ctx.config, NemotronHConfig) \
-        else ReferenceDecoder(ctx.config, ctx.state)
+    if isinstance(ctx.config, NemotronHConfig):
+        reference = ReferenceNemotronH(ctx.config, policy.state_dict())
+    else:
+        reference = (ReferenceDeepseekV4 if isinstance(ctx.config, DeepseekV4Config) else ReferenceDecoder)(
+            ctx.config, ctx.state)
     lp_ref = torch.cat([reference.completion_logprobs(p, c, s.temperature)
                         for p, c, s in zip(prompts, completions, params)])
     lp_ref.sum().backward()

@@ -78,7 +78,7 @@ def normed(v, inv, w, dtype: tl.constexpr):
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, x_stride, r_stride, out_stride, res_stride, H, eps,
                     codes_ptr, scales_ptr, codes_stride, scales_stride, scales_gstride, amax_floor, amax_ceil,
                     HAS_RESIDUAL: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
-                    UE8M0: tl.constexpr, DIVIDE: tl.constexpr, GROUP: tl.constexpr):
+                    UE8M0: tl.constexpr, DIVIDE: tl.constexpr, GROUP: tl.constexpr, CAST_LAST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + tl.multiple_of(row * x_stride, VEC)
     r_row = r_ptr + tl.multiple_of(row * r_stride, VEC)
@@ -91,7 +91,9 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, x_stride, r_stride, o
         offs = start + cols
         mask = offs < H
         v = _summed_row(x_row, r_row, offs, mask, HAS_RESIDUAL)
-        y = (v * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = v * inv
+        if not CAST_LAST:  # Llama's order rounds the normalised row before the weight; DeepSeek-V4's does not
+            y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_row + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
     if QUANT:
@@ -131,7 +133,7 @@ def _qk_norm_rope_kernel(x_ptr, wq_ptr, wk_ptr, pos_ptr, cos_ptr, sin_ptr, out_p
     tl.store(out_row + HALF + d, (x2c + x1s).to(dtype), mask=mask)
 
 
-def _launch(x, residual, weight, eps, act=None):
+def _launch(x, residual, weight, eps, act=None, cast_last=False):
     if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rmsnorm: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match "
                          "(expected x [..., H], weight [H])")
@@ -144,7 +146,8 @@ def _launch(x, residual, weight, eps, act=None):
     m = x2.shape[0]
     # Fresh outputs: contiguous and 16-byte aligned; rows padded so the hint holds for any H.
     vec = 16 // x.element_size()
-    out = aligned_rows(torch.empty((m, h), device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype)))
+    dtype = x.dtype if cast_last else torch.promote_types(x.dtype, weight.dtype)
+    out = aligned_rows(torch.empty((m, h), device=x.device, dtype=dtype))
     res = aligned_rows(torch.empty_like(x2)) if residual is not None else out
     codes, scales, q = fused_quant_outputs(m, h, act, out, BLOCK_H)
     if m and h:
@@ -152,15 +155,17 @@ def _launch(x, residual, weight, eps, act=None):
                               row_stride(out), row_stride(res), h, eps, codes, scales, codes.stride(0),
                               scales.stride(0), scales.stride(1), *q["args"], HAS_RESIDUAL=residual is not None,
                               VEC=min(vec, 16 // out.element_size()), BLOCK=BLOCK_H, **q["constexprs"],
-                              num_warps=NUM_WARPS, enable_fp_fusion=False)
+                              CAST_LAST=cast_last, num_warps=NUM_WARPS, enable_fp_fusion=False)
     return out.reshape(*lead, h), res.reshape(*lead, h), fused_quant_result(codes, scales, lead, act)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, act: QuantSpec | None = None):
-    """x [..., H], weight [H] -> [..., H] in promote(x.dtype, weight.dtype) (x.dtype for a model's BF16 weights).
-    act (an FP8 rule of 1 x G groups, G dividing BLOCK_H): also its quantisation by that rule, computed in the
-    same launch, (out, FP8Tensor): the codes and scales ops/cuda/quant.quantize_fp8(out, act) gives."""
-    out, _, quantized = _launch(x, None, weight, eps, act)
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, act: QuantSpec | None = None,
+            cast_last: bool = False):
+    """x [..., H], weight [H] -> [..., H] in promote(x.dtype, weight.dtype) (x.dtype for a model's BF16 weights);
+    cast_last: round(w * xf * inv) in x.dtype (DeepSeek-V4's FP32 norm weights). act (an FP8 rule of 1 x G groups,
+    G dividing BLOCK_H): also its quantisation by that rule, computed in the same launch, (out, FP8Tensor): the
+    codes and scales ops/cuda/quant.quantize_fp8(out, act) gives."""
+    out, _, quantized = _launch(x, None, weight, eps, act, cast_last)
     return (out, quantized) if act else out
 
 

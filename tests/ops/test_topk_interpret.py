@@ -1,0 +1,52 @@
+"""onepath.ops.cuda.topk (index_topk) under Triton's CPU interpreter: the k best valid entries by the 64-bit key,
+descending position, -1 last: the CPU path's (ops/topk.keyed_index_topk) positions exactly, on rows that cross
+blocks, with planted ties (ReLU zeros, -0.0 beside +0.0, equal values across blocks), invalid entries, k above the
+valid count and rows with none; a row alone equals it in a batch. Control: torch.topk picks other tied entries."""
+from __future__ import annotations
+
+from tests.interpret import check_recorder, interpreted_checks, print_checks
+
+CHECKS = ["equals_keyed_topk", "planted_ties_to_the_larger_position", "fewer_valid_than_k", "rows_alone_equal_batch",
+          "library_topk_differs_on_ties"]
+
+
+def _run_checks() -> dict:
+    import torch
+
+    from onepath.ops import topk as T
+    from onepath.ops.cuda import topk
+
+    gen = torch.Generator().manual_seed(0)
+    results, record = check_recorder()
+    length = 2500  # three blocks of 1024, the last one partial
+    scores = torch.randn(6, length, generator=gen)
+    valid = torch.rand(6, length, generator=gen) < 0.9
+    for k in (1, 7, 300):
+        got, want = topk.index_topk(scores, valid, k), T.keyed_index_topk(scores, valid, k)
+        record("equals_keyed_topk", torch.equal(got, want), f"k={k}")
+    # ReLU scores: most entries exactly 0 (and -0.0), the boundary inside the zeros; equal values in every block
+    ties = torch.relu(torch.randn(5, length, generator=gen)) * (torch.rand(5, length, generator=gen) < 0.3)
+    ties[1] = -ties[1]
+    ties[2, ::7] = 1.5
+    ties[3] = torch.where(torch.rand(length, generator=gen) < 0.5, -0.0, 0.0)
+    for k in (5, 400, 1200):
+        got, want = topk.index_topk(ties, torch.ones_like(ties, dtype=torch.bool), k), T.keyed_index_topk(
+            ties, torch.ones_like(ties, dtype=torch.bool), k)
+        record("planted_ties_to_the_larger_position", torch.equal(got, want), f"k={k}")
+    library = T.library_index_topk(ties, torch.ones_like(ties, dtype=torch.bool), 400)
+    record("library_topk_differs_on_ties", not torch.equal(library, T.keyed_index_topk(
+        ties, torch.ones_like(ties, dtype=torch.bool), 400)), "torch.topk agreed with the key on planted ties")
+    few = torch.rand(3, length, generator=gen) < 0.01
+    few[2] = False
+    got = topk.index_topk(scores[:3], few, 200)
+    want = T.keyed_index_topk(scores[:3], few, 200)
+    record("fewer_valid_than_k", torch.equal(got, want) and bool((got[2] == -1).all()), "")
+    alone = torch.cat([topk.index_topk(scores[i:i + 1], valid[i:i + 1], 300) for i in range(6)])
+    record("rows_alone_equal_batch", torch.equal(alone, topk.index_topk(scores, valid, 300)), "")
+    return results
+
+
+interpreted, test_index_topk_interpreted = interpreted_checks(__file__, "index_topk", CHECKS)
+
+if __name__ == "__main__":
+    print_checks(_run_checks)
