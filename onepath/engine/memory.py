@@ -81,7 +81,8 @@ def kv_bytes_per_token(model: DenseDecoder) -> int:
     layout of its own says: `cache_bytes_per_token`)."""
     if hasattr(model, "cache_bytes_per_token"):
         return model.cache_bytes_per_token()
-    return KVCache.bytes_per_token(model.config, model.ops.spec.dtype, model.ops.kv_quant)
+    return KVCache.bytes_per_token(model.config, model.ops.spec.dtype, model.ops.kv_quant,
+                                   getattr(model, "kv_heads", None))
 
 
 def report(model: DenseDecoder, cache: KVCache, utilization: float | None) -> dict:
