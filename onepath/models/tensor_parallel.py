@@ -159,9 +159,6 @@ def check_tensor_parallel(config: ModelConfig, spec: ExecutionSpec, size: int) -
 def tensor_parallel(model, group: dist.ProcessGroup | None = None, reduce: str | None = None) -> TensorParallel:
     """Shard `model` (its weights loaded) over `group` in place: the rank's heads, SwiGLU columns and
     output columns; returns the TensorParallel, also model.tp. reduce: None picks by the spec's mode."""
-    from onepath.models.dense import MLP, Attention, StackedLinear
-    from onepath.models.moe import Experts
-
     spec = model.ops.spec
     tp = TensorParallel.over(group, spec)
     if reduce is not None:
@@ -191,7 +188,7 @@ def tensor_parallel(model, group: dist.ProcessGroup | None = None, reduce: str |
         linear.tp, linear.k, linear.n = tp, len(k_rows) * size, hidden
 
     for name, m in list(model.named_modules()):
-        if isinstance(m, Attention):
+        if hasattr(m, "q_proj") and hasattr(m, "o_proj"):  # dense.Attention (this module sits below it)
             d, hq, hkv = m.head_dim, m.heads, m.kv_heads
             q_heads = hq // size
             kv = range(r * hkv // size, (r + 1) * hkv // size) if hkv >= size else [r * q_heads // (hq // hkv)]
@@ -203,15 +200,15 @@ def tensor_parallel(model, group: dist.ProcessGroup | None = None, reduce: str |
             m.heads, m.kv_heads = q_heads, len(kv)
             kv_heads = len(kv)
             if hasattr(m, "qkv_proj"):
-                m.qkv_proj = StackedLinear(m.ops, [m.q_proj, m.k_proj, m.v_proj])
-        elif isinstance(m, MLP):
+                m.qkv_proj = type(m.qkv_proj)(m.ops, [m.q_proj, m.k_proj, m.v_proj])
+        elif hasattr(m, "gate_proj") and hasattr(m, "down_proj"):  # dense.MLP
             i = m.gate_proj.weight.shape[0] // size
             split(f"{name}.gate_proj", m.gate_proj, spans(r * i, (r + 1) * i))
             split(f"{name}.up_proj", m.up_proj, spans(r * i, (r + 1) * i))
             row_parallel(f"{name}.down_proj", m.down_proj, spans(r * i, (r + 1) * i))
             if hasattr(m, "gate_up_proj"):
-                m.gate_up_proj = StackedLinear(m.ops, [m.gate_proj, m.up_proj])
-        elif isinstance(m, Experts):
+                m.gate_up_proj = type(m.gate_up_proj)(m.ops, [m.gate_proj, m.up_proj])
+        elif isinstance(getattr(m, "gate_up_proj", None), nn.Parameter):  # moe.Experts
             two_i = m.gate_up_proj.shape[1]
             i = two_i // 2 // size
             mine = spans(r * i, (r + 1) * i)
