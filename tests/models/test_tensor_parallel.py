@@ -145,11 +145,48 @@ def test_a_tp_degree_without_the_guarantee_is_refused():
     with pytest.raises(ValueError, match=r"TP degree must divide the KV heads or be a multiple"):
         check_tensor_parallel(tiny_config(num_attention_heads=6, num_key_value_heads=3, head_dim=16,
                                           intermediate_size=144), cpu, 2)
-    with pytest.raises(ValueError, match=r"quantised linear weights \(nvfp4\)"):
-        check_tensor_parallel(tiny_config(), ExecutionSpec.default("consistent", "cpu", quant="nvfp4_w4a4"), 2)
-    with pytest.raises(ValueError, match=r"block-FP8 weights of 128-row blocks: every shard must hold whole blocks"):
-        check_tensor_parallel(tiny_config(), ExecutionSpec.default("consistent", "cuda", quant="fp8"), 2)
+    for quant in ("nvfp4_w4a4", "fp8"):
+        with pytest.raises(ValueError, match=r"quantised linear weights or activations.*not yet proved"):
+            check_tensor_parallel(tiny_config(), ExecutionSpec.default("consistent", "cuda", quant=quant), 2)
+    check_tensor_parallel(tiny_config(), ExecutionSpec.default("consistent", "cuda", quant="fp8_kv"), 2)
     hybrid = tiny_config()
     hybrid.model_type = "nemotron_h"  # the check reads the architecture's name first
     with pytest.raises(ValueError, match=r"implemented for .* not nemotron_h"):
         check_tensor_parallel(hybrid, cpu, 2)
+
+
+def gpu_worker(rank: int, world: int, port: int, queue):
+    """On CUDA (NCCL, a GPU a rank): the consistent Triton kernels sharded, against the same model unsharded on
+    each rank's own GPU; the stock all-reduce as the control; the engine's tokens and log-probs."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120),
+                            device_id=torch.device("cuda", rank))
+    try:
+        cpu = lambda lps: [t.cpu() for t in lps]  # noqa: E731
+        reference = tiny_model("consistent", device="cuda")
+        results = {"one": cpu(logprobs(reference, SEQUENCES)), "engine-one": engine_outputs(reference)}
+        for reduce in ("gather", "all_reduce"):
+            results[reduce] = cpu(logprobs(tiny_model("consistent", device="cuda").tensor_parallel(reduce=reduce),
+                                           SEQUENCES))
+        results["engine"] = engine_outputs(tiny_model("consistent", device="cuda").tensor_parallel())
+        gathered = [None] * world
+        dist.all_gather_object(gathered, results)
+        if rank == 0:
+            queue.put(pickle.dumps(gathered))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_on_two_gpus_gives_the_bits_of_one():
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    workers = torch.multiprocessing.start_processes(gpu_worker, args=(2, free_port(), queue), nprocs=2, join=False,
+                                                    start_method="spawn")
+    for results in pickle.loads(collect(workers, queue)):
+        assert same(results["gather"], results["one"])
+        assert not same(results["all_reduce"], results["one"])  # negative control
+        assert results["engine"] == results["engine-one"]
