@@ -35,6 +35,8 @@ from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import Ops
 
 PARTS = ("rollout", "step", "tp-reduce")
+# the RL step on GPUs: Qwen3-0.6B's shape on the embedded task, no warm start (the step's time, not its learning)
+GPU_TRAIN_ARGS = "--config onepath/configs/qwen3-0.6b-gpu.yaml --warm_start.steps 0 --train.val_every 0 --train.save_every 0"
 LAYOUTS = ("dp", "tp")
 
 
@@ -51,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256], help="tp-reduce: rows (decode)")
     p.add_argument("--reps", type=int, default=50, help="tp-reduce: timed repetitions per case")
     p.add_argument("--steps", type=int, default=5, help="step: RL steps per layout (the first is not timed)")
-    p.add_argument("--train-args", default="", help="step: more `onepath train` arguments, one string")
+    p.add_argument("--train-args", default=None, help="step: more `onepath train` arguments, one string (default on "
+                   "CUDA: " + GPU_TRAIN_ARGS + ")")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/distributed/...)")
 
 
@@ -119,7 +122,8 @@ def bench_step(args) -> list[dict]:
             launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"] if n > 1 else []
             cmd = [sys.executable, *launcher, "-m", "onepath", "train", "--out", out, "--quiet", "--device", args.device,
                    "--train.steps", str(args.steps), "--parallel.rollout", rollout, "--parallel.trainer", trainer,
-                   *shlex.split(args.train_args)]
+                   *shlex.split(args.train_args if args.train_args is not None else
+                                GPU_TRAIN_ARGS if args.device == "cuda" else "")]
             done = subprocess.run(cmd, capture_output=True, text=True)
             row = dict(rollout=rollout, trainer=trainer, processes=n)
             if done.returncode:

@@ -25,7 +25,7 @@ TINY = ["--warm_start.steps", "0", "--train.steps", "2", "--train.prompts_per_st
 MOE = ["--model.model_type", "qwen3_moe", "--model.num_experts", "4", "--model.num_experts_per_tok", "2",
        "--model.moe_intermediate_size", "32"]
 DENSE_PAIRS = [(r, t) for r in ("dp", "tp", "single") for t in ("fsdp", "single")]
-MOE_PAIRS = [(r, t) for r in ("ep", "dp", "single") for t in ("ep", "fsdp", "single")]
+MOE_PAIRS = [(r, t) for r in ("ep", "dp", "tp", "single") for t in ("ep", "fsdp", "single")]
 
 
 def train(processes: int, out: Path, *args: str) -> list[dict]:
