@@ -1,7 +1,8 @@
 """`onepath train --parallel.launcher ray` on a local Ray cluster of two nodes (a head and a second node,
 one CPU each, both on this machine's loopback address): the trainer's actor on one node and the engine's
 on the other (disaggregated), weights broadcast over gloo into the engine's storage after every step;
-diff = 0 on every consistent step, the baseline's differs."""
+diff = 0 on every consistent step, the baseline's differs. Colocated: one tensor-parallel engine and an
+fsdp trainer spanning both nodes."""
 import json
 import os
 import subprocess
@@ -50,6 +51,18 @@ def test_ray_actors_on_two_nodes_disaggregated_keep_diff_zero(tmp_path, reward, 
     assert any(m["training/rollout_probs_diff_max"] > 0 for m in baseline)  # negative control
     assert json.loads((tmp_path / "summary.json").read_text())
     assert any(m["actor/grad_norm"] > 0 for m in consistent)  # the weights moved, and the sync carried them
+
+
+def test_ray_actors_colocated_tensor_parallel_across_two_nodes_keep_diff_zero(tmp_path, reward, cluster):
+    done = subprocess.run([sys.executable, "-m", "onepath", "train", *TINY, "--out", str(tmp_path),
+                           "--train.reward", reward, "--parallel.launcher", "ray", "--parallel.ray_address",
+                           cluster.address, "--parallel.rollout", "tp", "--parallel.trainer", "fsdp"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    placed = {line.split(" on node ")[1].split()[0] for line in done.stdout.splitlines() if "(both) on node" in line}
+    assert len(placed) == 2  # parallel.processes null: 2 actors, one a node
+    history = metrics(tmp_path)
+    assert len(history) == 2 and exact(history)
 
 
 def test_ray_is_refused_under_torchrun_and_its_keys_without_it(monkeypatch):
