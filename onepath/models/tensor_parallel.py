@@ -15,7 +15,7 @@ Attention runs on the rank's heads (its KV cache holds their K/V only); a rank w
 one KV head holds a copy of it when the TP degree exceeds the KV heads. The embedding, norms and
 routers are replicated, the LM head is column-parallel over the vocabulary (logits all-gathered, so
 every rank samples the same tokens from the same keys). The swap is in place on a loaded model and
-keeps Hugging Face's parameter names; `copies` says how each full weight lands in the rank's storage.
+keeps Hugging Face's parameter names; `write` puts a full weight into the rank's storage, in place.
 """
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ class TensorParallel:
     size: int
     reduce: str = "gather"
     min_columns: int = 1
-    # full parameter name -> [(tensor this rank holds, full -> its local part)], filled by tensor_parallel()
-    copies: dict[str, list[tuple[torch.Tensor, Callable]]] = field(default_factory=dict)
+    # full parameter name -> [(module, attribute, full -> its local part)], filled by tensor_parallel(); the
+    # tensor is looked up at each write (the engine later makes stacked layers' weights views of one tensor)
+    copies: dict[str, list[tuple[nn.Module, str, Callable]]] = field(default_factory=dict)
     shapes: dict[str, torch.Size] = field(default_factory=dict)
     kv_heads: int = 0  # the KV heads this rank's cache holds
 
@@ -100,9 +101,18 @@ class TensorParallel:
             return torch.where(keep, part, torch.zeros((), dtype=full.dtype, device=full.device))
 
         old = getattr(holder, attr)
-        setattr(holder, attr, nn.Parameter(local(old.detach()), requires_grad=old.requires_grad))
+        if isinstance(old, nn.Parameter):
+            setattr(holder, attr, nn.Parameter(local(old.detach()), requires_grad=old.requires_grad))
+        else:  # a buffer
+            setattr(holder, attr, local(old))
         self.shapes[name] = full_shape
-        self.copies.setdefault(name, []).append((getattr(holder, attr), local))
+        self.copies.setdefault(name, []).append((holder, attr, local))
+
+    @torch.no_grad()
+    def write(self, name: str, full: torch.Tensor) -> None:
+        """The full weight `name` into every tensor of this rank that holds a part of it (copies), in place."""
+        for holder, attr, local in self.copies[name]:
+            getattr(holder, attr).copy_(local(full))
 
 
 def spans(start: int, stop: int) -> list[int]:
@@ -214,11 +224,9 @@ def tensor_parallel(model, group: dist.ProcessGroup | None = None, reduce: str |
     if model.config.tie_word_embeddings:
         # the head's shard: a copy of the embedding's rows (a buffer, not a parameter), written at every sync
         embed = model.model.embed_tokens.weight
-        holder = nn.Module()
-        holder.weight = nn.Parameter(embed.detach(), requires_grad=False)
-        tp.take("model.embed_tokens.weight", holder, "weight", embed.shape, 0, tp.rows(vocab))
-        tp.copies["model.embed_tokens.weight"].insert(0, (embed, lambda full: full))
-        model.register_buffer("tp_head_weight", holder.weight.data, persistent=False)
+        model.register_buffer("tp_head_weight", embed.detach().clone(), persistent=False)
+        tp.take("model.embed_tokens.weight", model, "tp_head_weight", embed.shape, 0, tp.rows(vocab))
+        tp.copies["model.embed_tokens.weight"].insert(0, (model.model.embed_tokens, "weight", lambda full: full))
     else:
         tp.take("lm_head.weight", model.lm_head, "weight", model.lm_head.weight.shape, 0, tp.rows(vocab))
     tp.kv_heads = kv_heads

@@ -405,8 +405,7 @@ def sync_weights(engine: LLMEngine | None, actor: Actor | None, world: World, na
         if engine is None or full is None or full is target[name]:
             continue
         if tp is not None and name in tp.copies:
-            for tensor, local in tp.copies[name]:
-                tensor.copy_(local(full))
+            tp.write(name, full)
         else:
             target[name].copy_(full[held[name]] if name in held else full)
     if engine is not None:

@@ -18,7 +18,9 @@ from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.tensor_parallel import MIN_CPU_COLUMNS, check_tensor_parallel
 from onepath.numerics.spec import ExecutionSpec
+from onepath.ops import Ops
 from onepath.models.batch import ForwardBatch
+from onepath.models.dense import DenseDecoder
 from onepath.models.kv_cache import KVCache
 from tests.models.test_moe_ep import collect, free_port
 from tests.tiny import random_prompts, tiny_config, tiny_model, tiny_moe_config, tiny_moe_model
@@ -31,11 +33,25 @@ CASES = [("dense", "float32", "gather"), ("dense", "bfloat16", "gather"), ("moe"
 PARAMS = SamplingParams(temperature=1.0, max_tokens=9, seed=5)
 
 
+class StackingOps(Ops):
+    """q/k/v and gate/up stacked into one GEMM each, as on CUDA: the engine then makes the layers' weights
+    views of one stacked tensor, which the weight sync must find."""
+
+    def can_stack(self, sizes):
+        return True
+
+
 def model_for(kind: str, dtype: str, tied: bool = False):
     if kind == "dense":
         model = tiny_model("consistent", tie_word_embeddings=tied)
         return model.to(getattr(torch, dtype)) if dtype != "float32" else model
     return tiny_moe_model("consistent", dtype=dtype, tie_word_embeddings=tied, **MOE)
+
+
+def stacked_tied(seed: int = 0) -> DenseDecoder:
+    model = DenseDecoder(tiny_config(tie_word_embeddings=True), StackingOps(ExecutionSpec.default("consistent", "cpu")))
+    model.init_weights(seed, std=0.15)
+    return model
 
 
 def logprobs(model, sequences: list[list[int]]) -> list[torch.Tensor]:
@@ -65,14 +81,15 @@ def worker(rank: int, world: int, port: int, queue):
             model = model_for(kind, dtype).tensor_parallel(reduce=reduce)
             results[kind, dtype, reduce] = logprobs(model, SEQUENCES)
         # tied embeddings: the head's shard is a copy of the embedding's rows, written again at each sync
-        tied = model_for("dense", "float32", tied=True).tensor_parallel()
+        tied = stacked_tied().tensor_parallel()
         results["tied"] = logprobs(tied, SEQUENCES)
-        other = model_for("dense", "float32", tied=True)
-        other.init_weights(seed=7, std=0.15)
+        other = stacked_tied(seed=7)
+        # the engine's storage sharing first: the sync must find the tensors the forward reads
+        tied.share_projection_storage()
+        targets = dict(tied.named_parameters())
         with torch.no_grad():
             for name, full in other.named_parameters():
-                for target, local in tied.tp.copies.get(name, [(dict(tied.named_parameters())[name], None)]):
-                    target.copy_(full if local is None else local(full))
+                tied.tp.write(name, full) if name in tied.tp.copies else targets[name].copy_(full)
         results["tied-synced"] = logprobs(tied, SEQUENCES)
         # the engine: prefill, decode steps and sampling on every rank, the KV cache holding the rank's heads
         results["engine", "dense"] = engine_outputs(model_for("dense", "float32").tensor_parallel())
@@ -108,10 +125,8 @@ def test_tensor_parallel_gives_the_bits_of_one_process(world):
                 assert same(results[kind, dtype, reduce], reference), (kind, dtype, world, rank)
             else:  # negative control: partial sums all-reduced move bits
                 assert not same(results[kind, dtype, reduce], reference), (kind, dtype, world, rank)
-    tied = model_for("dense", "float32", tied=True)
-    assert all(same(results["tied"], logprobs(tied, SEQUENCES)) for results in ranks)
-    tied.init_weights(seed=7, std=0.15)
-    assert all(same(results["tied-synced"], logprobs(tied, SEQUENCES)) for results in ranks)
+    assert all(same(results["tied"], logprobs(stacked_tied(), SEQUENCES)) for results in ranks)
+    assert all(same(results["tied-synced"], logprobs(stacked_tied(seed=7), SEQUENCES)) for results in ranks)
     for kind in ("dense", "moe"):
         expected = engine_outputs(model_for(kind, "float32"))
         assert any(len(tokens) > 1 for tokens, _ in expected)
