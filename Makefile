@@ -18,7 +18,7 @@ $(BASE): pyproject.toml
 	touch $(BASE)
 
 $(TEST): $(BASE)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,ray]'
 	touch $(TEST)
 
 install: $(BASE)

@@ -13,7 +13,7 @@ import yaml
 from onepath.engine.llm_engine import CPU_NUM_BLOCKS, GPU_MEMORY_UTILIZATION
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
-from onepath.models.config import SUPPORTED_MODEL_TYPES, NemotronHConfig, pattern_layers
+from onepath.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, NemotronHConfig, pattern_layers
 from onepath.models.kv_cache import BLOCK_SIZE
 from onepath.numerics.spec import ExecutionSpec
 
@@ -24,7 +24,8 @@ CORRECTION_LEVELS = ("token", "sequence")
 ENVIRONMENTS = ("calculator", "code", "tools")
 AGENTS = ("http",)  # rollout.agent: an external agent drives the episodes over the HTTP API (onepath/serve)
 TOOL_FORMATS = ("auto", "hermes", "llama3", "deepseek")  # onepath/chat/tool_calls.py
-ROLLOUT_LAYOUTS = ("single", "dp", "ep")
+ROLLOUT_LAYOUTS = ("single", "dp", "ep", "tp")
+LAUNCHERS = ("torchrun", "ray")
 TRAINER_LAYOUTS = ("single", "fsdp", "ep")
 SAMPLING = {f.name: f.default for f in fields(SamplingParams)}  # the engine's defaults, defined there once
 # the embedded model's architectures (a checkpoint's config.json may also name qwen2_moe)
@@ -125,6 +126,18 @@ class ModelSection(_Section):
             max_position_embeddings=self.max_position_embeddings, bos_token_id=bos, eos_token_id=eos,
             pad_token_id=pad)
 
+    def architecture(self, vocab_size: int = 1, **token_ids) -> ModelConfig:
+        """The embedded model's ModelConfig from these keys (the vocabulary and special ids are the task's)."""
+        if self.model_type == "nemotron_h":
+            return self.hybrid_config(vocab_size, *(token_ids.get(f"{k}_token_id") for k in ("bos", "eos", "pad")))
+        return ModelConfig(
+            vocab_size=vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, model_type=self.model_type,
+            max_position_embeddings=self.max_position_embeddings, rope_theta=self.rope_theta,
+            tie_word_embeddings=self.tie_word_embeddings, num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok, moe_intermediate_size=self.moe_intermediate_size,
+            norm_topk_prob=self.norm_topk_prob, **token_ids)
 
 @dataclass(slots=True)
 class DataSection(_Section):
@@ -349,14 +362,22 @@ class LoggerSection(_Section):
 
 @dataclass(slots=True)
 class ParallelSection(_Section):
-    """How the processes `torchrun --nproc-per-node N` starts share the work; on one process every
-    layout is single. rollout: single (rank 0's engine samples every prompt) | dp (an engine replica
-    per rank, each on its share of the prompts) | ep (an engine per rank, experts split over every
-    rank). trainer: single (rank 0 trains) | fsdp (each rank owns 1/N of every parameter and its
-    AdamW state) | ep (experts split over every rank, the rest replicated)."""
+    """How the processes share the work; on one process every layout is single. rollout: single (the
+    first rollout rank's engine samples every prompt) | dp (an engine replica per rank, each on its share
+    of the prompts) | ep (an engine per rank, experts split over every rank) | tp (engines tensor-parallel
+    over `tp` ranks each, the groups data-parallel). trainer: single (rank 0 trains) | fsdp (each rank owns
+    1/N of every parameter and its AdamW state) | ep (experts split over every rank, the rest replicated).
+    rollout_processes: 0 colocates both sides on every process; R > 0 gives the last R processes the
+    engines and the others the trainer (disaggregated). launcher: torchrun (the processes torchrun starts)
+    or ray (`onepath train` starts `processes` Ray actors, on the cluster at ray_address)."""
     NAME: ClassVar[str] = "parallel"
     rollout: str = "single"
     trainer: str = "single"
+    tp: int | None = None            # rollout tp: ranks per engine; null = every rollout process
+    rollout_processes: int = 0
+    launcher: str = "torchrun"
+    processes: int | None = None     # launcher ray: how many (null: 2); torchrun: its --nproc-per-node x --nnodes
+    ray_address: str | None = None   # null starts a Ray instance on this machine; "auto" joins the running cluster
 
     def __post_init__(self):
         self._coerce()
@@ -364,6 +385,24 @@ class ParallelSection(_Section):
                       f"use one of {', '.join(ROLLOUT_LAYOUTS)}")
         self._require("trainer", self.trainer in TRAINER_LAYOUTS, "is not a trainer layout",
                       f"use one of {', '.join(TRAINER_LAYOUTS)}")
+        self._require("launcher", self.launcher in LAUNCHERS, "is not a launcher", f"use one of {', '.join(LAUNCHERS)}")
+        if self.tp is not None:
+            self._require("tp", self.tp >= 1, "must be >= 1")
+            self._require("tp", self.rollout == "tp" or self.tp == 1, f"applies to parallel.rollout tp, not "
+                          f"{self.rollout!r}", "set parallel.rollout tp, or drop parallel.tp")
+        self._require("rollout_processes", self.rollout_processes >= 0, "must be >= 0",
+                      "0 colocates the engines and the trainer on every process")
+        if self.rollout_processes:
+            self._require("rollout_processes", "ep" not in (self.rollout, self.trainer),
+                          f"splits the processes, but a layout is ep (rollout {self.rollout}, trainer "
+                          f"{self.trainer})", "expert parallelism runs over every process: use 0, or dp/tp and fsdp")
+        if self.processes is not None:
+            self._require("processes", self.processes >= 1, "must be >= 1")
+            self._require("processes", self.launcher == "ray", "applies to parallel.launcher ray",
+                          "torchrun's --nproc-per-node (x --nnodes) sets the processes")
+        if self.ray_address is not None:
+            self._require("ray_address", self.launcher == "ray", "applies to parallel.launcher ray",
+                          "set parallel.launcher ray, or drop parallel.ray_address")
 
 
 SECTIONS: dict[str, type[_Section]] = {

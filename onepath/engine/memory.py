@@ -85,7 +85,8 @@ def kv_bytes_per_token(model: DenseDecoder, block_size: int = BLOCK_SIZE) -> flo
     layout of its own says, for blocks of block_size tokens: `cache_bytes_per_token`)."""
     if hasattr(model, "cache_bytes_per_token"):
         return model.cache_bytes_per_token(block_size)
-    return KVCache.bytes_per_token(model.config, model.ops.spec.dtype, model.ops.kv_quant)
+    return KVCache.bytes_per_token(model.config, model.ops.spec.dtype, model.ops.kv_quant,
+                                   getattr(model, "kv_heads", None))
 
 
 def report(model: DenseDecoder, cache: KVCache, utilization: float | None) -> dict:

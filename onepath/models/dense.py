@@ -15,10 +15,14 @@ from onepath.models.batch import ForwardBatch
 from onepath.models.config import ModelConfig
 from onepath.models.kv_cache import KVCache
 from onepath.models.rope_scaling import cos_sin_table
+from onepath.models.tensor_parallel import TensorParallel, tensor_parallel
 from onepath.ops import Ops
 
 
 class Linear(nn.Module):
+    # a row-parallel layer of a tensor-parallel model: its TensorParallel, full input and output sizes
+    tp: TensorParallel | None = None
+
     def __init__(self, ops: Ops, in_features: int, out_features: int, bias: bool, dtype):
         super().__init__()
         self.ops = ops
@@ -26,7 +30,16 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x):
-        return self.ops.linear(x, self.weight, self.bias)
+        return self.project(self.ops.linear, x, self.bias)
+
+    def expert_down(self, x):
+        """ops.expert_down over this layer's weight, no bias: FP32 out (an MoE's shared expert joins the FP32 sum)."""
+        return self.project(self.ops.expert_down, x, None)
+
+    def project(self, op, x, bias):
+        if self.tp is None:
+            return op(x, self.weight, bias)
+        return self.tp.row_parallel(lambda h, b: op(h, self.weight, b), x, self.k, self.n, bias)
 
 
 class StackedLinear(nn.Module):
@@ -183,6 +196,7 @@ class Backbone(nn.Module):
 class DenseDecoder(nn.Module):
     # the forward reads no size on the host: the engine may capture it in a CUDA graph
     capturable = True
+    tp: TensorParallel | None = None  # set by tensor_parallel()
 
     def __init__(self, config: ModelConfig, ops: Ops, max_positions: int | None = None):
         super().__init__()
@@ -215,7 +229,20 @@ class DenseDecoder(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        if self.tp is not None and self.config.tie_word_embeddings:
+            return self.tp_head_weight  # this rank's vocabulary rows of the tied embedding, kept in step
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads this model's cache holds: all of them, or a tensor-parallel rank's."""
+        return self.config.num_key_value_heads if self.tp is None else self.tp.kv_heads
+
+    def tensor_parallel(self, group=None, reduce: str | None = None) -> "DenseDecoder":
+        """Shard this model's heads, SwiGLU columns and output columns over `group` (None: every process),
+        in place, after the weights are loaded (models/tensor_parallel.py)."""
+        tensor_parallel(self, group, reduce)
+        return self
 
     def forward(self, batch: ForwardBatch, cache: KVCache, layer_fn=None) -> torch.Tensor:
         """Hidden states after the final norm, one row per token of the batch: [T, hidden].
@@ -228,7 +255,8 @@ class DenseDecoder(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.ops.lm_head(hidden, self.lm_head_weight)
+        logits = self.ops.lm_head(hidden, self.lm_head_weight)
+        return logits if self.tp is None else self.tp.gather(logits, self.config.vocab_size)
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         g = torch.Generator().manual_seed(seed)

@@ -18,9 +18,10 @@ BLOCK_SIZE = 16  # tokens per paged-cache block: the default of every engine, tr
 
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu", kv: QuantSpec | None = None):
+                 device: str | torch.device = "cpu", kv: QuantSpec | None = None, kv_heads: int | None = None):
+        """kv_heads: the heads this cache holds (a tensor-parallel rank's); None: all of config's."""
         check_kv_spec(kv)
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        shape = (num_blocks, block_size, kv_heads or config.num_key_value_heads, config.head_dim)
 
         def layer():
             # zeros, not empty: unused slots are masked, but 0 * NaN would still poison a masked sum
@@ -41,15 +42,17 @@ class KVCache:
         with a cache layout of its own (DeepSeek-V4's) makes it (`make_cache`)."""
         if hasattr(model, "make_cache"):
             return model.make_cache(num_blocks, block_size)
-        return cls(model.config, num_blocks, block_size, model.ops.spec.dtype, model.device, kv=model.ops.kv_quant)
+        return cls(model.config, num_blocks, block_size, model.ops.spec.dtype, model.device, kv=model.ops.kv_quant,
+                   kv_heads=getattr(model, "kv_heads", None))
 
     @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv: QuantSpec | None = None) -> int:
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv: QuantSpec | None = None,
+                        kv_heads: int | None = None) -> int:
         """K and V of one token over all layers, scales included."""
         per_head = config.head_dim * torch.empty((), dtype=dtype).element_size() if kv is None \
             else config.head_dim + SCALE_BYTES
         layers = sum(map(config.has_kv_cache, range(config.num_hidden_layers)))
-        return 2 * layers * config.num_key_value_heads * per_head
+        return 2 * layers * (kv_heads or config.num_key_value_heads) * per_head
 
 
 def check_kv_spec(kv: QuantSpec | None) -> None:

@@ -183,6 +183,7 @@ class Experts(nn.Module):
         self.ops, self.num_experts = ops, config.num_experts
         self.limit = getattr(config, "swiglu_limit", None)  # DeepSeek-V4 clamps gate and up (ops.silu_mul)
         self.first = 0  # the global index of gate_up_proj[0]: its EP rank's first expert
+        self.tp = None  # a tensor-parallel model's TensorParallel: this rank holds its SwiGLU columns
         e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=dtype))
@@ -190,14 +191,20 @@ class Experts(nn.Module):
     def mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert `expert` on rows [n, H] -> [n, H] FP32."""
         gate, up = self.ops.linear(rows, self.gate_up_proj[expert - self.first]).chunk(2, dim=-1)
-        return self.ops.expert_down(self.ops.silu_mul(gate, up, self.limit), self.down_proj[expert - self.first])
+        down = self.down_proj[expert - self.first]
+        return self.down(lambda h: self.ops.expert_down(h, down), self.ops.silu_mul(gate, up, self.limit))
 
     def grouped_mlp(self, rows: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
         """Every expert on its rows of rows [n, H], packed by expert (counts[e] rows of global expert
         e, all of them this rank's) -> [n, H] FP32: one grouped GEMM per projection."""
         local = counts[self.first:self.first + self.gate_up_proj.shape[0]]
         gate, up = self.ops.grouped_linear(rows, self.gate_up_proj, local).chunk(2, dim=-1)
-        return self.ops.grouped_expert_down(self.ops.silu_mul(gate, up, self.limit), self.down_proj, local)
+        return self.down(lambda h: self.ops.grouped_expert_down(h, self.down_proj, local),
+                         self.ops.silu_mul(gate, up, self.limit))
+
+    def down(self, gemm, h: torch.Tensor) -> torch.Tensor:
+        """The down projection gemm(h); tensor-parallel (models/tensor_parallel.py): h is the rank's SwiGLU columns."""
+        return gemm(h) if self.tp is None else self.tp.row_parallel(lambda x, _: gemm(x), h, self.k, self.n)
 
     @property
     def counts_on_device(self) -> bool:
@@ -251,7 +258,7 @@ class SparseMoeBlock(nn.Module):
         if hasattr(self, "shared_expert"):
             se = self.shared_expert
             # the shared MLP's own forward would round its output; it joins the FP32 sum unrounded
-            shared = self.ops.expert_down(self.ops.silu_mul(se.gate_proj(x), se.up_proj(x)), se.down_proj.weight)
+            shared = se.down_proj.expert_down(self.ops.silu_mul(se.gate_proj(x), se.up_proj(x)))
             out = out + self.ops.sigmoid(self.shared_expert_gate(x)) * shared
         return out.to(x.dtype)
 

@@ -45,7 +45,8 @@ MAY_CHANGE = frozenset({
     "train.val_every", "train.val_temperature", "data.val_path", "train.recompute",
     "logger.wandb", "logger.project", "logger.name",
     "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.num_blocks", "rollout.prefill_chunk_size",
-    "rollout.gpu_memory_utilization", "rollout.cuda_graphs", "parallel.rollout", "parallel.trainer"})
+    "rollout.gpu_memory_utilization", "rollout.cuda_graphs", "parallel.rollout", "parallel.trainer", "parallel.tp",
+    "parallel.rollout_processes", "parallel.launcher", "parallel.processes", "parallel.ray_address"})
 
 
 def complete_steps(run_dir: Path) -> list[int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,8 @@ from onepath.engine.sampling_params import SamplingParams
 from onepath.models.checkpoint import load_config
 from onepath.models.config import MOE_MODEL_TYPES
 from onepath.models.moe import split_experts
+from onepath.models.tensor_parallel import check_tensor_parallel
+from onepath.numerics.spec import ExecutionSpec
 from onepath.train.actor import Actor
 
 # NVLink multicast stays off, in this process and in every process it starts.
@@ -33,36 +35,63 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 
 @dataclass(frozen=True)
 class World:
-    """This process's place: rank of size, and the layouts (on one process both are single)."""
+    """This process's place: rank of size, the layouts (on one process both are single), the rollout's
+    TP degree, and how many processes train when the sides are disaggregated (0: colocated, every
+    process has both sides; T > 0: ranks 0..T-1 train, the others roll out)."""
     rank: int = 0
     size: int = 1
     rollout: str = "single"
     trainer: str = "single"
+    tp: int = 1
+    trainers: int = 0
 
     @property
     def first(self) -> bool:
         return self.rank == 0
 
     @property
+    def rollout_ranks(self) -> range:
+        return range(self.trainers, self.size)
+
+    @property
+    def trainer_ranks(self) -> range:
+        return range(self.trainers or self.size)
+
+    @property
     def has_engine(self) -> bool:
-        return self.rollout != "single" or self.first
+        ranks = self.rollout_ranks
+        return self.rank in ranks and (self.rollout != "single" or self.rank == ranks[0])
+
+    @property
+    def leads_rollout(self) -> bool:
+        """Whether this rank's engine outputs are its rows' (every rank of a TP group holds the same ones)."""
+        return self.has_engine and (self.rank - self.rollout_ranks.start) % self.tp == 0
 
     @property
     def trains(self) -> bool:
-        return self.trainer != "single" or self.first
+        return self.rank in self.trainer_ranks and (self.trainer != "single" or self.first)
 
     def rollout_share(self, count: int, group: int) -> list[int]:
-        return self._share(self.rollout, count, group)
+        ranks = self.rollout_ranks
+        if self.rollout == "single" or self.rank not in ranks:
+            return list(range(count)) if self.rank == ranks[0] else []
+        return self._share(count, group, (self.rank - ranks.start) // self.tp, len(ranks) // self.tp)
 
     def trainer_share(self, count: int, group: int) -> list[int]:
-        return self._share(self.trainer, count, group)
-
-    def _share(self, layout: str, count: int, group: int) -> list[int]:
-        """Rows 0..count-1 in groups of `group` (a prompt's samples stay together), group g on rank
-        g % size; a single layout gives every row to rank 0."""
-        if layout == "single":
+        if self.trainer == "single" or self.rank not in self.trainer_ranks:
             return list(range(count)) if self.first else []
-        return [i for i in range(count) if (i // group) % self.size == self.rank]
+        return self._share(count, group, self.rank, len(self.trainer_ranks))
+
+    @staticmethod
+    def _share(count: int, group: int, index: int, parts: int) -> list[int]:
+        """Rows 0..count-1 in groups of `group` (a prompt's samples stay together), group g to part g % parts."""
+        return [i for i in range(count) if (i // group) % parts == index]
+
+    def groups(self) -> "Groups":
+        """The process groups of this world, made once (every rank makes every group, in one order)."""
+        if self not in _GROUPS:
+            _GROUPS[self] = Groups.make(self)
+        return _GROUPS[self]
 
     def gather(self, obj) -> list:
         """Every rank's obj, in rank order, on every rank."""
@@ -75,6 +104,35 @@ class World:
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier()
+
+
+@dataclass(frozen=True)
+class Groups:
+    """trainer: the training ranks (None: every rank); tp: this rank's rollout TP group; sync: rank 0 and
+    every engine rank, over which a broadcast brings the engines the weights (None: every rank)."""
+    trainer: dist.ProcessGroup | None = None
+    tp: dist.ProcessGroup | None = None
+    sync: dist.ProcessGroup | None = None
+
+    @classmethod
+    def make(cls, world: World) -> "Groups":
+        def group(ranks: list[int]):
+            return None if len(ranks) == world.size else dist.new_group(ranks)
+
+        trainer = group(list(world.trainer_ranks)) if world.size > 1 else None
+        tp = None
+        if world.rollout == "tp" and world.size > 1:
+            ranks = world.rollout_ranks
+            for start in range(ranks.start, ranks.stop, world.tp):
+                made = group(list(range(start, start + world.tp)))
+                if world.rank in range(start, start + world.tp):
+                    tp = made
+        engines = [r for r in range(world.size) if replace(world, rank=r).has_engine]
+        sync = group(sorted({0, *engines})) if world.size > 1 else None
+        return cls(trainer, tp, sync)
+
+
+_GROUPS: dict[World, Groups] = {}
 
 
 def start(device: str) -> tuple[int, int]:
@@ -114,9 +172,23 @@ def world_for(cfg, rank: int, size: int) -> World:
         if experts % size:
             raise ValueError(f"parallel.{ep[0]} = 'ep' on {size} processes: {experts} experts do not split evenly; "
                              f"run a number of processes that divides {experts}")
-    if cfg.rollout.env is not None and (p.rollout, p.trainer) != ("single", "single"):
+    if cfg.rollout.env is not None and (p.rollout, p.trainer, p.rollout_processes) != ("single", "single", 0):
         raise ValueError(f"rollout.env = {cfg.rollout.env!r} runs its episodes on one process: use parallel.rollout "
                          "single and parallel.trainer single, or no env")
+    if p.rollout_processes >= size:
+        raise ValueError(f"parallel.rollout_processes = {p.rollout_processes} on {size} processes leaves none to "
+                         f"train: use at most {size - 1}, or 0 to colocate the sides")
+    rollout_ranks = p.rollout_processes or size
+    trainer_ranks = size - p.rollout_processes
+    tp = 1
+    if p.rollout == "tp":
+        tp = p.tp or rollout_ranks
+        if tp < 2 or rollout_ranks % tp:
+            raise ValueError(f"parallel.rollout = 'tp' with parallel.tp = {tp} on {rollout_ranks} rollout processes: "
+                             "the TP degree must be >= 2 and divide them; set parallel.tp")
+        model = load_config(cfg.model.path) if cfg.model.path else cfg.model.architecture()
+        for mode in ("consistent", "baseline") if cfg.mode == "both" else (cfg.mode,):
+            check_tensor_parallel(model, ExecutionSpec.default(mode, cfg.device, quant=cfg.quant), tp)
     if p.trainer == "ep":
         if cfg.train.prompts_per_step < size:
             raise ValueError(f"parallel.trainer = 'ep' on {size} processes needs a prompt per rank: raise "
@@ -124,7 +196,10 @@ def world_for(cfg, rank: int, size: int) -> World:
         if cfg.train.micro_batch_tokens:
             raise ValueError("parallel.trainer = 'ep' runs one forward per rank and step (the all-to-alls pair up): "
                              f"set train.micro_batch_tokens (= {cfg.train.micro_batch_tokens}) to null")
-    return World(rank, size, p.rollout, p.trainer)
+    if p.trainer == "fsdp" and trainer_ranks == 1:
+        raise ValueError("parallel.trainer = 'fsdp' on one training process: use parallel.trainer single, or "
+                         "lower parallel.rollout_processes")
+    return World(rank, size, p.rollout, p.trainer, tp, trainer_ranks if p.rollout_processes else 0)
 
 
 def shard_of(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -135,10 +210,10 @@ def shard_of(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return padded[rank * n:(rank + 1) * n].clone()
 
 
-def all_gathered(tensor: torch.Tensor, size: int) -> torch.Tensor:
-    """Every rank's `tensor`, concatenated along dim 0 in rank order."""
+def all_gathered(tensor: torch.Tensor, size: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's `tensor` (of `group`'s `size` ranks), concatenated along dim 0 in rank order."""
     parts = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(parts, tensor.detach().contiguous())
+    dist.all_gather(parts, tensor.detach().contiguous(), group=group)
     return torch.cat(parts)
 
 
@@ -154,9 +229,11 @@ class ShardedActor(Actor):
     """fsdp: the optimizer owns this rank's flat shard of every parameter (in the master dtype when
     set) and its AdamW state; the full weights are all-gathered into the model after each step."""
 
-    def __init__(self, model, block_size: int, *args, master_dtype: torch.dtype | None = None, **kwargs):
+    def __init__(self, model, block_size: int, *args, master_dtype: torch.dtype | None = None,
+                 group: dist.ProcessGroup | None = None, **kwargs):
         super().__init__(model, block_size, *args, **kwargs)
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.group = group  # the training ranks (None: every rank)
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.shapes = {name: p.shape for name, p in model.named_parameters()}
         self.trained = {name: torch.nn.Parameter(shard_of(p.to(master_dtype or p.dtype), self.rank, self.size))
                         for name, p in model.named_parameters()}
@@ -170,14 +247,14 @@ class ShardedActor(Actor):
         for name, p in self.model.named_parameters():
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             p.grad = None
-            dist.all_reduce(grad)
+            dist.all_reduce(grad, group=self.group)
             self.trained[name].grad = shard_of(grad.to(self.trained[name].dtype), self.rank, self.size)
         return list(self.trained.values())
 
     def clip(self, trained: list[torch.Tensor]) -> torch.Tensor:
         # the norm of the whole gradient: the shards' squares summed over the ranks (the padding is 0)
         squares = torch.stack([t.grad.float().square().sum() for t in trained]).sum()
-        dist.all_reduce(squares)
+        dist.all_reduce(squares, group=self.group)
         return scaled_to_norm(trained, squares.sqrt(), self.max_grad_norm)
 
     @torch.no_grad()
@@ -187,7 +264,7 @@ class ShardedActor(Actor):
 
     def to_full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         shape = self.shapes[name]
-        return all_gathered(tensor, self.size)[:shape.numel()].view(shape)
+        return all_gathered(tensor, self.size, self.group)[:shape.numel()].view(shape)
 
     def to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return shard_of(full, self.rank, self.size)
@@ -244,6 +321,29 @@ class ExpertParallelActor(Actor):
 ACTORS = {"single": Actor, "fsdp": ShardedActor, "ep": ExpertParallelActor}
 
 
+def actor_for(world: World, model, *args, **kwargs) -> Actor:
+    """The trainer layout's actor over `model`; fsdp shards over the training ranks."""
+    if world.trainer == "fsdp":
+        kwargs["group"] = world.groups().trainer
+    return ACTORS[world.trainer](model, *args, **kwargs)
+
+
+def tensor_parallel_engine_model(model, world: World, settings: dict) -> None:
+    """Shard an engine's model over this rank's TP group, in place. Every rank of the group must run the
+    same steps: its KV cache gets the group's smallest block count (CUDA sizes it from each device's free
+    memory), and its steps run eagerly (collectives inside CUDA graphs are not yet proved here)."""
+    group = world.groups().tp
+    model.tensor_parallel(group)
+    settings["cuda_graphs"] = False
+    if settings.get("num_blocks") is None and model.device.type == "cuda":
+        from onepath.engine import memory
+        blocks = memory.kv_blocks_for(model, settings["scheduler"], settings["block_size"],
+                                      settings["gpu_memory_utilization"])
+        fewest = torch.tensor([blocks], device=model.device)
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=group)
+        settings["num_blocks"] = int(fewest)
+
+
 def generate_in_lockstep(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                          request_ids: list[int]) -> list:
     """LLMEngine.generate for engines whose model is expert-parallel over every rank. Each sparse
@@ -273,35 +373,50 @@ def generate_in_lockstep(engine: LLMEngine, prompts: list[list[int]], params: Sa
 @torch.no_grad()
 def sync_weights(engine: LLMEngine | None, actor: Actor | None, world: World, names: list[str]) -> None:
     """New weights into every engine's existing storage, in place. Every rank walks the same `names`,
-    so the collectives pair up. Full weights come from the trainer: on every rank after an fsdp
-    all-gather (and for the replicated weights of an ep trainer), by a broadcast from rank 0 when
-    rank 0 alone trains and other ranks hold engines, by an all-gather of the owners' slices for the
-    experts of an ep trainer. An ep engine keeps its slice of the experts; between an ep trainer and
-    an ep engine (the same slices) the experts do not move at all."""
+    so the collectives pair up. Full weights come from the trainer: on every training rank after an fsdp
+    all-gather (and for the replicated weights of an ep trainer), by an all-gather of the owners' slices
+    for the experts of an ep trainer, and by a broadcast from rank 0 over the sync group when an engine
+    rank holds no full weights of its own (rank 0 alone trains, or the sides are disaggregated). An ep
+    engine keeps its slice of the experts, a tp engine its shards (models/tensor_parallel.py); between an
+    ep trainer and an ep engine (the same slices) the experts do not move at all."""
     if world.size == 1:
         engine.update_weights(actor.model.named_parameters())
         return
     source = dict(actor.model.named_parameters()) if actor is not None else {}
     target = dict(engine.model.named_parameters()) if engine is not None else {}
     held = engine.model.expert_slices() if engine is not None and world.rollout == "ep" else {}
+    tp = engine.model.tp if engine is not None else None
     trainer_experts = set(actor.model.expert_slices()) if world.trainer == "ep" else set()
+    # the ranks that hold full weights after the step: rank 0, or every training rank of fsdp / ep
+    full_holders = set(world.trainer_ranks) if world.trainer != "single" else {0}
+    engines = {r for r in range(world.size) if replace(world, rank=r).has_engine}
+    broadcast = not engines <= full_holders
+    in_sync = world.first or world.has_engine
+    group = world.groups().sync
     for name in names:
         if name in trainer_experts and world.rollout == "ep":  # both sides are EP over every rank
             target[name].copy_(source[name])
             continue
-        if name in trainer_experts:
-            full = all_gathered(source[name], world.size)
-        elif world.trainer == "single" and world.rollout != "single":
-            if world.first:
-                full = source[name].detach()
-            elif name in held:  # this engine keeps a slice: the whole tensor lands in a buffer first
-                full = target[name].new_empty((engine.model.config.num_experts, *target[name].shape[1:]))
-            else:
-                full = target[name]  # straight into the engine's storage
-            dist.broadcast(full, src=0)
+        full = all_gathered(source[name], world.size) if name in trainer_experts else source.get(name)
+        if broadcast and in_sync:
+            if not world.first:
+                full = receiving_buffer(engine, name, target[name], held, tp)
+            dist.broadcast(full, src=0, group=group)
+        if engine is None or full is None or full is target[name]:
+            continue
+        if tp is not None and name in tp.copies:
+            tp.write(name, full)
         else:
-            full = source.get(name)
-        if engine is not None and full is not None and full is not target[name]:
             target[name].copy_(full[held[name]] if name in held else full)
     if engine is not None:
         engine.weights_changed()
+
+
+def receiving_buffer(engine: LLMEngine, name: str, storage: torch.Tensor, held: dict, tp) -> torch.Tensor:
+    """Where an engine rank receives the full weight `name`: straight into its storage, or a buffer of the
+    full shape when it keeps a slice (ep) or shards (tp) of it."""
+    if name in held:
+        return storage.new_empty((engine.model.config.num_experts, *storage.shape[1:]))
+    if tp is not None and name in tp.shapes:
+        return storage.new_empty(tp.shapes[name])
+    return storage

@@ -1,11 +1,12 @@
 """One `onepath train` run: prepare once, train each mode into its directory, summarise (rank 0)."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from onepath.config import RunConfig
-from onepath.train import checkpoint, parallel
+from onepath.train import checkpoint, parallel, ray_launch
 from onepath.train.metrics import read_metrics
 from onepath.train.report import draw_report, run_label
 from onepath.train.summary import summarise
@@ -15,7 +16,14 @@ BOTH = ("consistent", "baseline")
 
 
 def run(cfg: RunConfig, resume: bool = False, progress: bool = True) -> int:
-    """Exit status: 0 when the run ends and the consistent mode (if any) kept diff = 0, else 1."""
+    """Exit status: 0 when the run ends and the consistent mode (if any) kept diff = 0, else 1.
+    parallel.launcher ray: this process starts the run's Ray actors (train/ray_launch.py), each of which
+    runs this loop."""
+    if cfg.parallel.launcher == "ray" and ray_launch.WORKER_ENV not in os.environ:
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            raise ValueError("parallel.launcher = 'ray' starts its own processes: run `onepath train ...` alone, "
+                             "not under torchrun, or use parallel.launcher torchrun")
+        return ray_launch.launch(cfg, run, resume, progress)
     out = Path(cfg.out)
     rank, size = parallel.start(cfg.device)
     try:

@@ -65,7 +65,7 @@ from onepath.train.data import PromptSampler, Prompts, chat_template, load_rows,
 from onepath.train.episodes import episode_metrics, episode_responses, masked_logprobs, run_episodes
 from onepath.train.grpo import NonFiniteError, group_advantages, policy_loss, rollout_correction
 from onepath.train.metrics import MetricsLogger, Timer, require_wandb
-from onepath.train.parallel import ACTORS, World, generate_in_lockstep, sync_weights
+from onepath.train.parallel import World, actor_for, generate_in_lockstep, sync_weights, tensor_parallel_engine_model
 from onepath.train.rewards import check_reward, get_reward, overlong_penalty, reward_problem, score_batch
 from onepath.train.tool_env import ToolEnv
 from onepath.train.warm_start import warm_start
@@ -144,17 +144,8 @@ def _prepare(cfg: RunConfig, out: Path, progress: bool, data_dir: Path, first: b
     else:
         tokenizer = task.build_tokenizer()
         tok_config = task.tokenizer_config(tokenizer, model_max_length=cfg.rollout.max_model_len)
-        m = cfg.model
-        model_config = m.hybrid_config(tokenizer.get_vocab_size(), task.BOS_ID, task.EOS_ID, task.PAD_ID) \
-            if m.model_type == "nemotron_h" else ModelConfig(
-            vocab_size=tokenizer.get_vocab_size(), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-            num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, model_type=m.model_type,
-            max_position_embeddings=m.max_position_embeddings, rope_theta=m.rope_theta,
-            tie_word_embeddings=m.tie_word_embeddings, bos_token_id=task.BOS_ID,
-            eos_token_id=task.EOS_ID, pad_token_id=task.PAD_ID, num_experts=m.num_experts,
-            num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
-            norm_topk_prob=m.norm_topk_prob)
+        model_config = cfg.model.architecture(vocab_size=tokenizer.get_vocab_size(), bos_token_id=task.BOS_ID,
+                                              eos_token_id=task.EOS_ID, pad_token_id=task.PAD_ID)
         state = None
     eos = model_config.eos_token_ids or (task.EOS_ID,)
     prompts, toolbox = chat_prompts(cfg, tokenizer, tok_config, eos, train_rows, first)
@@ -290,6 +281,8 @@ class GRPOTrainer:
         # MoE: the engine records its routing, the trainer compares it with its own (moe/routing_agreement)
         self.routing_check = setup.model_config.is_moe and r.env is None and r.agent is None
         self.engine = self.policy = self.actor = None
+        if world.size > 1:
+            world.groups()  # every rank makes every process group, before any side uses one
         if world.has_engine:
             engine_model = build_model(setup.model_config, self.spec, max_len, init_state)
             settings = engine_settings(cfg)
@@ -297,6 +290,8 @@ class GRPOTrainer:
                 # an EP forward's all-to-alls take their split sizes from the host: no CUDA graphs around them
                 engine_model.expert_parallel()
                 settings["cuda_graphs"] = False
+            if world.rollout == "tp":
+                tensor_parallel_engine_model(engine_model, world, settings)
             self.engine = LLMEngine(engine_model, **settings, eos_token_ids=setup.eos_token_ids,
                                     tokenizer=setup.tokenizer, record_routing=self.routing_check)
             self.engine.weight_version = self.start  # the step whose update made the weights (0: the initial ones)
@@ -304,8 +299,8 @@ class GRPOTrainer:
             self.policy = build_model(setup.model_config, self.trainer_spec, max_len, init_state)
             if t.indexer_loss:
                 train_indexer(self.policy)
-            self.actor = ACTORS[world.trainer](
-                self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm, t.lr_warmup_steps,
+            self.actor = actor_for(
+                world, self.policy, r.block_size, t.lr, t.betas, t.weight_decay, t.max_grad_norm, t.lr_warmup_steps,
                 recompute=t.recompute, master_dtype=DTYPES[t.master_dtype] if t.master_dtype else None)
         if self.engine is not None and self.policy is not None and self.trainer_spec is self.spec:
             check_same_spec(self.engine.model.ops.spec, self.policy.ops.spec)
@@ -386,7 +381,8 @@ class GRPOTrainer:
         if self.world.size == 1:
             outputs = local
         else:
-            rows_out = sorted((row for part in self.world.gather(list(zip(mine, local))) for row in part),
+            led = list(zip(mine, local)) if self.world.leads_rollout else []  # a TP group's rows once
+            rows_out = sorted((row for part in self.world.gather(led) for row in part),
                               key=lambda row: row[0])
             outputs = [o for _, o in rows_out]
         failed = [o for o in outputs if o.error]
@@ -396,7 +392,7 @@ class GRPOTrainer:
 
     def generated_tokens(self) -> int:
         """Tokens the engines have generated so far, over every rank."""
-        own = self.engine.stats.generated_tokens if self.engine is not None else 0
+        own = self.engine.stats.generated_tokens if self.world.leads_rollout else 0
         return sum(self.world.gather(own))
 
     def rollout(self, rows, step, first_id: int = 0) -> tuple[Responses, list[str], dict, list | None]:

@@ -1,12 +1,14 @@
 """`onepath train` on several processes (torchrun, gloo on the CPU): every pairing of rollout layout
 and trainer layout keeps diff = 0 on every step, with the weight sync between steps; baseline differs;
-a checkpoint written in one layout resumes in another. Dense: rollout dp | single x trainer fsdp |
-single; MoE adds ep on either side. Each case is a real launch: `python -m torch.distributed.run
---standalone --nproc-per-node K -m onepath train ...`."""
+a checkpoint written in one layout resumes in another. Dense: rollout dp | tp | single x trainer fsdp |
+single; MoE adds ep on either side; the sides colocated or disaggregated (parallel.rollout_processes);
+two torchrun "nodes" joined by a c10d rendezvous. Each case is a real launch: `python -m
+torch.distributed.run --standalone --nproc-per-node K -m onepath train ...`."""
 import json
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,13 +18,14 @@ from safetensors.torch import load_file
 from onepath.config import load_run_config
 from onepath.numerics.diff import DIFF_METRICS
 from onepath.train.parallel import world_for
+from tests.models.test_moe_ep import free_port
 
 TINY = ["--warm_start.steps", "0", "--train.steps", "2", "--train.prompts_per_step", "4", "--rollout.n", "2",
         "--data.n_train", "40", "--data.n_test", "4", "--quiet"]
 MOE = ["--model.model_type", "qwen3_moe", "--model.num_experts", "4", "--model.num_experts_per_tok", "2",
        "--model.moe_intermediate_size", "32"]
-DENSE_PAIRS = [(r, t) for r in ("dp", "single") for t in ("fsdp", "single")]
-MOE_PAIRS = [(r, t) for r in ("ep", "dp", "single") for t in ("ep", "fsdp", "single")]
+DENSE_PAIRS = [(r, t) for r in ("dp", "tp", "single") for t in ("fsdp", "single")]
+MOE_PAIRS = [(r, t) for r in ("ep", "dp", "tp", "single") for t in ("ep", "fsdp", "single")]
 
 
 def train(processes: int, out: Path, *args: str) -> list[dict]:
@@ -68,6 +71,47 @@ def test_moe_four_processes_ep_engines_and_ep_trainer_keep_diff_zero(tmp_path, r
     assert all(m["moe/routing_agreement"] == 1.0 and m["moe/routing_compared_tokens"] > 0 for m in history)
 
 
+def test_dense_tensor_parallel_rollout_against_one_trainer_keeps_diff_zero(tmp_path, reward):
+    """Rollout at TP 2, the trainer at TP 1: diff = 0 on every step; the baseline's TP (partial sums
+    all-reduced) and its kernels differ."""
+    train(2, tmp_path, "--mode", "both", "--train.reward", reward, *layout("tp", "single"))
+    consistent, baseline = metrics(tmp_path / "consistent"), metrics(tmp_path / "baseline")
+    assert len(consistent) == 2 and exact(consistent)
+    assert any(m["training/rollout_probs_diff_max"] > 0 for m in baseline)
+    # each generated token counted once, though both ranks of the TP group generated it
+    for m in consistent:
+        generated = m["perf/rollout_tokens_per_s"] * m["timing_s/gen"]
+        assert m["rollout_corr/valid_tokens"] <= round(generated) < 1.5 * m["rollout_corr/valid_tokens"]
+
+
+def test_moe_disaggregated_fsdp_trainers_and_a_tensor_parallel_engine_keep_diff_zero(tmp_path, reward):
+    """Four processes: ranks 0-1 train (fsdp), ranks 2-3 hold one engine at TP 2; the weights reach the
+    engine by a broadcast from rank 0 into its shards. The run's tokens match a colocated one's."""
+    args = ["--train.reward", reward, *MOE, "--train.save_every", "1"]
+    history = train(4, tmp_path / "split", *args, *layout("tp", "fsdp"), "--parallel.rollout_processes", "2")
+    assert len(history) == 2 and exact(history)
+    assert all(m["moe/routing_agreement"] == 1.0 for m in history)
+    colocated = train(2, tmp_path / "together", *args, *layout("dp", "fsdp"))
+    assert [m["response_length/mean"] for m in history] == [m["response_length/mean"] for m in colocated]
+    split, together = weights(tmp_path / "split", 2), weights(tmp_path / "together", 2)
+    assert all(torch.equal(split[k], together[k]) for k in together)  # fsdp on 2 ranks either way
+
+
+def test_two_torchrun_nodes_joined_by_a_c10d_rendezvous(tmp_path, reward):
+    """`torchrun --nnodes 2 --rdzv-backend c10d`: two launchers on this machine, one process each, find
+    each other through the rendezvous and run dp x fsdp with diff = 0 on every step."""
+    port, run_id = free_port(), uuid.uuid4().hex[:8]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+                "-m", "onepath", "train", *TINY, "--out", str(tmp_path), "--train.reward", reward,
+                *layout("dp", "fsdp")]
+    nodes = [subprocess.Popen(launcher, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    logs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), logs[0][-3000:] + logs[1][-3000:]
+    history = metrics(tmp_path)
+    assert len(history) == 2 and exact(history)
+
+
 def test_checkpoint_resumes_across_a_change_of_layout(tmp_path, reward):
     """fsdp on 2 ranks writes step_1; resumed on 2 ranks fsdp it is the uninterrupted run, bit for bit;
     on 1 process and on 4 ranks fsdp the first step after the restore still has diff = 0 and lands
@@ -92,8 +136,24 @@ def test_checkpoint_resumes_across_a_change_of_layout(tmp_path, reward):
 def test_a_layout_the_model_cannot_take_is_refused_at_start():
     with pytest.raises(ValueError, match=r"parallel.trainer = 'ep' splits the experts.*dense"):
         load_run_config(None, layout("dp", "ep"))
-    with pytest.raises(ValueError, match=r"parallel.rollout = 'tp' is not a rollout layout"):
-        load_run_config(None, layout("tp", "fsdp"))
+    with pytest.raises(ValueError, match=r"parallel.rollout = 'pp' is not a rollout layout"):
+        load_run_config(None, layout("pp", "fsdp"))
+    with pytest.raises(ValueError, match=r"parallel.tp = 2 applies to parallel.rollout tp, not 'dp'"):
+        load_run_config(None, [*layout("dp", "fsdp"), "--parallel.tp", "2"])
+    with pytest.raises(ValueError, match=r"parallel.rollout_processes = 2 splits the processes, but a layout is ep"):
+        load_run_config(None, [*MOE, *layout("ep", "fsdp"), "--parallel.rollout_processes", "2"])
+    tp = load_run_config(None, layout("tp", "single"))
+    assert world_for(tp, 1, 4).rollout_share(8, 2) == [0, 1, 2, 3, 4, 5, 6, 7]  # one engine over 4 ranks
+    assert world_for(load_run_config(None, [*layout("tp", "single"), "--parallel.tp", "2"]), 3, 4).rollout_share(
+        8, 2) == [2, 3, 6, 7]  # two TP groups, data-parallel
+    with pytest.raises(ValueError, match=r"parallel.tp = 3 on 4 rollout processes: the TP degree must be >= 2"):
+        world_for(load_run_config(None, [*layout("tp", "single"), "--parallel.tp", "3"]), 0, 4)
+    with pytest.raises(ValueError, match=r"parallel.tp = 8 does not divide the 4 attention heads"):
+        world_for(tp, 0, 8)
+    with pytest.raises(ValueError, match=r"rollout_processes = 2 on 2 processes leaves none to train"):
+        world_for(load_run_config(None, ["--parallel.rollout_processes", "2"]), 0, 2)
+    split = world_for(load_run_config(None, [*layout("dp", "fsdp"), "--parallel.rollout_processes", "1"]), 2, 3)
+    assert split.has_engine and not split.trains and split.rollout_share(4, 1) == [0, 1, 2, 3]
     cfg = load_run_config(None, [*MOE, *layout("ep", "fsdp")])
     with pytest.raises(ValueError, match=r"on 3 processes: 4 experts do not split evenly"):
         world_for(cfg, 0, 3)
