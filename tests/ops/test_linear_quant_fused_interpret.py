@@ -115,7 +115,8 @@ def test_fused_kernels_build_for_sm90_and_keep_the_norm_reduction():
     aligned = ("x_ptr", "r_ptr", "w_ptr", "out_ptr", "res_ptr", "codes_ptr")
     layouts = {}
     for quant in (False, True):
-        consts = dict(HAS_RESIDUAL=True, VEC=8, BLOCK=rmsnorm.BLOCK_H, QUANT=quant, UE8M0=True, DIVIDE=False, GROUP=128)
+        consts = dict(HAS_RESIDUAL=True, VEC=8, BLOCK=rmsnorm.BLOCK_H, QUANT=quant, UE8M0=True, DIVIDE=False, GROUP=128,
+                      CAST_LAST=False)
         built = build_sm90(rmsnorm._rmsnorm_kernel, sig, consts, aligned, Launch)
         layouts[quant] = _first_reduce_layout(built.asm["ttgir"])
         assert ("cvt.rn.satfinite.e4m3x2.f32" in built.asm["ptx"]) == quant, quant
