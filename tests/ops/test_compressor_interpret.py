@@ -65,3 +65,26 @@ interpreted, test_compress_interpreted = interpreted_checks(__file__, "compress"
 
 if __name__ == "__main__":
     print_checks(_run_checks)
+
+
+def test_kernel_builds_for_sm90_with_its_roundings():
+    """The kernel as the H200 compiles it (CSA's 8 slots and HCA's 128, BF16): within shared memory, IEEE division,
+    no product contracted into an FMA (every product rounds before its add, as torch's). Control: the same build
+    with FP contraction on has FMAs, so the check can fail."""
+    from onepath.ops.cuda import compressor
+    from tests.interpret import SM90_SHARED_BYTES, build_sm90
+
+    sig = dict(kv_ptr="*bf16", gate_ptr="*bf16", bias_ptr="*fp32", valid_ptr="*i8", out_ptr="*bf16", S="i32",
+               C="i32", kv_se="i32", kv_ss="i32", g_se="i32", g_ss="i32", b_ss="i32", v_se="i32", o_se="i32")
+    aligned = ("kv_ptr", "gate_ptr", "bias_ptr", "valid_ptr", "out_ptr")
+    for s_pad in (8, 128):
+        consts = dict(S_PAD=s_pad, BLOCK_C=compressor.TILE // s_pad)
+        for fusion in (False, True):
+            config = type("Launch", (), dict(num_warps=compressor.NUM_WARPS, num_stages=1, enable_fp_fusion=fusion))
+            built = build_sm90(compressor._compress_kernel, sig, consts, aligned, config)
+            ptx = built.asm["ptx"]
+            if not fusion:
+                assert built.metadata.shared <= SM90_SHARED_BYTES and "div.rn.f32" in ptx
+                assert "div.full" not in ptx and "div.approx" not in ptx and "fma.rn" not in ptx, s_pad
+            else:
+                assert "fma.rn" in ptx, "contraction on, yet no FMA: the check above proves nothing"

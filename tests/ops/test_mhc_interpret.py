@@ -101,3 +101,38 @@ interpreted, test_mhc_interpreted = interpreted_checks(__file__, "mhc", CHECKS)
 
 if __name__ == "__main__":
     print_checks(_run_checks)
+
+
+def test_kernels_build_for_sm90_with_their_roundings():
+    """The kernels as the H200 compiles them (4 streams, BF16 streams): within shared memory, the mixing dot on
+    FMAs in IEEE FP32 (no tensor-core MMA: TF32 would round its inputs), IEEE division, and outside the dot no
+    product contracted into an FMA. Control: the epilogue built with FP contraction on has FMAs."""
+    from onepath.ops.cuda import mhc
+    from tests.interpret import SM90_SHARED_BYTES, build_sm90
+
+    def build(kernel, sig, consts, aligned, fusion=False):
+        config = type("Launch", (), dict(num_warps=mhc.NUM_WARPS, num_stages=1, enable_fp_fusion=fusion))
+        built = build_sm90(kernel, sig, consts, aligned, config)
+        assert built.metadata.shared <= SM90_SHARED_BYTES
+        return built.asm["ptx"]
+
+    sig = dict(x_ptr="*bf16", fn_ptr="*fp32", mix_ptr="*fp32", sq_ptr="*fp32", T="i32", K="i32", J="i32",
+               x_st="i32", mix_ss="i32", sq_ss="i32")
+    for j_pad in (16, 32):  # hc_head's 4 rows of fn, hc_pre's 24
+        ptx = build(mhc._mix_partials_kernel, sig, dict(SPLIT_K=mhc.SPLIT_K, BLOCK_T=mhc.BLOCK_T, BLOCK_K=mhc.BLOCK_K,
+                                                         J_PAD=j_pad), ("x_ptr", "fn_ptr", "mix_ptr", "sq_ptr"))
+        assert "mma" not in ptx and "fma.rn.f32" in ptx, j_pad
+    sig = dict(x_ptr="*bf16", mix_ptr="*fp32", sq_ptr="*fp32", base_ptr="*fp32", scale_ptr="*fp32", post_ptr="*fp32",
+               comb_ptr="*fp32", out_ptr="*bf16", T="i32", N="i32", D="i32", K="i32", splits="i32", J="i32",
+               mix_ss="i32", sq_ss="i32", x_st="i32", o_st="i32", norm_eps="fp32", hc_eps="fp32", iters="i32")
+    aligned = ("x_ptr", "mix_ptr", "sq_ptr", "out_ptr")
+    for head in (False, True):
+        ptx = build(mhc._hc_mix_kernel, sig, dict(N_PAD=4, BLOCK_D=mhc.BLOCK_D, HEAD=head), aligned)
+        assert "div.rn.f32" in ptx and "sqrt.rn.f32" in ptx and "fma.rn" not in ptx, head
+        assert "div.full" not in ptx and "div.approx" not in ptx, head
+    assert "fma.rn" in build(mhc._hc_mix_kernel, sig, dict(N_PAD=4, BLOCK_D=mhc.BLOCK_D, HEAD=False), aligned, True)
+    sig = dict(out_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", y_ptr="*bf16", N="i32", D="i32",
+               o_st="i32", x_st="i32", x_sn="i32", y_st="i32", y_sn="i32")
+    ptx = build(mhc._hc_post_kernel, sig, dict(N_PAD=4, BLOCK_D=mhc.BLOCK_D),
+                ("out_ptr", "x_ptr", "post_ptr", "comb_ptr", "y_ptr"))
+    assert "fma.rn" not in ptx
