@@ -4,9 +4,10 @@ hc_pre and hc_head, two launches:
 - `_mix_partials_kernel`, grid (block of BLOCK_T tokens, split of K): the flattened streams [T, K = N D] against
   fn [J, K], K cut into a FIXED split of SPLIT_K columns (the stock kernels pick a split count from the batch;
   here the count is a function of K alone). A program walks its split in ascending BLOCK_K steps, one tl.dot
-  chain in IEEE FP32 into its accumulator and the row's squares by explicit FMAs; it writes its split's partial
-  mix and sum of squares. No row's sum touches another's: a token's partials do not depend on the block it sits
-  in, the number of tokens or the phase.
+  chain in IEEE FP32 into its accumulator and the row's squares by explicit FMAs column by column, summed at the
+  end by pinned.tree_sum (an explicit tree, not the layout's); it writes its split's partial mix and sum of
+  squares. No row's sum touches another's: a token's partials do not depend on the block it sits in, the number
+  of tokens or the phase.
 - `_hc_mix_kernel`, one program per (token, block of channels): the splits' partials added in split order, the
   mix scaled by the row's 1 / sqrt_rn(mean square + eps) (DeepSeek's order: the GEMM on the raw streams, then
   the norm's factor; the CPU normalises first, so a mix differs from the CPU's by the GEMM's own rounding), then
@@ -57,7 +58,7 @@ def _mix_partials_kernel(x_ptr, fn_ptr, mix_ptr, sq_ptr, T, K, J, x_st, mix_ss, 
         acc = tl.dot(x, f, acc, input_precision="ieee")
         squares = tl.fma(x, x, squares)
     tl.store(mix_ptr + split * mix_ss + rows[:, None] * J + j[None, :], acc, mask=row_ok[:, None] & j_ok[None, :])
-    tl.store(sq_ptr + split * sq_ss + rows, tl.sum(squares, axis=1), mask=row_ok)
+    tl.store(sq_ptr + split * sq_ss + rows, tree_sum(squares), mask=row_ok)
 
 
 @triton.jit
