@@ -111,7 +111,8 @@ def scored(model, seqs, monkeypatch) -> list[torch.Tensor]:
 def test_fp8_indexer_scores_fp8_codes_from_its_own_key_pages(hf, monkeypatch):
     """fp8_indexer: the indexer's key pages hold e4m3 codes and a power-of-two row scale (FP8_INDEX) while the rest
     of the cache keeps its format; the bytes report counts them; the scores move from the model-dtype scorer's by
-    FP8's error, not more (the first CSA layer, whose input both share); a sequence alone keeps its bits in a batch, the baseline's stock FP8 path does not."""
+    FP8's error, not more (the first CSA layer, whose input both share); a sequence alone keeps its bits in a batch,
+    the baseline's stock FP8 path does not."""
     model = models(hf, "consistent", "fp8_indexer")
     cache = model.make_cache(4, BLOCK, num_slots=1)
     csa = [layer for layer in cache.layers if layer.index_entries is not None]

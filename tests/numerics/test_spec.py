@@ -2,8 +2,8 @@ import pytest
 
 from dataclasses import replace
 
-from onepath.numerics.spec import (FP8_ACT, FP8_INDEX, FP8_KV, FP8_WEIGHT, NVFP4_ACT, NVFP4_WEIGHT, QUANT_PRESETS, ExecutionSpec,
-                                   OpSpec, QuantSpec, check_same_spec)
+from onepath.numerics.spec import (FP8_ACT, FP8_INDEX, FP8_KV, FP8_WEIGHT, NVFP4_ACT, NVFP4_WEIGHT, QUANT_PRESETS,
+                                   ExecutionSpec, OpSpec, QuantSpec, check_same_spec)
 
 
 def test_json_round_trip_and_stable_hash():

@@ -1,7 +1,8 @@
 """DeepSeek-V4 through the real engine and trainer on the CPU: the trainer's log-probs (its private cache, whole
 sequences) equal the engine's (paged cache, prefill then decode) bit for bit, before and after an update and in-place
-sync, with the FP8 KV cache and the FP8 indexer (its key pages e4m3, scored FP8 x FP8) too, in FP32 and in BF16 (the GPU's default spec); the engine's outputs do not change with
-the prefill chunk size or preemption. The baseline mode differs: the negative control."""
+sync, with the FP8 KV cache and the FP8 indexer (its key pages e4m3, scored FP8 x FP8) too, in FP32 and in BF16
+(the GPU's default spec); the engine's outputs do not change with the prefill chunk size or preemption. The baseline
+mode differs: the negative control."""
 import pytest
 import torch
 
