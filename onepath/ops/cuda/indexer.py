@@ -3,14 +3,15 @@
     score_tj = sum_h (w_th * weights_scale) * relu(q_th . k_j) * softmax_scale           (the model's dtype)
     score_tj = (sum_h relu(q8_th . k8_j) * w'_th) * s_k[j]                               (FP8, ops/indexer.py)
 
-Grid (query, tile of BLOCK_L entries): a program holds every indexer head of one query (BLOCK_H rows, padded to
-16, FP8 to 64) and one tile of its keys; the dots by tl.dot over the head dim in BLOCK_D chunks (FP32
-accumulators, chunks ascending), then relu, the scales and the head weights in FP32 and the sum over the heads by one tl.sum of a fixed
-[BLOCK_H, BLOCK_L] block. FP8: q8 and k8 are e4m3 codes (tl.dot on e4m3 operands, 128-wide chunks of d), w' the
-head weights with the query's scales folded in (FP32), and each entry's row scale s_k multiplies its head-weighted
-sum. Nothing in a score's arithmetic depends on the other queries, on L or on where its keys came from: keys
-[T, L, d] gathered per query (a paged read) or [L, d] shared by every query (contiguous rows, read with a zero
-query stride) give the same bits. Invalid entries score -inf.
+Grid (query, tile of BLOCK_L entries): a program holds every indexer head of one query (BLOCK_H rows, padded
+to 16, FP8 to 64) and one tile of its keys; the dots by tl.dot over the head dim in BLOCK_D chunks (FP32
+accumulators, chunks ascending), then relu, the scales and the head weights in FP32 and the sum over the heads by
+one tl.sum of a fixed [BLOCK_H, BLOCK_L] block. FP8: q8 and k8 are e4m3 codes (an e4m3 wgmma per 128-wide chunk of
+d, accumulated as Hopper's FP8 tensor cores do, as DeepGEMM's), w' the head weights with the query's scales folded
+in (FP32), and each entry's row scale s_k multiplies its head-weighted sum. Nothing in a score's arithmetic depends
+on the other queries, on L or on where its keys came from: keys [T, L, d] gathered per query (a paged read) or
+[L, d] shared by every query (contiguous rows, read with a zero query stride) give the same bits. Invalid entries
+score -inf.
 """
 from __future__ import annotations
 
