@@ -1,6 +1,6 @@
-"""DeepSeek-V4 on the GPU, BF16 (the default CUDA spec) and FP8 KV: the Triton kernels (index_topk, index_scores,
-sparse_attention, compress, hc_pre / hc_post / hc_head) keep a row's bits alone = in a batch of 256, with the
-baseline's stock paths as controls; the
+"""DeepSeek-V4 on the GPU, BF16 (the default CUDA spec), FP8 KV and the FP8 indexer (fp8_indexer: e4m3 codes scored on
+an e4m3 wgmma): the Triton kernels (index_topk, index_scores in the model's dtype and in FP8, sparse_attention, compress,
+hc_pre / hc_post / hc_head) keep a row's bits alone = in a batch of 256, with the baseline's stock paths as controls; the
 model gives the same bits whole, chunked and in decode, alone and in a batch of 256 requests, with CUDA graphs and
 eager, and engine = trainer before and after an update; planted indexer ties resolve to the larger position on
 both sides. Run as one command on a GPU machine:
@@ -17,6 +17,8 @@ from onepath.engine.scheduler import SchedulerConfig
 from onepath.models import build_decoder
 from onepath.models.deepseek_v4_config import DeepseekV4Config
 from onepath.numerics.diff import is_exact
+from onepath.numerics.quant import quantize_fp8
+from onepath.numerics.spec import FP8_INDEX
 from onepath.ops import ExecutionSpec, Ops
 from onepath.ops import compressor as C
 from onepath.ops import indexer as IX
@@ -159,9 +161,41 @@ def test_mhc_tokens_alone_equal_batch_of_256(mode):
         torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("mode", ["consistent", "baseline"])
+def test_fp8_index_scores_rows_alone_equal_batch_of_256_and_paged_equal_contiguous(mode):
+    """The FP8 scorer at DeepSeek-V4-Flash's indexer shape (64 heads, index_head_dim 128): a query alone = in a batch
+    of 256, keys gathered per query = shared contiguous rows, near the CPU's exact-dot FP8 path; the stock way
+    (dequantise, then a GEMM over the launch or a paged decode's sum) gives gathered and contiguous keys other bits."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    spec = ExecutionSpec.default(mode, "cuda", quant="fp8_indexer")
+    q = torch.randn(256, 64, 128, device="cuda", generator=gen).bfloat16()
+    keys = torch.randn(300, 128, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(256, 64, device="cuda", generator=gen).bfloat16()
+    valid = torch.rand(256, 300, device="cuda", generator=gen) < 0.8
+    shared = quantize_fp8(keys, FP8_INDEX)
+    gathered = quantize_fp8(keys.expand(256, -1, -1).contiguous(), FP8_INDEX)
+    full = IX.index_scores(spec, q, gathered, w, valid, 128 ** -0.5, 64 ** -0.5)
+    contiguous = IX.index_scores(spec, q, shared, w, valid, 128 ** -0.5, 64 ** -0.5)
+    if mode == "baseline":
+        assert not torch.equal(full, contiguous)
+        return
+    assert torch.equal(contiguous, full)
+    alone = torch.cat([IX.index_scores(spec, q[i:i + 1], shared, w[i:i + 1], valid[i:i + 1], 128 ** -0.5, 64 ** -0.5)
+                       for i in range(256)])
+    assert torch.equal(alone, full)
+    cpu = IX.index_scores(ExecutionSpec.default(quant="fp8_indexer"), q.cpu().float(), keys.cpu().float(),
+                          w.cpu(), valid.cpu(), 128 ** -0.5, 64 ** -0.5)
+    live = valid.cpu()
+    # Hopper's e4m3 wgmma accumulates with fewer bits than FP32: near, not equal
+    torch.testing.assert_close(full.cpu()[live], cpu[live], rtol=1e-2, atol=1e-2 * float(cpu[live].abs().max()))
+
+
 # ---- the model ----
 
-@pytest.mark.parametrize("quant", [None, "fp8_kv"])
+QUANTS = [None, "fp8_kv", "fp8_kv+fp8_indexer"]
+
+
+@pytest.mark.parametrize("quant", QUANTS)
 def test_whole_chunked_and_decode_give_the_same_bits(quant):
     m = model(quant=quant)
     seqs = random_prompts(torch.Generator().manual_seed(2), 6, low=40, high=200)
@@ -187,7 +221,7 @@ def test_request_alone_equals_request_in_a_batch_of_256(mode):
     assert all(same(alone, [batch[i] for i in probes])) == (mode == "consistent")
 
 
-@pytest.mark.parametrize("quant", [None, "fp8_kv"])
+@pytest.mark.parametrize("quant", QUANTS)
 def test_graph_equals_eager(quant):
     m = model(quant=quant)
     assert m.capturable
@@ -199,7 +233,7 @@ def test_graph_equals_eager(quant):
     assert graphed.stats.graph_steps > 50 and all(same(a, b))
 
 
-@pytest.mark.parametrize("quant", [None, "fp8_kv"])
+@pytest.mark.parametrize("quant", QUANTS)
 def test_engine_equals_trainer_before_and_after_an_update(quant):
     before, after = engine_vs_trainer(model(quant=quant), model(quant=quant), update=True, prompts=12,
                                       max_model_len=512)
