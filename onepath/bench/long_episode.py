@@ -6,11 +6,11 @@
 The model is a bench preset with random weights (onepath/bench/workloads.py: qwen3-0.6b on CUDA, the embedded
 tiny shape on the CPU). --episodes G episodes of one prompt (one GRPO group) run through the episode machinery
 of training (train/episodes.py run_episodes, train/tool_env.py ChatEnv): each policy turn of up to --turn-tokens
-tokens, then a tool result of up to --reply-tokens tokens rendered by a ChatML chat template with tools and
-appended as tokens, until the episode is --tokens long. A random-weight policy writes no tool calls, so the
-environment is scripted: after every turn it answers with `read_output`, the next slice of a job's log, run
-through a Toolbox like any tool (the calls the policy did write are parsed and counted); the last slice is cut so
-that the final turn ends at --tokens. The tokenizer has one token per printable character (a tool result of N
+tokens, then a tool result of --reply-tokens tokens rendered by a ChatML chat template with tools and appended
+as tokens, until the episode is --tokens long. A random-weight policy writes no tool calls, so the environment
+is scripted: after every turn it answers with `read_output`, the next slice of a build log, run through a
+Toolbox like any tool (the calls the policy did write are parsed and counted); the last slice is sized so that
+the final turn ends at --tokens. The tokenizer has one token per printable character (a tool result of N
 characters is N tokens), ChatML's control tokens at the top of the vocabulary, and a word for every other id, so
 every sampled token decodes.
 
@@ -65,14 +65,17 @@ BLOCK_SIZE = 16
 CONTROL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
            "</tool_response>")
 CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-# ChatML with tools in the system turn and tool results as user turns, the Hermes call format
+# ChatML: the tools (name, arguments, description) in the system turn, tool results as user turns, Hermes calls
 TEMPLATE = r"""
 {%- set system = messages[0].content if messages[0].role == 'system' else '' -%}
 {%- if system or tools -%}
 {{ '<|im_start|>system\n' + system }}
 {%- if tools -%}
 {{ '\n\nTools, called as <tool_call>{"name": NAME, "arguments": {...}}</tool_call>:' }}
-{%- for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor -%}
+{%- for tool in tools %}
+{{- '\n- ' + tool.function.name + '(' + (tool.function.parameters.properties | list | join(', ')) + '): ' }}
+{{- tool.function.description }}
+{%- endfor -%}
 {%- endif -%}
 {{ '<|im_end|>\n' }}
 {%- endif -%}
@@ -125,9 +128,10 @@ def read_output(offset: int, length: int) -> str:
 
 
 class LogEnv(ChatEnv):
-    """After each policy turn, the next slice of the build log as a read_output tool result, cut so that the
-    episode reaches `target` tokens when its last turn runs to `turn_tokens`; done when no room is left. The
-    answer depends on the episode alone (its tool results so far), as run_episodes requires."""
+    """After each policy turn, the next slice of the build log as a read_output tool result of `reply_tokens`
+    tokens; the last one is sized so that the episode reaches `target` tokens when its final turn runs to
+    `turn_tokens`; done when no room is left. The answer depends on the episode alone (its tool results so far),
+    as run_episodes requires."""
 
     def __init__(self, chat: ChatEncoder, target: int, turn_tokens: int, reply_tokens: int):
         super().__init__(chat)
@@ -151,14 +155,15 @@ class LogEnv(ChatEnv):
                 "tool_errors": episode.reward_info.get("tool_errors", 0) + len(written.errors)}
         if room < 1:
             return None, info
-        return [self.result(read, min(self.reply_tokens, room), f"call_{episode.turns - 1}")], info
+        # the last result takes all the room when no full round (result, wrap, turn) would follow it
+        length = room if room <= self.reply_tokens + self.wrap + self.turn_tokens else self.reply_tokens
+        return [self.result(read, length, f"call_{episode.turns - 1}")], info
 
 
 @contextmanager
 def peak_memory(device: str, out: dict):
     """out["peak_gib"] (CUDA: the allocator's peak) and out["peak_growth_gib"] (above what was allocated, or
     resident on the CPU, at the start); on the CPU the growth of the process's peak resident set."""
-    gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
