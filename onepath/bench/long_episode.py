@@ -229,36 +229,37 @@ def rollout(engine: LLMEngine, chat: ChatEncoder, env: LogEnv, args, first_id: i
                             stop_token_ids=(chat.end_of_turn_id,))
     prompt = chat.prompt_ids(PROMPT)
     preempted, cached = engine.stats.preemptions, engine.stats.cached_tokens
-    sync(args.device)
+    summary = {}
     start = time.perf_counter()
-    episodes = run_episodes(engine, [prompt] * args.episodes, env, params, env.max_turns,
-                            episode_ids=list(range(first_id, first_id + args.episodes)),
-                            conversations=[PROMPT] * args.episodes)
-    sync(args.device)
+    with peak_memory(args.device, summary):
+        episodes = run_episodes(engine, [prompt] * args.episodes, env, params, env.max_turns,
+                                episode_ids=list(range(first_id, first_id + args.episodes)),
+                                conversations=[PROMPT] * args.episodes)
     seconds = time.perf_counter() - start
     rows = [{"tokens": len(e), "policy_tokens": sum(e.policy_mask), "env_tokens": len(e) - e.num_prompt_tokens
              - sum(e.policy_mask), "prompt_tokens": e.num_prompt_tokens, "turns": e.turns,
              "finish_reason": e.finish_reason, "tool_calls_written": e.reward_info.get("tool_calls", 0)}
             for e in episodes]
     policy = sum(r["policy_tokens"] for r in rows)
-    summary = {"seconds": seconds, "policy_tokens_per_s": policy / seconds, "preemptions":
-               engine.stats.preemptions - preempted, "cached_tokens": engine.stats.cached_tokens - cached}
+    summary.update(seconds=seconds, policy_tokens_per_s=policy / seconds,
+                   preemptions=engine.stats.preemptions - preempted, cached_tokens=engine.stats.cached_tokens - cached)
     return episodes, episode_responses(episodes, params), rows, summary
 
 
-def diff_of(actor: Actor, r, micro_batch_tokens: int | None) -> tuple[dict, float]:
-    """The diff of the trainer's log-probs (no grad) against the engine's over every policy token."""
+def diff_of(actor: Actor, r, micro_batch_tokens: int | None, device: str) -> tuple[dict, dict]:
+    """The diff of the trainer's log-probs (no grad) against the engine's over every policy token, and that
+    forward's seconds and peak memory."""
+    cost = {"micro_batch_tokens": micro_batch_tokens or 0}
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), peak_memory(device, cost):
         lp, _ = masked_logprobs(actor, r, micro_batch_tokens)
-    sync(actor.model.device.type)
-    seconds = time.perf_counter() - start
+    cost["seconds"] = time.perf_counter() - start
     mask = r.mask.to(lp.device)
     rollout_lp = r.rollout_logprobs.to(lp.device)
     metrics = rollout_diff(rollout_lp, lp, mask)
     equal = torch.equal(lp[mask], rollout_lp[mask])
     return {"torch_equal": equal, "exact": is_exact(metrics) and equal, "policy_tokens": int(mask.sum()),
-            **metrics}, seconds
+            **metrics}, cost
 
 
 def settings_of(args) -> list[tuple[int, bool]]:
@@ -267,7 +268,7 @@ def settings_of(args) -> list[tuple[int, bool]]:
     return settings + [(args.micro_batch_tokens[0], False)] if args.recompute_control else settings
 
 
-def train(actor: Actor, r, episodes, args) -> tuple[dict, torch.Tensor]:
+def train(actor: Actor, r, episodes, args) -> dict:
     """Forward + backward of one GRPO loss at each setting, then one AdamW step on the last one's gradients."""
     device = actor.model.device
     mask, old = r.mask.to(device), r.rollout_logprobs.to(device)
@@ -311,33 +312,33 @@ def train(actor: Actor, r, episodes, args) -> tuple[dict, torch.Tensor]:
     sync(args.device)
     changed = sum(int((p.detach() != b).sum()) for p, b in zip(actor.model.parameters(), before))
     return {"settings": rows, "step_seconds": time.perf_counter() - start, "grad_norm": grad_norm,
-            "advantages": advantages.tolist(),
-            "weights_changed_frac": changed / sum(b.numel() for b in before)}, reference
+            "advantages": advantages.tolist(), "weights_changed_frac": changed / sum(b.numel() for b in before)}
 
 
 def run_mode(mode: str, args, chat: ChatEncoder, env: LogEnv) -> dict:
+    """Rollout, the diff, forward and backward per setting, one update, the weights into the engine, a second
+    rollout and its diff, on one engine and one trainer of this mode."""
     engine = build_engine(args, build_model(args, mode), chat)
-    policy = build_model(args, mode)
-    master = torch.float32 if policy.ops.spec.dtype != torch.float32 else None
-    actor = Actor(policy, BLOCK_SIZE, args.lr, recompute=True, master_dtype=master)
-    kv = dict(engine.memory, max_model_len=args.tokens,
-              episodes_that_fit=engine.memory["kv_tokens"] // args.tokens)
-    result = {"kv": kv, "rollouts": {}, "diff": {}, "trainer_logprobs_seconds": {}}
-    first_mb = args.micro_batch_tokens[0] or None
-    episodes, r, rows, summary = rollout(engine, chat, env, args, 0, args.seed)
-    result["rollouts"]["before"] = {"episodes": rows, **summary}
-    result["diff"]["before"], result["trainer_logprobs_seconds"]["before"] = diff_of(actor, r, first_mb)
-    result["trainer"], _ = train(actor, r, episodes, args)
+    # FP32 master weights under a BF16 model, as train.master_dtype float32 (none on the CPU: FP32 already)
+    actor = Actor(build_model(args, mode), BLOCK_SIZE, args.lr, recompute=True, master_dtype=torch.float32)
+    kv = dict(engine.memory, max_model_len=args.tokens, episodes_that_fit=engine.memory["kv_tokens"] // args.tokens)
+    result = {"kv": kv, "rollouts": {}, "diff": {}, "trainer_logprobs": {}}
+    first = args.micro_batch_tokens[0] or None
+
+    def measure(phase: str, first_id: int):
+        episodes, r, rows, summary = rollout(engine, chat, env, args, first_id, args.seed + first_id)
+        result["rollouts"][phase] = {"episodes": rows, **summary}
+        result["diff"][phase], result["trainer_logprobs"][phase] = diff_of(actor, r, first, args.device)
+        return episodes, r
+
+    episodes, r = measure("before", 0)
+    result["trainer"] = train(actor, r, episodes, args)
     start = time.perf_counter()
     engine.update_weights(actor.model.named_parameters())
     sync(args.device)
     result["trainer"]["sync_seconds"] = time.perf_counter() - start
-    episodes, r, rows, summary = rollout(engine, chat, env, args, args.episodes, args.seed + 1)
-    result["rollouts"]["after"] = {"episodes": rows, **summary}
-    result["diff"]["after"], result["trainer_logprobs_seconds"]["after"] = diff_of(actor, r, first_mb)
-    if args.device == "cuda":
-        result["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-    del engine, actor, policy
+    measure("after", args.episodes)
+    del engine, actor
     gc.collect()
     if args.device == "cuda":
         torch.cuda.empty_cache()
