@@ -355,8 +355,8 @@ def report(record: dict) -> None:
                          sum(e["turns"] for e in ro["episodes"]), ro["seconds"]])
     print_table("diff over every policy token (engine vs trainer)",
                 ["mode", "rollout", "diff = 0", "policy tokens", "max |dp|", "tokens", "turns", "rollout s"], rows)
-    rows = [[mode, s["micro_batch_tokens"], "on" if s["recompute"] else "off", s["micro_batches"],
-             s.get("peak_growth_gib"), s.get("peak_gib"), s.get("seconds")] + ([s["error"]] if "error" in s else [])
+    rows = [[mode, s["micro_batch_tokens"], "on" if s["recompute"] else "off", s["micro_batches"]]
+            + ([s["error"]] if "error" in s else [s["peak_growth_gib"], s["peak_gib"], s["seconds"]])
             for mode, m in record["modes"].items() for s in m["trainer"]["settings"]]
     print_table("trainer forward + backward per micro-batch setting",
                 ["mode", "micro_batch_tokens", "recompute", "micro-batches", "peak growth GiB", "peak GiB", "s"], rows)

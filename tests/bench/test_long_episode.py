@@ -2,13 +2,18 @@
 chat template, diff = 0 on every policy token before the GRPO update and after it (the baseline differs: the
 control), memory and timings reported per micro-batch setting; the episode's mask holds the policy's tokens only;
 an episode meets max_model_len by the engine's rule (a prompt at or past it is refused by name, a history that
-would pass it ends with finish_reason "length")."""
+would pass it ends with finish_reason "length"); a micro-batch setting that runs out of memory is reported and the
+others still run."""
 import json
 
 import pytest
+import torch
 
 from onepath.bench import long_episode
 from onepath.bench.workloads import model_config
+from onepath.engine.sampling_params import SamplingParams
+from onepath.train.actor import Actor
+from onepath.train.episodes import run_episodes
 
 SMALL = ["--device", "cpu", "--episodes", "2", "--tokens", "400", "--turn-tokens", "12", "--reply-tokens", "20"]
 
@@ -27,7 +32,7 @@ def test_long_episodes_keep_diff_zero_before_and_after_the_update(tmp_path):
         assert all(400 - 12 - 1 <= e["tokens"] <= 400 and e["turns"] >= 3 and e["finish_reason"] == "done"
                    for e in episodes)
         assert sum(e["policy_tokens"] for e in episodes) == d["policy_tokens"]
-        assert consistent["rollouts"][phase]["seconds"] > 0
+        assert consistent["rollouts"][phase]["seconds"] > 0 and consistent["rollouts"][phase]["peak_gib"] > 0
         cost = consistent["trainer_logprobs"][phase]
         assert cost["micro_batch_tokens"] == 400 and cost["seconds"] > 0 and cost["peak_growth_gib"] > 0
         # the control: the stock kernels' trainer and engine part ways on the same episodes
@@ -74,7 +79,7 @@ def test_environment_turns_are_outside_the_mask_and_max_model_len_bounds_an_epis
     assert all(e.finish_reason == "length" and len(e) <= 340 for e in episodes)
     # a prompt at or past max_model_len is refused, naming the field
     with pytest.raises(RuntimeError, match=r"prompt length \d+ >= max_model_len 340 .*raise max_model_len"):
-        long_episode.run_episodes(bounded, [[5] * 340], env, long_episode.SamplingParams(max_tokens=4), 2)
+        run_episodes(bounded, [[5] * 340], env, SamplingParams(max_tokens=4), 2)
 
 
 def test_bad_sizes_are_refused_by_name(capsys):
@@ -84,3 +89,24 @@ def test_bad_sizes_are_refused_by_name(capsys):
         with pytest.raises(SystemExit):
             long_episode.options(argv)
         assert field in capsys.readouterr().err
+
+
+def test_a_setting_out_of_memory_is_reported_and_the_others_still_run(monkeypatch):
+    args = long_episode.options(SMALL + ["--micro-batch-tokens", "400", "0"])
+    chat = long_episode.chat_encoder(model_config(args.model).vocab_size)
+    env = long_episode.LogEnv(chat, args.tokens, args.turn_tokens, args.reply_tokens)
+    engine = long_episode.build_engine(args, long_episode.build_model(args, "consistent"), chat)
+    episodes, r, _, _ = long_episode.rollout(engine, chat, env, args, 0, args.seed)
+    actor = Actor(long_episode.build_model(args, "consistent"), long_episode.BLOCK_SIZE, args.lr)
+    backward = actor.backward
+
+    def whole_batch_too_big(r, loss_fn, micro_batch_tokens=None, **kwargs):
+        if micro_batch_tokens is None:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return backward(r, loss_fn, micro_batch_tokens, **kwargs)
+
+    monkeypatch.setattr(actor, "backward", whole_batch_too_big)
+    trainer = long_episode.train(actor, r, episodes, args)
+    assert [s.get("error") for s in trainer["settings"]] == [
+        None, "out of memory: CUDA out of memory. Tried to allocate 9.00 GiB", None]
+    assert trainer["weights_changed_frac"] > 0.5
