@@ -22,7 +22,10 @@ each --micro-batch-tokens setting with train.recompute on (plus the first settin
 --recompute-control), each with its peak memory (torch.cuda.max_memory_allocated on CUDA; on the CPU the growth
 of the process's peak resident set, reset before each phase through /proc/self/clear_refs); one AdamW step; the
 weights into the engine; a second rollout and its diff. --modes consistent baseline runs both modes: the
-baseline is the control (its engine and trainer are expected to differ).
+baseline is the control (its engine and trainer are expected to differ). A setting that runs out of GPU memory
+is a row with its error (the others still run). The group's scores are the mean of each episode's sampled token
+ids (a random policy has no task; any score that differs within the group gives the update a gradient). Exit
+status 1 when the consistent mode's diff is not 0.
 """
 from __future__ import annotations
 
@@ -338,10 +341,6 @@ def run_mode(mode: str, args, chat: ChatEncoder, env: LogEnv) -> dict:
     sync(args.device)
     result["trainer"]["sync_seconds"] = time.perf_counter() - start
     measure("after", args.episodes)
-    del engine, actor
-    gc.collect()
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
     return result
 
 
@@ -435,6 +434,9 @@ def main(argv=None) -> int:
               "config": config.to_dict(), "tool_result_wrap_tokens": env.wrap, "modes": {}}
     for mode in args.modes:
         record["modes"][mode] = run_mode(mode, args, chat, env)
+        gc.collect()  # this mode's engine and trainer gone before the next sizes its KV cache
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
         if args.out:
             save_json(record, Path(args.out))
     report(record)
