@@ -170,6 +170,29 @@ def patch_bf16_rounding() -> None:
     interpreter._convert_float = convert_rtne
 
 
+def patch_cpu_exp():
+    """Give the interpreter's tl.exp the consistent CPU path's exp (pinned_unary(torch.exp)) on FP32: with it, a
+    kernel that follows a CPU recipe step for step gives its bits, so a test sees every other step's rounding
+    (the GPU's exp is its own). Returns the interpreter's own, numpy's, for a control."""
+    import numpy as np
+    import torch
+    from triton.runtime import interpreter
+
+    from onepath.ops.pinned import pinned_unary
+
+    own = interpreter.InterpreterBuilder.create_exp
+
+    def create_exp(self, arg):
+        if arg.data.dtype != np.float32:
+            return own(self, arg)
+        wide = torch.from_numpy(np.ascontiguousarray(arg.data))
+        return interpreter.TensorHandle(pinned_unary(torch.exp, wide).numpy().reshape(np.shape(arg.data)),
+                                        arg.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_exp = create_exp
+    return own
+
+
 MMA_K = 16  # the K depth of one Hopper MMA instruction on 16-bit inputs (wgmma and mma.sync)
 
 

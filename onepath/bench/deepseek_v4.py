@@ -11,7 +11,8 @@ pages: compressed entries) and what a running sequence holds at any length (the 
 rows and its open windows' compressor inputs), for BF16 and for FP8 KV, and their sum over a context.
 `topk_timings` times ops.index_topk (the consistent kernel: on CUDA the Triton radix select) and torch.topk on the
 same scores. `rollout` is bench/rollout.py on the deepseek-v4-flash-4l preset (Flash's layer shapes, 4 layers, 32
-experts, random weights) with block-FP8 W8A8 linears and the FP8 KV cache, consistent and baseline, 256 requests
+experts, random weights) with block-FP8 W8A8 linears, the FP8 KV cache and the indexer scoring in FP8 (the recipe's
+fp8+fp8_kv+fp8_indexer), consistent and baseline, 256 requests
 of 150 prompt / 3000 output tokens and the ragged workload; its other options pass through (--model
 tiny-deepseek-v4 --device cpu --requests 4 --scale 0.01 runs it on a CPU in seconds).
 """
@@ -95,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     topk.add_argument("--k", type=int, default=2048)
     topk.add_argument("--repeats", type=int, default=50)
     topk.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
-    sub.add_parser("rollout", help="bench/rollout.py on deepseek-v4-flash-4l, FP8 W8A8 + FP8 KV (options pass "
-                                   "through)", add_help=False)
+    sub.add_parser("rollout", help="bench/rollout.py on deepseek-v4-flash-4l, FP8 W8A8 + FP8 KV + the FP8 "
+                                   "indexer (options pass through)", add_help=False)
     args, rest = p.parse_known_args(argv)
     if args.what == "rollout":
-        defaults = {"--model": "deepseek-v4-flash-4l", "--quant": "fp8+fp8_kv", "--workloads": "fixed-3000,ragged"}
+        defaults = {"--model": "deepseek-v4-flash-4l", "--quant": "fp8+fp8_kv+fp8_indexer",
+                    "--workloads": "fixed-3000,ragged"}
         given = {a.split("=")[0] for a in rest}
         chosen = [x for k, v in defaults.items() if k not in given for x in (k, v)]  # --model appends: one default
         return rollout_bench.main([*chosen, "--no-hf", *rest], prog="python -m onepath.bench.deepseek_v4 rollout")

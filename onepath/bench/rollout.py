@@ -502,8 +502,10 @@ def _delta(before: dict, after: dict) -> dict:
 
 def _kv_bytes_per_token(config: ModelConfig, args) -> float:
     spec = ExecutionSpec.default("consistent", args.device, quant=args.quant)
-    cache = DeepseekV4Cache if isinstance(config, DeepseekV4Config) else KVCache  # a layout of its own
-    return cache.bytes_per_token(config, spec.dtype, spec.op("attention").kv)
+    if isinstance(config, DeepseekV4Config):  # a layout of its own, the indexer's keys by their own rule
+        return DeepseekV4Cache.bytes_per_token(config, spec.dtype, spec.op("attention").kv,
+                                               index_kv=spec.op("indexer").kv)
+    return KVCache.bytes_per_token(config, spec.dtype, spec.op("attention").kv)
 
 
 def _dtype(args) -> torch.dtype:

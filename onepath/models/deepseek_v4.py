@@ -156,8 +156,14 @@ class Indexer(Compressor):
         _, valid, slots, rows = loc.cached(("entries", self.rate), lambda: entry_candidates(loc, self.rate))
         cos, sin = rope.tables("compress")
         q = ops.rope_interleaved(self.q_b_proj(q_residual).view(t, self.heads, self.dim), batch.positions, cos, sin)
-        keys = ops.cache_read(cache.index_entries, slots, fresh, rows)[:, :, 0]
-        scores = ops.index_scores(q, keys, self.scorer.weights_proj(x), valid, self.dim ** -0.5, self.heads ** -0.5)
+        weights, scales = self.scorer.weights_proj(x), (self.dim ** -0.5, self.heads ** -0.5)
+        if ops.index_quant is None:
+            keys = ops.cache_read(cache.index_entries, slots, fresh, rows)[:, :, 0]
+            scores = ops.index_scores(q, keys, weights, valid, *scales)
+        else:  # FP8: codes and row scales as cached; a trained indexer's gradient reaches its keys straight through
+            values = ops.cache_read(cache.index_entries, slots, fresh, rows)[:, :, 0] if self.trained else None
+            scores = ops.index_scores(q, ops.cache_read_stored(cache.index_entries, slots), weights, valid, *scales,
+                                      key_values=values)
         return ops.index_topk(scores, valid, self.topk), scores
 
     def loss(self, picked: torch.Tensor, scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -425,13 +431,15 @@ class DeepseekV4Decoder(nn.Module):
     def make_cache(self, num_blocks: int, block_size: int, num_slots: int = 0) -> DeepseekV4Cache:
         """Pages for num_blocks token blocks and rings for num_slots running sequences (0: whole sequences)."""
         return DeepseekV4Cache(self.config, num_blocks, block_size, self.ops.spec.dtype, self.device,
-                               kv=self.ops.kv_quant, num_slots=num_slots)
+                               kv=self.ops.kv_quant, num_slots=num_slots, index_kv=self.ops.index_quant)
 
     def cache_bytes_per_token(self, block_size: int = BLOCK_SIZE) -> float:
-        return DeepseekV4Cache.bytes_per_token(self.config, self.ops.spec.dtype, self.ops.kv_quant, block_size)
+        return DeepseekV4Cache.bytes_per_token(self.config, self.ops.spec.dtype, self.ops.kv_quant, block_size,
+                                               self.ops.index_quant)
 
     def cache_bytes_per_slot(self) -> int:
-        return DeepseekV4Cache.bytes_per_slot(self.config, self.ops.spec.dtype, self.ops.kv_quant)
+        return DeepseekV4Cache.bytes_per_slot(self.config, self.ops.spec.dtype, self.ops.kv_quant,
+                                              self.ops.index_quant)
 
     def cache_state_bytes(self, num_slots: int) -> int:
         """The rings of num_slots running sequences, and the scratch slot's."""

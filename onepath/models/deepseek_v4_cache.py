@@ -14,7 +14,8 @@ The rings sit in the engine's state slots (one per running sequence, models/stat
 use the engine's block tables, so a sequence's blocks hold its entries and nothing else: the bytes a token costs
 are the entries it closes (block_size / m of a block's rows), and a sequence's window and open windows cost a
 fixed ring. kv, entries and index_entries are FP8 when the spec quantises the KV cache (attention.kv, one scale
-per row); the states stay in the model's dtype.
+per row); index_entries are FP8 by the indexer's own rule when it scores in FP8 (indexer.kv, the fp8_indexer
+preset: e4m3 codes and a power-of-two FP32 scale per row, read as stored); the states stay in the model's dtype.
 
 A forward stages its own rows (ops.cache_stage: the rows as the cache would store them, FP8 round trip included),
 reads every row it needs through ops.cache_read (this forward's positions from the stage, earlier ones from the
@@ -71,15 +72,25 @@ def layout(config: DeepseekV4Config, layer: int) -> dict[str, tuple[int, int]]:
     return out
 
 
+def rule(name: str, kv: QuantSpec | None, index_kv: QuantSpec | None) -> QuantSpec | None:
+    """The rule tensor `name` is stored by: the indexer's keys by index_kv where set (the indexer scores in FP8),
+    the other quantisable tensors by kv."""
+    if name == "index_entries" and index_kv is not None:
+        return index_kv
+    return kv if name in QUANTISABLE else None
+
+
 class DeepseekV4Cache:
     def __init__(self, config: DeepseekV4Config, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str | torch.device = "cpu", kv: QuantSpec | None = None, num_slots: int = 0):
+                 device: str | torch.device = "cpu", kv: QuantSpec | None = None, num_slots: int = 0,
+                 index_kv: QuantSpec | None = None):
         """num_slots: the running sequences' rings (the engine's state slots); 0 for a forward of whole sequences
         (the trainer's), which reads its own rows only. One block of pages (`scratch_block`) and one ring slot
         (`scratch_slot`) past those take the writes a decode step makes for rows that close no window and for
-        padding rows: a decode step writes every row, its shapes fixed by the batch."""
+        padding rows: a decode step writes every row, its shapes fixed by the batch. kv: the spec's attention.kv;
+        index_kv: its indexer.kv."""
         def tensor(name, width, rows):
-            quant = kv if name in QUANTISABLE else None
+            quant = rule(name, kv, index_kv)
             if name in PAGED:
                 return paged(num_blocks + 1, rows_per_block(rows, block_size), width, dtype, quant, device)
             return paged(num_slots + 1, rows, width, dtype, quant, device) if num_slots else None
@@ -90,26 +101,28 @@ class DeepseekV4Cache:
         self.scratch_block, self.scratch_slot = num_blocks, num_slots
 
     @staticmethod
-    def row_bytes(name: str, width: int, dtype: torch.dtype, kv: QuantSpec | None) -> int:
+    def row_bytes(name: str, width: int, dtype: torch.dtype, kv: QuantSpec | None,
+                  index_kv: QuantSpec | None = None) -> int:
         size = torch.empty((), dtype=dtype).element_size()
-        return width + SCALE_BYTES if kv is not None and name in QUANTISABLE else width * size
+        return width + SCALE_BYTES if rule(name, kv, index_kv) is not None else width * size
 
     @classmethod
     def bytes_per_token(cls, config: DeepseekV4Config, dtype: torch.dtype, kv: QuantSpec | None = None,
-                        block_size: int = BLOCK_SIZE) -> float:
+                        block_size: int = BLOCK_SIZE, index_kv: QuantSpec | None = None) -> float:
         """The pages' bytes of one token (a block's entry rows over its tokens), scales included."""
         total = 0
         for i in range(config.num_hidden_layers):
             for name, (width, rate) in layout(config, i).items():
                 if name in PAGED:
-                    total += rows_per_block(rate, block_size) * cls.row_bytes(name, width, dtype, kv)
+                    total += rows_per_block(rate, block_size) * cls.row_bytes(name, width, dtype, kv, index_kv)
         return total / block_size
 
     @classmethod
-    def bytes_per_slot(cls, config: DeepseekV4Config, dtype: torch.dtype, kv: QuantSpec | None = None) -> int:
+    def bytes_per_slot(cls, config: DeepseekV4Config, dtype: torch.dtype, kv: QuantSpec | None = None,
+                       index_kv: QuantSpec | None = None) -> int:
         """One running sequence's rings over all layers: its window's K = V rows and its open windows' inputs (the
         cache holds one slot more, the scratch slot)."""
-        return sum(rows * cls.row_bytes(name, width, dtype, kv) for i in range(config.num_hidden_layers)
+        return sum(rows * cls.row_bytes(name, width, dtype, kv, index_kv) for i in range(config.num_hidden_layers)
                    for name, (width, rows) in layout(config, i).items() if name not in PAGED)
 
 

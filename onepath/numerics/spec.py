@@ -20,13 +20,15 @@ FP32_OPS = ("softmax", "sigmoid", "relu2", "causal_conv1d", "sqrtsoftplus", "com
 # Linear layers of one module class, named apart so a spec can give them their own formats (the Mamba mixers'
 # in/out projections, the routed experts): until a spec sets one, it computes as the op it names here.
 MODULE_OPS = {"mamba_proj": "linear", "expert": "linear"}
-# Operators of one model family (the Mamba-2 scan): absent from a spec's JSON, and so from its hash, until set,
-# so the specs of other families keep theirs; FAMILY_DEFAULTS gives their entry until then.
-FAMILY_OPS = ("ssd",)
+# Operators of one model family (the Mamba-2 scan, DeepSeek-V4's lightning indexer): absent from a spec's JSON, and
+# so from its hash, until set, so the specs of other families keep theirs; FAMILY_DEFAULTS gives their entry until
+# then. The indexer's entry holds its FP8 scoring only (the fp8_indexer preset): it stays FP32_OPS' otherwise.
+FAMILY_OPS = ("ssd", "indexer")
 SSD_CHUNK = 128  # tokens per chunk of the Mamba-2 scan (ops/ssd.py), Nemotron-H's chunk_size
 # The tensors an operator may store quantised: a GEMM's weight and input activation, attention's K/V cache.
+# The indexer's: its query heads (act) and its cached keys (kv), scored FP8 x FP8 (ops/indexer.py).
 QUANT_ROLES = {"linear": ("weight", "act"), "lm_head": ("weight", "act"), "attention": ("kv",),
-               "mamba_proj": ("weight", "act"), "expert": ("weight", "act")}
+               "mamba_proj": ("weight", "act"), "expert": ("weight", "act"), "indexer": ("act", "kv")}
 # How a MoE expert's router coefficient enters (no model reads it yet): on the expert's FP32
 # down-proj output before the experts are summed, or folded into the down-proj input before it is
 # quantised (then it moves the activation scales).
@@ -114,6 +116,10 @@ KV_AMAX_CEIL = 448.0 * 2 ** 7
 # per token and head, ue8m0 scales
 FP8_KV = QuantSpec(scale_domain="per_token", block=None, scale_dtype="ue8m0", amax_ceil=KV_AMAX_CEIL,
                    scales_applied="load")
+# The lightning indexer's FP8 scoring (DeepSeek-V3.2 / V4 inference, DeepGEMM's fp8 MQA logits): its query heads
+# per (token, head) and its cached keys per row, e4m3 with one power-of-two scale per row, so a row's scale leaves
+# the dot: the query's folds into its head weight, the key's multiplies the head-weighted sum (ops/indexer.py).
+FP8_INDEX = QuantSpec(scale_domain="per_token", block=None, scale_dtype="ue8m0")
 NVFP4_WEIGHT = QuantSpec(format="nvfp4", block=(1, 16), scale_dtype="e4m3", scale_rule="amax*s_enc/6",
                          amax_floor=0.0, outer_scale="per_tensor", scales_applied="operand")
 NVFP4_ACT = replace(NVFP4_WEIGHT, outer_scale="per_token")
@@ -122,6 +128,8 @@ NVFP4_ACT = replace(NVFP4_WEIGHT, outer_scale="per_token")
 QUANT_PRESETS = {
     "fp8": {"linear": dict(weight=FP8_WEIGHT, act=FP8_ACT)},
     "fp8_kv": {"attention": dict(kv=FP8_KV)},
+    # DeepSeek-V4's lightning indexer scored in FP8, its key cache in e4m3 codes and row scales (the recipe's)
+    "fp8_indexer": {"indexer": dict(act=FP8_INDEX, kv=FP8_INDEX)},
     "nvfp4_w4a16": {"linear": dict(weight=NVFP4_WEIGHT)},
     "nvfp4_w4a4": {"linear": dict(weight=NVFP4_WEIGHT, act=NVFP4_ACT)},
     # by module class (Nemotron-H's recipe: "fp8_mamba+nvfp4_experts+fp8_kv", the rest in the spec's dtype)
@@ -197,6 +205,7 @@ class ExecutionSpec:
                 if getattr(op, role) is not None and role not in QUANT_ROLES.get(name, ()):
                     raise ValueError(f"ops[{name!r}].{role} is set, but {name} has no quantisable {role}: "
                                      f"quantised tensors are {QUANT_ROLES}")
+        check_indexer_quant(self.op("indexer"))
 
     @classmethod
     def default(cls, mode: str = "consistent", device: str = "cpu", quant: str | None = None) -> "ExecutionSpec":
@@ -300,7 +309,20 @@ class ExecutionSpec:
         return hash(self.hash())
 
 
-FAMILY_DEFAULTS = {"ssd": OpSpec(chunk=SSD_CHUNK)}
+FAMILY_DEFAULTS = {"ssd": OpSpec(chunk=SSD_CHUNK), "indexer": OpSpec()}
+
+
+def check_indexer_quant(op: OpSpec) -> None:
+    """The indexer scores FP8 codes against FP8 codes with one scale per row, which leaves the dot: both of its
+    tensors quantised or neither, each FP8 per row (FP8_INDEX, the fp8_indexer preset)."""
+    if (op.act is None) != (op.kv is None):
+        raise ValueError(f"ops['indexer'] quantises {'act' if op.kv is None else 'kv'} alone: the FP8 scorer takes "
+                         "e4m3 query heads and e4m3 keys together; set both (the fp8_indexer preset) or neither")
+    for role in ("act", "kv"):
+        q = getattr(op, role)
+        if q is not None and (q.format, q.scale_domain) != ("fp8_e4m3", "per_token"):
+            raise ValueError(f"ops['indexer'].{role} is {q.format} {q.scale_domain}: the indexer's scale must leave "
+                             "the dot, one per row: use fp8_e4m3 per_token (FP8_INDEX)")
 
 
 def check_same_spec(engine_spec: ExecutionSpec, trainer_spec: ExecutionSpec) -> None:

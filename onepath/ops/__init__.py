@@ -86,6 +86,11 @@ class Ops:
         """The KV cache's QuantSpec (FP8_KV) or None for a cache in the model's dtype."""
         return self.spec.op("attention").kv
 
+    @property
+    def index_quant(self):
+        """The lightning indexer's key-cache rule (FP8_INDEX: it scores in FP8, the fp8_indexer preset) or None."""
+        return self.spec.op("indexer").kv
+
     def grouped_linear(self, x, weight, counts, op="linear"):
         """x's rows packed by expert (counts[e] rows each) through ops.linear against weight[e]."""
         return _linear.grouped_linear(self.spec, x, weight, counts, op=op)
@@ -165,6 +170,11 @@ class Ops:
         rows >= 0: every phase's one read path; the gradient goes to `fresh` at `rows` (ops/cache_rows.py)."""
         return _cache_rows.read(self.spec, cache, slots, self.spec.dtype, fresh, rows, staged)
 
+    def cache_read_stored(self, cache, slots):
+        """The one-head rows at slots [...] (-1: zeros) as stored: an FP8 cache's codes [..., width] and row scales
+        [..., 1] (FP8Tensor), a plain cache's rows [..., width]; no gradient (ops/cache_rows.py)."""
+        return _cache_rows.gather_stored(cache, slots)
+
     def cache_stage(self, x, quantised=False):
         """This forward's rows x [N, 1, width] as a cache stores them (FP8 by the spec's attention.kv if
         `quantised`), to read with cache_read before they reach a ring."""
@@ -187,9 +197,10 @@ class Ops:
         """Gated pooling of windows of token rows into compressed entries, FP32 (DeepSeek-V4's compressor)."""
         return _compressor.compress(self.spec, kv, gate, bias, valid)
 
-    def index_scores(self, q, keys, weights, valid, softmax_scale, weights_scale):
-        """The lightning indexer's FP32 score of each entry for each query (DeepSeek-V4)."""
-        return _indexer.index_scores(self.spec, q, keys, weights, valid, softmax_scale, weights_scale)
+    def index_scores(self, q, keys, weights, valid, softmax_scale, weights_scale, key_values=None):
+        """The lightning indexer's FP32 score of each entry for each query (DeepSeek-V4); in FP8 under the spec's
+        indexer quantisation, keys then an FP8Tensor as cached and key_values their values for the gradient."""
+        return _indexer.index_scores(self.spec, q, keys, weights, valid, softmax_scale, weights_scale, key_values)
 
     def index_topk(self, scores, valid, k):
         """The k best valid entries by (score, position), emitted by descending position, -1 last."""

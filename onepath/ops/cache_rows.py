@@ -38,11 +38,13 @@ def paged(blocks: int, block_size: int, width: int, dtype: torch.dtype, kv: Quan
 
 
 def write(spec: ExecutionSpec, cache, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """x [N, *row] into `cache` at slots [N]; an FP8 cache quantises by the spec's attention.kv."""
-    kv = spec.op("attention").kv
-    if isinstance(cache, FP8Tensor) and kv is None:
-        raise TypeError("an FP8 cache under a spec without attention.kv: build the cache from the model's spec")
-    WRITES[spec.mode, spec.device](cache, x.detach(), slots, kv if isinstance(cache, FP8Tensor) else None)
+    """x [N, *row] into `cache` at slots [N]; an FP8 cache quantises by the rule it was built with, one of the
+    spec's (attention.kv, or indexer.kv for DeepSeek-V4's indexer keys)."""
+    kv = cache.rule if isinstance(cache, FP8Tensor) else None
+    if isinstance(cache, FP8Tensor) and (kv is None or kv not in (spec.op("attention").kv, spec.op("indexer").kv)):
+        raise TypeError(f"an FP8 cache under a spec without attention.kv or indexer.kv equal to its rule {kv}: build "
+                        "the cache from the model's spec")
+    WRITES[spec.mode, spec.device](cache, x.detach(), slots, kv)
 
 
 def stage(spec: ExecutionSpec, x: torch.Tensor, quantised: bool):
@@ -73,6 +75,19 @@ def gather(cache, slots: torch.Tensor, dtype: torch.dtype, staged=None, rows: to
         out = got if out is None else torch.where(expand(here, got), got, out)
         present = here if present is None else present | here
     return torch.where(expand(present, out), out, out.new_zeros(()))
+
+
+def gather_stored(cache, slots: torch.Tensor):
+    """The one-head rows [1, width] at `slots` [...] as stored: a plain cache's [..., width], an FP8 cache's codes
+    [..., width] and row scales [..., 1] (an FP8Tensor, no dequantisation); -1 slots give zeros (codes and scales)."""
+    here = slots >= 0
+    if isinstance(cache, FP8Tensor):
+        codes = cache.codes.view(-1, cache.codes.shape[-1])[slots.clamp(min=0)]
+        scales = cache.scales.view(-1, 1)[slots.clamp(min=0)]
+        codes = torch.where(expand(here, codes), codes.view(torch.uint8), 0).view(torch.float8_e4m3fn)
+        return FP8Tensor(codes, torch.where(expand(here, scales), scales, 0.0), cache.block, cache.rule)
+    rows = cache.view(-1, cache.shape[-1])[slots.clamp(min=0)]
+    return torch.where(expand(here, rows), rows, rows.new_zeros(()))
 
 
 def expand(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@ rotated by the model (ops.rmsnorm, ops.rope_interleaved).
 
 consistent: exp on fixed-shape pieces, the two sums over the slots as a fixed tree; every entry is computed
 alone from its own slots, so its bits do not depend on how many windows close in the same launch or in which
-phase. baseline: torch.softmax and a sum over the slots, as the stock module runs it. The result is rounded
-once to kv's dtype. Backward: `reference`.
+phase. consistent CUDA: the Triton kernel of ops/cuda/compressor.py, this recipe step for step (one program per
+entry and block of channels; its exp is the GPU's). baseline: torch.softmax and a sum over the slots, as the stock
+module runs it. The result is rounded once to kv's dtype. Backward: `reference`.
 """
 from __future__ import annotations
 
@@ -36,10 +37,15 @@ def consistent(kv, gate, bias, valid):
     return pooled.to(kv.dtype)
 
 
-# (mode, device) -> kernel(kv, gate, bias, valid): the torch recipes on both devices
+def cuda_consistent(kv, gate, bias, valid):
+    from onepath.ops.cuda.compressor import compress as triton_compress
+    return triton_compress(kv, gate, bias, valid)
+
+
+# (mode, device) -> kernel(kv, gate, bias, valid)
 KERNELS = {
     ("consistent", "cpu"): consistent,
-    ("consistent", "cuda"): consistent,
+    ("consistent", "cuda"): cuda_consistent,
     ("baseline", "cpu"): reference,
     ("baseline", "cuda"): reference,
 }

@@ -14,8 +14,11 @@ consistent: the norm and the GEMM are ops.rmsnorm's and ops.lm_head's (a fixed s
 dimension whatever the number of tokens: the stock kernels pick a split-K count from the batch), sigmoid,
 softmax and exp on fixed-shape pieces, and every sum over the streams in stream order, so a token's bits do
 not depend on its batch. Sinkhorn's order is fixed (columns first) and its iterations a config constant.
-baseline: the stock ops over the whole launch (F.linear, torch.softmax, .sum). Results in FP32; the collapse
-and the new streams are rounded once to the streams' dtype. Backward: the `reference_*` functions.
+consistent CUDA: the Triton kernels of ops/cuda/mhc.py (the mixing GEMM over a fixed split of the reduced
+dimension, the splits added in order; the epilogue, Sinkhorn and the collapse on registers in this order, one
+program per token and block of channels; hc_post this file's arithmetic exactly). baseline: the stock ops over
+the whole launch (F.linear, torch.softmax, .sum). Results in FP32; the collapse and the new streams are rounded once to the
+streams' dtype. Backward: the `reference_*` functions.
 """
 from __future__ import annotations
 
@@ -106,10 +109,25 @@ def reference_head(x, fn, base, scale, norm_eps, hc_eps):
     return (pre.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
 
 
+def cuda_pre(spec, x, fn, base, scale, norm_eps, hc_eps, iters):
+    from onepath.ops.cuda.mhc import hc_pre as triton_hc_pre
+    return triton_hc_pre(x, fn, base, scale, norm_eps, hc_eps, iters)
+
+
+def cuda_post(out, x, post, comb):
+    from onepath.ops.cuda.mhc import hc_post as triton_hc_post
+    return triton_hc_post(out, x, post, comb)
+
+
+def cuda_head(spec, x, fn, base, scale, norm_eps, hc_eps):
+    from onepath.ops.cuda.mhc import hc_head as triton_hc_head
+    return triton_hc_head(x, fn, base, scale, norm_eps, hc_eps)
+
+
 # (mode, device) -> (pre, post, head) kernels; the baseline runs the references over the whole launch
 KERNELS = {
     ("consistent", "cpu"): (consistent_pre, consistent_post, consistent_head),
-    ("consistent", "cuda"): (consistent_pre, consistent_post, consistent_head),
+    ("consistent", "cuda"): (cuda_pre, cuda_post, cuda_head),
     ("baseline", "cpu"): (lambda spec, *a: reference_pre(*a), reference_post, lambda spec, *a: reference_head(*a)),
     ("baseline", "cuda"): (lambda spec, *a: reference_pre(*a), reference_post, lambda spec, *a: reference_head(*a)),
 }

@@ -16,7 +16,7 @@ def test_rollout_runs_on_a_tiny_deepseek_v4(tmp_path, capsys):
                              "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     entry = result["models"]["tiny-deepseek-v4"]
-    assert result["options"]["quant"] == "fp8+fp8_kv" and entry["config"]["model_type"] == "deepseek_v4"
+    assert result["options"]["quant"] == "fp8+fp8_kv+fp8_indexer" and entry["config"]["model_type"] == "deepseek_v4"
     for name in ("fixed-3000", "ragged"):
         row = entry["workloads"][name]
         for mode in ("consistent", "baseline"):

@@ -1,7 +1,7 @@
 """DeepSeek-V4's CUDA-graph decode path run eagerly on the CPU: a decode step finds its closing windows, ring slots
 and entry bound on the device (every row computed, the rows that close nothing and the padding rows writing into the
 cache's scratch block and slot), so the padded static-buffer step of DecodeGraphs gives the eager engine's bits
-(consistent, FP32 and BF16, FP8 KV too); the baseline's decode, split by the padded batch, shows the padding (negative
+(consistent, FP32 and BF16, FP8 KV and the FP8 indexer too); the baseline's decode, split by the padded batch, shows the padding (negative
 control)."""
 import pytest
 import torch
@@ -41,7 +41,8 @@ def runs(model):
     return [(a.token_ids, a.logprobs) == (b.token_ids, b.logprobs) for a, b in zip(*outs)]
 
 
-@pytest.mark.parametrize("dtype, quant", [("float32", None), ("bfloat16", "fp8_kv")])
+@pytest.mark.parametrize("dtype, quant", [("float32", None), ("bfloat16", "fp8_kv"),
+                                         ("bfloat16", "fp8_kv+fp8_indexer")])
 def test_padded_static_decode_equals_eager(hf, dtype, quant):
     assert all(runs(onepath_model(hf, quant=quant, dtype=dtype)))
 

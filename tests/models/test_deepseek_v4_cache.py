@@ -9,7 +9,7 @@ from onepath.bench.deepseek_v4 import cache_bytes, flash_config
 from onepath.models.batch import ForwardBatch, SeqChunk
 from onepath.models.deepseek_v4_cache import DeepseekV4Cache, rows_per_block
 from onepath.numerics.quant import FP8Tensor
-from onepath.numerics.spec import FP8_KV
+from onepath.numerics.spec import FP8_INDEX, FP8_KV
 from tests.tiny_deepseek_v4 import onepath_model, sequences, transformers_model
 
 
@@ -20,20 +20,22 @@ def allocated(cache: DeepseekV4Cache) -> int:
     return sum(p.numel() * p.element_size() for p in parts)
 
 
-@pytest.mark.parametrize("kv", [None, FP8_KV])
+@pytest.mark.parametrize("kv, index_kv", [(None, None), (FP8_KV, None), (None, FP8_INDEX), (FP8_KV, FP8_INDEX)])
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_byte_counts_are_what_the_cache_allocates(kv, block_size):
+def test_byte_counts_are_what_the_cache_allocates(kv, index_kv, block_size):
     config = flash_config(num_hidden_layers=4, compress_rates={"compressed_sparse_attention": 4,
                                                                "heavily_compressed_attention": 8})
     blocks, slots = 3, 2
-    cache = DeepseekV4Cache(config, blocks, block_size, torch.bfloat16, kv=kv, num_slots=slots)
+    cache = DeepseekV4Cache(config, blocks, block_size, torch.bfloat16, kv=kv, num_slots=slots, index_kv=index_kv)
     # one scratch block of pages and one scratch ring slot past those asked for (a decode step's unused writes)
-    want = (DeepseekV4Cache.bytes_per_token(config, torch.bfloat16, kv, block_size) * block_size * (blocks + 1)
-            + DeepseekV4Cache.bytes_per_slot(config, torch.bfloat16, kv) * (slots + 1))
+    want = (DeepseekV4Cache.bytes_per_token(config, torch.bfloat16, kv, block_size, index_kv) * block_size
+            * (blocks + 1) + DeepseekV4Cache.bytes_per_slot(config, torch.bfloat16, kv, index_kv) * (slots + 1))
     assert allocated(cache) == want
     entries = cache.layers[3].entries  # a CSA layer: one row per window closing in a block
     assert (entries.codes if kv else entries).shape[:2] == (blocks + 1, rows_per_block(4, block_size))
-    assert allocated(DeepseekV4Cache(config, blocks, block_size, torch.bfloat16, kv=kv)) < want  # no rings
+    keys = cache.layers[3].index_entries  # the indexer's keys: by its own rule where it scores in FP8
+    assert (keys.rule if isinstance(keys, FP8Tensor) else None) == (index_kv or kv)
+    assert allocated(DeepseekV4Cache(config, blocks, block_size, torch.bfloat16, kv=kv, index_kv=index_kv)) < want
 
 
 def test_flash_shaped_fp8_kv_bytes_per_token_are_at_most_0_57_of_bf16():

@@ -1,5 +1,6 @@
 """DeepSeek-V4's contract on the CPU, in FP32 and in BF16 (the GPU's default spec): a sequence's bits alone equal its
-bits in a batch; whole prefill, chunked prefill and decode (and an FP8 KV cache read the same way) give the same bits;
+bits in a batch; whole prefill, chunked prefill and decode (and an FP8 KV cache read the same way, and the indexer
+scoring FP8 codes from its own FP8 key pages) give the same bits;
 the router's FP32 scores and its choices, the hash routing from the token id and the expert layouts do not depend on
 the batch. The baseline mode (torch.topk, shape-dependent library kernels, a decode path of its own) differs on the
 same cases: the negative controls. In BF16 torch's CPU GEMMs give a row the same bits at every M, so there the
@@ -10,6 +11,8 @@ import torch
 from onepath.consistency.recorder import Layout
 from onepath.models.batch import ForwardBatch, SeqChunk
 from onepath.models.deepseek_v4 import HashRouter, Indexer, MoE, TopKRouter
+from onepath.numerics.quant import FP8Tensor
+from onepath.numerics.spec import FP8_INDEX
 from tests.tiny_deepseek_v4 import (BLOCK, CSA, HCA, SLIDING, onepath_logits, onepath_model, sequences,
                                     transformers_model)
 
@@ -57,7 +60,7 @@ LAYOUTS = {"chunks of 7": Layout(chunk=7), "decode": Layout(prefill=1), "prefill
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("quant", [None, "fp8_kv"])
+@pytest.mark.parametrize("quant", [None, "fp8_kv", "fp8_kv+fp8_indexer"])
 def test_whole_chunked_and_decode_give_the_same_bits(hf, quant, dtype):
     model = models(hf, "consistent", quant, dtype)
     seqs = sequences(hf.config.vocab_size, LENGTHS)
@@ -89,6 +92,44 @@ def test_fp8_cache_moves_the_logits_it_reads(hf, dtype):
     plain = onepath_logits(models(hf, "consistent", dtype=dtype), seqs)
     fp8 = onepath_logits(models(hf, "consistent", "fp8_kv", dtype), seqs)
     assert not torch.equal(plain, fp8)
+
+
+def scored(model, seqs, monkeypatch) -> list[torch.Tensor]:
+    """Each CSA layer's indexer scores [T, entries] of one forward over seqs."""
+    out, select = [], Indexer.select
+
+    def recorded(self, *args):
+        picked, scores = select(self, *args)
+        out.append(scores)
+        return picked, scores
+    with monkeypatch.context() as m:
+        m.setattr(Indexer, "select", recorded)
+        onepath_logits(model, seqs)
+    return out
+
+
+def test_fp8_indexer_scores_fp8_codes_from_its_own_key_pages(hf, monkeypatch):
+    """fp8_indexer: the indexer's key pages hold e4m3 codes and a power-of-two row scale (FP8_INDEX) while the rest
+    of the cache keeps its format; the bytes report counts them; the scores move from the model-dtype scorer's by
+    FP8's error, not more (the first CSA layer, whose input both share); a sequence alone keeps its bits in a batch,
+    the baseline's stock FP8 path does not."""
+    model = models(hf, "consistent", "fp8_indexer")
+    cache = model.make_cache(4, BLOCK, num_slots=1)
+    csa = [layer for layer in cache.layers if layer.index_entries is not None]
+    assert csa and all(isinstance(layer.index_entries, FP8Tensor) and layer.index_entries.rule == FP8_INDEX
+                       and not isinstance(layer.entries, FP8Tensor) for layer in csa)
+    plain = models(hf, "consistent")
+    assert model.cache_bytes_per_token(BLOCK) < plain.cache_bytes_per_token(BLOCK)
+    seqs = sequences(hf.config.vocab_size, LENGTHS)
+    # the first layer's indexer sees the same input on both (later ones see what the selections made of it)
+    fp8, fp32 = scored(model, seqs, monkeypatch)[0], scored(plain, seqs, monkeypatch)[0]
+    live = torch.isfinite(fp32)
+    assert torch.equal(live, torch.isfinite(fp8)) and not torch.equal(fp8, fp32)
+    torch.testing.assert_close(fp8[live], fp32[live], rtol=0.1, atol=0.05 * float(fp32[live].abs().max()))
+    for mode in ("consistent", "baseline"):
+        m = models(hf, mode, "fp8_indexer")
+        alone = torch.cat([onepath_logits(m, [s]) for s in seqs])
+        assert torch.equal(alone, onepath_logits(m, seqs)) == (mode == "consistent")
 
 
 @pytest.mark.parametrize("mode", ["consistent", "baseline"])
@@ -157,11 +198,13 @@ def test_masked_and_contiguous_expert_layouts_give_the_same_bits(hf, dtype):
     assert torch.equal(out["masked"], out["contiguous"])
 
 
-def test_indexer_is_frozen_by_default_and_trainable_as_an_option(hf):
+@pytest.mark.parametrize("quant", [None, "fp8_indexer"])
+def test_indexer_is_frozen_by_default_and_trainable_as_an_option(hf, quant):
     """Frozen: the indexer's weights take no gradient. Unfrozen: a training forward leaves the indexer's own loss
     (KL from the attention's probabilities of the selected entries), whose gradient reaches the indexer's weights
-    only and which a few steps on them lower; the forward's bits are the frozen model's."""
-    model = models(hf, "consistent")
+    only and which a few steps on them lower; the forward's bits are the frozen model's. Scoring in FP8, the
+    gradient reaches the indexer's compressor through its keys' values, straight through their codes."""
+    model = models(hf, "consistent", quant)
     indexer = {n: p for n, p in model.named_parameters() if ".indexer." in n}
     assert indexer and not any(p.requires_grad for p in indexer.values())
     assert all(p.requires_grad for n, p in model.named_parameters() if n not in indexer)

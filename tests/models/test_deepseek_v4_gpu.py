@@ -1,5 +1,6 @@
-"""DeepSeek-V4 on the GPU, BF16 (the default CUDA spec) and FP8 KV: the Triton kernels (index_topk, index_scores,
-sparse_attention) keep a row's bits alone = in a batch of 256, with the baseline's stock paths as controls; the
+"""DeepSeek-V4 on the GPU, BF16 (the default CUDA spec), FP8 KV and the FP8 indexer (fp8_indexer: e4m3 codes scored on
+an e4m3 wgmma): the Triton kernels (index_topk, index_scores in the model's dtype and in FP8, sparse_attention, compress,
+hc_pre / hc_post / hc_head) keep a row's bits alone = in a batch of 256, with the baseline's stock paths as controls; the
 model gives the same bits whole, chunked and in decode, alone and in a batch of 256 requests, with CUDA graphs and
 eager, and engine = trainer before and after an update; planted indexer ties resolve to the larger position on
 both sides. Run as one command on a GPU machine:
@@ -16,8 +17,12 @@ from onepath.engine.scheduler import SchedulerConfig
 from onepath.models import build_decoder
 from onepath.models.deepseek_v4_config import DeepseekV4Config
 from onepath.numerics.diff import is_exact
+from onepath.numerics.quant import quantize_fp8
+from onepath.numerics.spec import FP8_INDEX
 from onepath.ops import ExecutionSpec, Ops
+from onepath.ops import compressor as C
 from onepath.ops import indexer as IX
+from onepath.ops import mhc as M
 from onepath.ops import sparse_attention as SA
 from onepath.ops import topk as T
 from tests.models.test_deepseek_v4_consistency import phase_logits
@@ -110,9 +115,87 @@ def test_sparse_attention_and_index_scores_rows_alone_equal_batch_of_256(mode):
         assert torch.equal(shared, IX.index_scores(spec, iq, ik[0].expand(256, -1, -1), w, valid, 0.125, 0.25))
 
 
+def test_compress_windows_alone_equal_batch_of_256():
+    """CSA's 2m = 8 slots and HCA's 128 at head_dim 512, BF16 compressor state as the model reads it (strided
+    halves), CSA's first window half invalid."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    spec = ExecutionSpec.default("consistent", "cuda")
+    for slots in (8, 128):
+        state = torch.randn(256, slots, 1024, device="cuda", generator=gen).bfloat16()
+        kv, gate = state[..., :512], state[..., 512:]
+        bias = torch.randn(slots, 512, device="cuda", generator=gen)
+        valid = torch.ones(256, slots, dtype=torch.bool, device="cuda")
+        valid[0, :slots // 2] = False
+        full = C.compress(spec, kv, gate, bias, valid)
+        alone = torch.cat([C.compress(spec, kv[i:i + 1], gate[i:i + 1], bias, valid[i:i + 1]) for i in range(256)])
+        assert torch.equal(alone, full)
+        torch.testing.assert_close(full.float(), C.reference(kv, gate, bias, valid).float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("mode", ["consistent", "baseline"])
+def test_mhc_tokens_alone_equal_batch_of_256(mode):
+    """hc_mult 4 streams of DeepSeek-V4-Flash's hidden size 4096 (K = 16384: 16 splits), 20 Sinkhorn iterations.
+    The baseline's stock GEMM (cuBLAS) runs another kernel at M = 1 than at 256: its bits move."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    spec = ExecutionSpec.default(mode, "cuda")
+    n, d = 4, 4096
+    x = torch.randn(256, n, d, device="cuda", generator=gen).bfloat16()
+    fn = torch.randn((2 + n) * n, n * d, device="cuda", generator=gen) / (n * d) ** 0.5
+    base, scale = torch.randn((2 + n) * n, device="cuda", generator=gen), torch.randn(3, device="cuda", generator=gen)
+    out = torch.randn(256, d, device="cuda", generator=gen).bfloat16()
+
+    def outputs(rows):
+        post, comb, collapsed = M.hc_pre(spec, x[rows], fn, base, scale, 1e-6, 1e-6, 20)
+        return (post, comb, collapsed, M.hc_head(spec, x[rows], fn[:n], base[:n], scale[:1], 1e-6, 1e-6),
+                M.hc_post(spec, out[rows], x[rows], post, comb))
+
+    full = outputs(slice(None))
+    each = [outputs(slice(i, i + 1)) for i in range(256)]
+    alone = [torch.cat([a[j] for a in each]) for j in range(5)]
+    if mode == "consistent":
+        assert all(torch.equal(a, b) for a, b in zip(alone, full))
+    else:
+        assert not torch.equal(alone[2], full[2]) and not torch.equal(alone[3], full[3])
+    want = M.reference_pre(x, fn, base, scale, 1e-6, 1e-6, 20)
+    for got, ref in zip(full[:3], want):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("mode", ["consistent", "baseline"])
+def test_fp8_index_scores_rows_alone_equal_batch_of_256_and_paged_equal_contiguous(mode):
+    """The FP8 scorer at DeepSeek-V4-Flash's indexer shape (64 heads, index_head_dim 128): a query alone = in a batch
+    of 256, keys gathered per query = shared contiguous rows, near the CPU's exact-dot FP8 path; the stock way
+    (dequantise, then a GEMM over the launch or a paged decode's sum) gives gathered and contiguous keys other bits."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    spec = ExecutionSpec.default(mode, "cuda", quant="fp8_indexer")
+    q = torch.randn(256, 64, 128, device="cuda", generator=gen).bfloat16()
+    keys = torch.randn(300, 128, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(256, 64, device="cuda", generator=gen).bfloat16()
+    valid = torch.rand(256, 300, device="cuda", generator=gen) < 0.8
+    shared = quantize_fp8(keys, FP8_INDEX)
+    gathered = quantize_fp8(keys.expand(256, -1, -1).contiguous(), FP8_INDEX)
+    full = IX.index_scores(spec, q, gathered, w, valid, 128 ** -0.5, 64 ** -0.5)
+    contiguous = IX.index_scores(spec, q, shared, w, valid, 128 ** -0.5, 64 ** -0.5)
+    if mode == "baseline":
+        assert not torch.equal(full, contiguous)
+        return
+    assert torch.equal(contiguous, full)
+    alone = torch.cat([IX.index_scores(spec, q[i:i + 1], shared, w[i:i + 1], valid[i:i + 1], 128 ** -0.5, 64 ** -0.5)
+                       for i in range(256)])
+    assert torch.equal(alone, full)
+    cpu = IX.index_scores(ExecutionSpec.default(quant="fp8_indexer"), q.cpu().float(), keys.cpu().float(),
+                          w.cpu(), valid.cpu(), 128 ** -0.5, 64 ** -0.5)
+    live = valid.cpu()
+    # Hopper's e4m3 wgmma accumulates with fewer bits than FP32: near, not equal
+    torch.testing.assert_close(full.cpu()[live], cpu[live], rtol=1e-2, atol=1e-2 * float(cpu[live].abs().max()))
+
+
 # ---- the model ----
 
-@pytest.mark.parametrize("quant", [None, "fp8_kv"])
+QUANTS = [None, "fp8_kv", "fp8_kv+fp8_indexer"]
+
+
+@pytest.mark.parametrize("quant", QUANTS)
 def test_whole_chunked_and_decode_give_the_same_bits(quant):
     m = model(quant=quant)
     seqs = random_prompts(torch.Generator().manual_seed(2), 6, low=40, high=200)
@@ -138,7 +221,7 @@ def test_request_alone_equals_request_in_a_batch_of_256(mode):
     assert all(same(alone, [batch[i] for i in probes])) == (mode == "consistent")
 
 
-@pytest.mark.parametrize("quant", [None, "fp8_kv"])
+@pytest.mark.parametrize("quant", QUANTS)
 def test_graph_equals_eager(quant):
     m = model(quant=quant)
     assert m.capturable
@@ -150,7 +233,7 @@ def test_graph_equals_eager(quant):
     assert graphed.stats.graph_steps > 50 and all(same(a, b))
 
 
-@pytest.mark.parametrize("quant", [None, "fp8_kv"])
+@pytest.mark.parametrize("quant", QUANTS)
 def test_engine_equals_trainer_before_and_after_an_update(quant):
     before, after = engine_vs_trainer(model(quant=quant), model(quant=quant), update=True, prompts=12,
                                       max_model_len=512)

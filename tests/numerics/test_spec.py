@@ -2,8 +2,8 @@ import pytest
 
 from dataclasses import replace
 
-from onepath.numerics.spec import (FP8_ACT, FP8_KV, FP8_WEIGHT, NVFP4_ACT, NVFP4_WEIGHT, QUANT_PRESETS, ExecutionSpec,
-                                   OpSpec, QuantSpec, check_same_spec)
+from onepath.numerics.spec import (FP8_ACT, FP8_INDEX, FP8_KV, FP8_WEIGHT, NVFP4_ACT, NVFP4_WEIGHT, QUANT_PRESETS,
+                                   ExecutionSpec, OpSpec, QuantSpec, check_same_spec)
 
 
 def test_json_round_trip_and_stable_hash():
@@ -145,3 +145,23 @@ def test_family_operators_and_module_classes_join_the_spec_only_once_set():
         spec.with_op("mamba", chunk=64)
     with pytest.raises(ValueError, match="sets mamba_proj.weight, which an earlier preset"):
         classed.with_quant("fp8_mamba")
+
+
+def test_fp8_indexer_is_its_own_preset_and_composes():
+    """fp8_indexer quantises DeepSeek-V4's indexer (query heads and key cache, FP8_INDEX both) and nothing else: off
+    in the default specs (whose JSON and hash do not name the indexer), composed with the others by '+'; it
+    round-trips and moves the hash. Half of it, or a rule whose scale does not leave the dot, is refused by name."""
+    for spec in (ExecutionSpec(), ExecutionSpec.default("consistent", "cuda", quant="fp8+fp8_kv")):
+        assert spec.op("indexer").kv is None and "indexer" not in spec.to_dict()["ops"]
+    recipe = ExecutionSpec.default("consistent", "cuda", quant="fp8+fp8_kv+fp8_indexer")
+    assert (recipe.op("indexer").act, recipe.op("indexer").kv) == (FP8_INDEX, FP8_INDEX)
+    assert FP8_INDEX.scale_domain == "per_token" and FP8_INDEX.scale_dtype == "ue8m0"
+    assert recipe.op("attention").kv == FP8_KV and recipe.op("linear").act == FP8_ACT
+    assert ExecutionSpec.from_json(recipe.to_json()) == recipe
+    assert recipe.hash() != ExecutionSpec.default("consistent", "cuda", quant="fp8+fp8_kv").hash()
+    with pytest.raises(ValueError, match=r"ops\['indexer'\] quantises act alone"):
+        ExecutionSpec(ops={"indexer": OpSpec(act=FP8_INDEX)})
+    with pytest.raises(ValueError, match=r"ops\['indexer'\].kv is fp8_e4m3 per_block"):
+        ExecutionSpec(ops={"indexer": OpSpec(act=FP8_INDEX, kv=FP8_ACT)})
+    with pytest.raises(ValueError, match="sets indexer.act, which an earlier preset"):
+        ExecutionSpec.default(quant="fp8_indexer+fp8_indexer")

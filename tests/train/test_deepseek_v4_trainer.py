@@ -1,7 +1,8 @@
 """DeepSeek-V4 through the real engine and trainer on the CPU: the trainer's log-probs (its private cache, whole
 sequences) equal the engine's (paged cache, prefill then decode) bit for bit, before and after an update and in-place
-sync, with the FP8 KV cache too, in FP32 and in BF16 (the GPU's default spec); the engine's outputs do not change with
-the prefill chunk size or preemption. The baseline mode differs: the negative control."""
+sync, with the FP8 KV cache and the FP8 indexer (its key pages e4m3, scored FP8 x FP8) too, in FP32 and in BF16
+(the GPU's default spec); the engine's outputs do not change with the prefill chunk size or preemption. The baseline
+mode differs: the negative control."""
 import pytest
 import torch
 
@@ -22,7 +23,8 @@ def hf():
 
 
 @pytest.mark.parametrize("dtype, quant", [("float32", None), ("float32", "fp8_kv"), ("bfloat16", None),
-                                         ("bfloat16", "fp8_kv")])
+                                         ("bfloat16", "fp8_kv"), ("float32", "fp8_indexer"),
+                                         ("bfloat16", "fp8_kv+fp8_indexer")])
 def test_trainer_logprobs_equal_engine_logprobs_before_and_after_an_update(hf, dtype, quant):
     models = [onepath_model(hf, quant=quant, dtype=dtype) for _ in range(2)]
     before, after = engine_vs_trainer(*models, update=True, prompts=6, max_model_len=64)

@@ -16,12 +16,14 @@ OP_SPEC = {"token_logprobs": "logprobs", "probs": "logprobs", "sampling_mask": "
            "experts": "linear",  # the recorder's one site for a MoE layer's experts: their GEMMs and silu_mul
            "gated_rmsnorm": "rmsnorm",
            "rope_interleaved": "rope", "cache_write": "attention", "cache_read": "attention",
+           "cache_read_stored": "indexer",
            "cache_stage": "attention", "cache_copy": "attention", "group_linear": "linear",
            "sparse_attention": "attention", "attention_weights": "attention", "index_topk": "topk",
            "compress": "compressor",  # an op, and the recorder's one site for a DeepSeek-V4 compressor's windows
            "index_scores": "indexer", "hc_pre": "mhc", "hc_post": "mhc", "hc_head": "mhc"}
 # Ops members that answer a question about the backend and compute nothing
-QUERIES = ("can_stack", "grouped_experts", "grouped_kernel", "grouped_on_device", "kv_quant", "kv_tile")
+QUERIES = ("can_stack", "grouped_experts", "grouped_kernel", "grouped_on_device", "index_quant", "kv_quant",
+           "kv_tile")
 
 
 def gate_c0(ctx: GateContext) -> GateResult:
