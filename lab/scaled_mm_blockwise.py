@@ -29,8 +29,9 @@ def layouts(qa, qw):
     """Candidate (name, scale_a, scale_b) for a [M, K] x w [N, K]^T."""
     sa, sw = qa.scales.float(), qw.scales.float()
     col_major = lambda t: t.t().contiguous().t()
-    return [("a rows, w [N/128,K/128].t()", sa.contiguous(), sw.t()),
-            ("a col-major, w [N/128,K/128].t()", col_major(sa), sw.t()),
+    return [("a col-major, w [N/128,K/128].t() (linear_quant.fp8_library_cuda)", col_major(sa), sw.t()),
+            ("a col-major, 1/scales", col_major(1 / sa), (1 / sw).t()),
+            ("a rows, w [N/128,K/128].t()", sa.contiguous(), sw.t()),
             ("a col-major, w [K/128,N/128] contiguous", col_major(sa), sw.t().contiguous()),
             ("a rows, w [K/128,N/128] contiguous", sa.contiguous(), sw.t().contiguous()),
             ("a col-major, w [N/128,K/128]", col_major(sa), sw.contiguous())]

@@ -18,7 +18,8 @@ NVFP4 W4A16 (weight = NVFP4_WEIGHT) and W4A4 (act = NVFP4_ACT), emulated:
     y     = round(acc * (s_dec_a[m] * s_dec_w) + b)      s_dec = 1 / s_enc (FP32), W4A16: acc * s_dec_w
   CPU: F.linear on fixed [row_chunk, K] pieces of the operands in FP32 (linear.consistent's rule);
   CUDA: ops/cuda/linear.py on the BF16 operands with FP32 output; the epilogue in FP32 torch ops.
-baseline: the same quantisers, then one library GEMM over all rows on the dequantised operands.
+baseline: the same quantisers, then one library GEMM over all rows: block FP8 on CUDA by the library's blockwise
+FP8 GEMM on the codes (torch._scaled_mm, the fast path FP8 engines run), elsewhere on the dequantised operands.
 Backward is straight-through: linear.reference on the unquantised operands (ops/autograd.py).
 
 The weight's quantised copy is cached on the parameter and rebuilt when its version counter moves
@@ -184,6 +185,33 @@ def fp8_library(op: OpSpec, x, x2, qw, bias, out_dtype):
     return dequantized_gemm(quantize(x2, op.act), qw, bias).to(out_dtype)
 
 
+# (N, K) -> whether torch._scaled_mm took the blockwise layout at that weight shape (decided at the first call,
+# an eager one: the engine warms a graph's forward up before it captures it)
+_SCALED_MM_FITS: dict[tuple[int, int], bool] = {}
+
+
+def fp8_library_cuda(op: OpSpec, x, x2, qw, bias, out_dtype):
+    """baseline on CUDA, the fast path FP8 engines run: the library's blockwise FP8 GEMM (torch._scaled_mm with
+    1x128 activation scales, outer-dim major, and 128x128 weight scales: cuBLAS's DeepSeek-style kernel, whose
+    tiles and split follow the shape) on the codes, the activations quantised by the Triton quantiser (the same
+    codes as every path). A weight shape the library refuses (K not a multiple of 128, say) takes the dequantised
+    GEMM, once decided for good."""
+    from onepath.ops.cuda.quant import quantize_fp8
+    qa = quantize_fp8(x2, op.act)
+    n, k = qw.codes.shape
+    if _SCALED_MM_FITS.get((n, k), True) and op.act.block == (1, 128) and qw.block == (128, 128):
+        try:
+            out = torch._scaled_mm(qa.codes, qw.codes.t(), scale_a=qa.scales.t().contiguous().t(),
+                                   scale_b=qw.scales.t(), out_dtype=out_dtype)
+            _SCALED_MM_FITS[(n, k)] = True
+            return out if bias is None else (out.float() + bias.float()).to(out_dtype)
+        except (RuntimeError, NotImplementedError):
+            if capturing(x2):
+                raise
+            _SCALED_MM_FITS[(n, k)] = False
+    return dequantized_gemm(qa, qw, bias).to(out_dtype)
+
+
 def nvfp4_cuda(op: OpSpec, a_op, w_op):
     from onepath.ops.cuda.linear import linear
     return linear(a_op, w_op, out_dtype=torch.float32)
@@ -201,7 +229,7 @@ def nvfp4_library(op: OpSpec, a_op, w_op):
 FP8_GEMMS = {
     ("consistent", "cuda"): fp8_cuda,
     ("consistent", "cpu"): fp8_cpu,
-    ("baseline", "cuda"): fp8_library,
+    ("baseline", "cuda"): fp8_library_cuda,
     ("baseline", "cpu"): fp8_library,
 }
 # (mode, device) -> the NVFP4 GEMM on the dequantised operands (op, a_op, w_op) -> FP32 acc, before the epilogue

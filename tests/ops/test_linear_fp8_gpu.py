@@ -108,3 +108,25 @@ def test_negative_control_a_bf16_gemm_of_the_dequantised_operands_differs(out_dt
     diff = (control.float() - ws.float()).abs().max().item()
     assert diff <= 0.05 * ws.float().abs().max().item(), f"the control is not the same GEMM: max diff {diff}"
     assert not torch.equal(control, ws), "a bf16 GEMM of the dequantised operands matched the fp8 kernel's bits"
+
+
+@pytest.mark.parametrize("m", [1, 37, 512])
+def test_baseline_runs_the_librarys_blockwise_fp8_gemm(m):
+    """baseline's block-FP8 GEMM on CUDA is torch._scaled_mm's blockwise kernel (1x128 activation, 128x128
+    weight scales) where the weight's shape allows: values within FP8 accumulation error of the dequantised
+    GEMM; a K the library refuses (1000) takes the dequantised GEMM itself, its bits exactly."""
+    from onepath.numerics.spec import ExecutionSpec
+    from onepath.ops import linear_quant as LQ
+
+    op = ExecutionSpec.default("baseline", "cuda", quant="fp8").op("linear")
+    for n, k in ((1024, 2048), (6144, 4096), (1000, 1000)):
+        gen = torch.Generator(device="cuda").manual_seed(m + n)
+        x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+        qw, b = _weight(n, k, m, bias=True)
+        got = LQ.FP8_GEMMS["baseline", "cuda"](op, x, x, qw, b, torch.bfloat16)
+        want = LQ.dequantized_gemm(quantize(x, op.act), qw, b).to(torch.bfloat16)
+        if k % 128:
+            assert LQ._SCALED_MM_FITS[(n, k)] is False and torch.equal(got, want)
+        else:
+            assert LQ._SCALED_MM_FITS[(n, k)] is True, (n, k)
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
