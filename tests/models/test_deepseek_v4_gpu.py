@@ -72,6 +72,7 @@ def same(a, b) -> list[bool]:
 
 # ---- kernels: a row alone = in a batch of 256 (baseline controls) ----
 
+@pytest.mark.gpu_smoke
 def test_index_topk_kernel_equals_the_key_and_beats_torch_topk_on_ties():
     gen = torch.Generator(device="cuda").manual_seed(0)
     scores = torch.relu(torch.randn(256, 8192, device="cuda", generator=gen))  # ~half exact zeros: planted ties
@@ -86,6 +87,7 @@ def test_index_topk_kernel_equals_the_key_and_beats_torch_topk_on_ties():
     assert not torch.equal(torch.sort(library, descending=True).values, T.keyed_index_topk(scores, valid, 2048))
 
 
+@pytest.mark.gpu_smoke
 @pytest.mark.parametrize("mode", ["consistent", "baseline"])
 def test_sparse_attention_and_index_scores_rows_alone_equal_batch_of_256(mode):
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -195,6 +197,7 @@ def test_fp8_index_scores_rows_alone_equal_batch_of_256_and_paged_equal_contiguo
 QUANTS = [None, "fp8_kv", "fp8_kv+fp8_indexer"]
 
 
+@pytest.mark.gpu_smoke
 @pytest.mark.parametrize("quant", QUANTS)
 def test_whole_chunked_and_decode_give_the_same_bits(quant):
     m = model(quant=quant)
@@ -233,6 +236,7 @@ def test_graph_equals_eager(quant):
     assert graphed.stats.graph_steps > 50 and all(same(a, b))
 
 
+@pytest.mark.gpu_smoke
 @pytest.mark.parametrize("quant", QUANTS)
 def test_engine_equals_trainer_before_and_after_an_update(quant):
     before, after = engine_vs_trainer(model(quant=quant), model(quant=quant), update=True, prompts=12,
