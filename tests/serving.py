@@ -61,9 +61,17 @@ def post(url: str, body, raw: bytes | None = None) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=60) as r:
-        return json.loads(r.read())
+def get(url: str, retry_s: float = 0.0) -> dict:
+    """GET url's JSON; a refused connection is tried again for retry_s seconds (a server still coming up)."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=60) as r:
+                return json.loads(r.read())
+        except urllib.error.URLError as e:
+            if not isinstance(e.reason, ConnectionRefusedError) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def run_episode(client, model: str, prompt: list[dict], toolbox: Toolbox, max_turns: int) -> list[dict]:
@@ -93,7 +101,7 @@ def run_agent(url: str, toolbox: Toolbox, max_turns: int, reward=None, timeout_s
     from openai import OpenAI
     done, start = 0, time.monotonic()
     while time.monotonic() - start < timeout_s:
-        listing = get(f"{url}/onepath/rollout")
+        listing = get(f"{url}/onepath/rollout", retry_s=0 if done else 10)
         if listing["status"] == "done":
             return done
         todo = [e for e in listing["episodes"] if not e["finished"]]

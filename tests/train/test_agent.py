@@ -94,11 +94,26 @@ def agent_run(tmp_path, mode: str) -> list[dict]:
         "--rollout.agent", "http", "--rollout.agent_port", "0", "--rollout.agent_timeout_s", "120",
         "--mode", mode, "--out", str(tmp_path / mode)])
     trainer = GRPOTrainer(cfg, mode, prepare(cfg, tmp_path / mode, progress=False), tmp_path / mode / "run")
-    history = []
-    train = threading.Thread(target=lambda: history.extend(trainer.run(progress=False)))
+    history, failure = [], []
+
+    def train_run():
+        try:
+            history.extend(trainer.run(progress=False))
+        except BaseException as e:  # noqa: BLE001: re-raised below, where the test fails with it
+            failure.append(e)
+
+    train = threading.Thread(target=train_run)
     train.start()
-    episodes = run_agent(trainer.agent.url, Toolbox([calculator]), 3, reward=digits)
+    try:
+        episodes = run_agent(trainer.agent.url, Toolbox([calculator]), 3, reward=digits)
+    except OSError:
+        train.join(timeout=5)
+        if failure:  # the trainer stopped (and its server with it): its error, not the agent's
+            raise failure[0]
+        raise
     train.join()
+    if failure:
+        raise failure[0]
     assert episodes == 2 * 2 * 2 and len(history) == 2
     return history
 
