@@ -7,12 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from onepath.models.batch import ForwardBatch
-from onepath.models.config import ModelConfig
 from onepath.models.kv_cache import KVCache
 from onepath.models.nemotron_h import NemotronHDecoder
 from onepath.ops.spans import SeqSpans
 from tests.models.test_nemotron_h_phases import tiny_model
-from tests.models.test_nemotron_h_vs_transformers import SPEC, hf_model, load_ours, sequences
+from tests.models.test_nemotron_h_vs_transformers import hf_model, load_ours, sequences
 
 RTOL, ATOL = 1e-4, 1e-6
 
@@ -58,6 +57,11 @@ def test_mixer_gradients_match_a_float64_loop(overrides):
     x64 = x.detach().double().requires_grad_()
     out = torch.cat([mixer_loop(part, leaves, mixer) for part in x64.split(lengths)])
     (out * cotangent.double()).sum().backward()
+    assert_grads_match(x, params, x64, leaves)
+
+
+def assert_grads_match(x, params, x64, leaves):
+    """Every gradient (x's and each parameter's) nonzero and within RTOL of its float64 twin's."""
     for name, p in [("x", x), *params.items()]:
         want = x64.grad if name == "x" else leaves[name].grad
         assert p.grad is not None and p.grad.abs().sum() > 0, name
@@ -107,11 +111,7 @@ def test_moe_gradients_match_a_float64_reference(layout, overrides):
     with torch.no_grad():
         assert torch.equal(experts, block.gate(x)[1]), "the float64 reference routed differently"
     (out * cotangent.double()).sum().backward()
-    for name, p in [("x", x), *params.items()]:
-        want = x64.grad if name == "x" else leaves[name].grad
-        assert p.grad is not None and p.grad.abs().sum() > 0, name
-        torch.testing.assert_close(p.grad.double(), want, rtol=RTOL, atol=1e-5 * want.abs().max(),
-                                   msg=lambda m: f"{name}: {m}")
+    assert_grads_match(x, params, x64, leaves)
 
 
 def test_model_gradients_match_transformers_in_float64(tmp_path):

@@ -71,6 +71,15 @@ def engine_outputs(model) -> list[tuple[list[int], list[float]]]:
     return [(o.token_ids, o.logprobs) for o in engine.generate(SEQUENCES, PARAMS)]
 
 
+def send_to_parent(results: dict, rank: int, world: int, queue) -> None:
+    """Every rank's results, gathered, put on the parent's queue by rank 0."""
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        queue.put(pickle.dumps(gathered))
+    dist.barrier()
+
+
 def worker(rank: int, world: int, port: int, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -94,11 +103,7 @@ def worker(rank: int, world: int, port: int, queue):
         # the engine: prefill, decode steps and sampling on every rank, the KV cache holding the rank's heads
         results["engine", "dense"] = engine_outputs(model_for("dense", "float32").tensor_parallel())
         results["engine", "moe"] = engine_outputs(model_for("moe", "float32").tensor_parallel())
-        gathered = [None] * world
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            queue.put(pickle.dumps(gathered))
-        dist.barrier()
+        send_to_parent(results, rank, world, queue)
     finally:
         dist.destroy_process_group()
 
@@ -185,11 +190,7 @@ def gpu_worker(rank: int, world: int, port: int, queue):
             results[reduce] = cpu(logprobs(tiny_model("consistent", device="cuda").tensor_parallel(reduce=reduce),
                                            SEQUENCES))
         results["engine"] = engine_outputs(tiny_model("consistent", device="cuda").tensor_parallel())
-        gathered = [None] * world
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            queue.put(pickle.dumps(gathered))
-        dist.barrier()
+        send_to_parent(results, rank, world, queue)
     finally:
         dist.destroy_process_group()
 
