@@ -149,7 +149,7 @@ def test_network_connections_fail(sandbox):
         # the negative control: the same program outside the sandbox connects
         plain = subprocess.run([sys.executable, "-c", code.replace("1.1.1.1", "127.0.0.1").replace(", 53", f", {port}")],
                                capture_output=True, text=True, timeout=10)
-        assert plain.stdout.count("connected") == 2
+        assert plain.stdout.count("connected") == 2, (plain.stdout, plain.stderr)
     finally:
         server.close()
 
