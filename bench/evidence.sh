@@ -7,6 +7,8 @@
 #     CONFIG  default onepath/configs/evidence-dense.yaml (onepath/configs/evidence-moe.yaml: the MoE)
 #     OUT     default runs/evidence-<config name>; OUT/report.png and OUT/<run>/metrics.jsonl
 # Extra settings for every run go in $EVIDENCE_ARGS, e.g. EVIDENCE_ARGS="--train.steps 20".
+# Run again on the same OUT, it goes on where it stopped: the warm start is reused, each run resumes from its
+# latest checkpoint (train.save_every), a finished run is kept as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config=${1:-onepath/configs/evidence-dense.yaml}
@@ -17,7 +19,7 @@ read -r -a extra <<< "${EVIDENCE_ARGS:-}"
 train() { "$py" -m onepath train --config "$config" "${extra[@]}" "$@"; }
 
 train --out "$out" --train.steps 0                       # the data and the warm start: $out/warm_start
-shared=(--model.path "$out/warm_start" --warm_start.steps 0)
+shared=(--model.path "$out/warm_start" --warm_start.steps 0 --resume)
 train "${shared[@]}" --out "$out/consistent" --mode consistent
 fast=("${shared[@]}" --mode baseline --trainer_quant none)
 train "${fast[@]}" --out "$out/baseline"

@@ -187,11 +187,17 @@ class WarmStartSection(_Section):
     batch_size: int = 64
     lr: float = 3e-3
     seed: int = 0
+    # 0: the warm start samples the training rows the RL draws from. N: the last N training rows are the
+    # warm start's alone and the RL never draws them (a supervised set apart from the RL prompts, as
+    # separate SFT and RL data sets are; the split holds with steps 0 too, for runs from a saved warm start)
+    own_rows: int = 0
 
     def __post_init__(self):
         self._coerce()
         self._require("steps", self.steps is None or self.steps >= 0, "must be >= 0",
                       "0 disables the warm start, null = on for the embedded model only")
+        self._require("own_rows", self.own_rows >= 0, "must be >= 0",
+                      "0 shares the training rows, N keeps the last N rows for the warm start")
         self._positive("batch_size")
         self._finite_positive("lr")
 

@@ -158,7 +158,8 @@ def _prepare(cfg: RunConfig, out: Path, progress: bool, data_dir: Path, first: b
         check_reward(reward_fn, cfg.train.reward, prompt_text(train_rows[0]), answer,
                      {**reward_kwargs(train_rows[0]),
                       "response_length": len(tokenizer.encode(answer, add_special_tokens=False).ids)})
-    state = warm_started(cfg, out, model_config, state, tokenizer, tok_config, train_rows, eos, progress, first,
+    train_rows, warm_rows = split_warm_start_rows(train_rows, cfg.warm_start.own_rows)
+    state = warm_started(cfg, out, model_config, state, tokenizer, tok_config, warm_rows, eos, progress, first,
                          prompts)
     return Setup(tokenizer, tok_config, model_config, state, train_rows, test_rows, reward_fn, eos, prompts, toolbox)
 
@@ -186,6 +187,16 @@ def chat_prompts(cfg: RunConfig, tokenizer, tok_config: dict, eos: tuple, rows: 
             raise ValueError(f"rollout.env = tools continues conversations, but prompt row {strings[0]} is a string: "
                              "give prompts as lists of {'role', 'content'} messages")
     return prompts, toolbox
+
+
+def split_warm_start_rows(rows: list, own: int) -> tuple[list, list]:
+    """(the RL's rows, the warm start's rows): the last `own` rows the warm start's alone, or all rows shared."""
+    if own == 0:
+        return rows, rows
+    if own >= len(rows):
+        raise ValueError(f"warm_start.own_rows = {own} leaves none of the {len(rows)} training rows to the RL: "
+                         f"give fewer, or more training rows (data.n_train for an embedded task)")
+    return rows[:-own], rows[-own:]
 
 
 def warm_started(cfg, out, model_config, state, tokenizer, tok_config, rows, eos, progress, first=True,

@@ -29,7 +29,8 @@ def test_steps_resolve_to_450_on_the_embedded_model_and_0_with_model_path(config
     embedded = load_run_config(config)
     assert embedded.warm_start.steps == WarmStartSection.EMBEDDED_STEPS == 450
     # the warm start's fingerprint reads this section: the demo's cached warm start and numbers stay
-    assert embedded.to_dict()["warm_start"] == {"steps": 450, "batch_size": 64, "lr": 3e-3, "seed": 0}
+    assert embedded.to_dict()["warm_start"] == {"steps": 450, "batch_size": 64, "lr": 3e-3, "seed": 0,
+                                                 "own_rows": 0}
     assert load_run_config(config, ["--model.path", "ckpt"]).warm_start.steps == 0
     assert load_run_config(config, ["--model.path", "ckpt", "--warm_start.steps", "7"]).warm_start.steps == 7
     assert load_run_config(config, ["--warm_start.steps", "0"]).warm_start.steps == 0
@@ -62,3 +63,33 @@ def test_the_embedded_warm_start_is_announced_and_its_reuse_too(tmp_path, capsys
     assert "(the embedded model), reused from" in capsys.readouterr().out
     prepare(load_run_config(DEMO, [*TINY, "--warm_start.steps", "0", "--out", str(tmp_path)]), tmp_path, progress=False)
     assert "no warm start: warm_start.steps is 0" in capsys.readouterr().out
+
+
+def test_own_rows_keeps_the_last_rows_for_the_warm_start_and_the_rl_never_draws_them(tmp_path, monkeypatch):
+    import onepath.train.trainer as trainer
+    seen = {}
+    real = trainer.warm_start
+
+    def spy(model, examples, *args, **kwargs):
+        seen["examples"] = examples
+        return real(model, examples, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "warm_start", spy)
+    shared = prepare(load_run_config(None, [*TINY, "--warm_start.steps", "0", "--out", str(tmp_path / "a")]),
+                     tmp_path / "a", progress=False).train_rows
+    cfg = load_run_config(None, [*TINY, "--warm_start.steps", "2", "--warm_start.own_rows", "12",
+                                 "--out", str(tmp_path / "b")])
+    setup = prepare(cfg, tmp_path / "b", progress=False)
+    assert setup.train_rows == shared[:20]  # the RL's rows: the first 32 - 12
+    warm = [setup.prompts.ids(row) for row in shared[20:]]
+    assert [p for p, _ in seen["examples"]] == warm  # the warm start's: the last 12, and only they
+    assert not {tuple(p) for p in warm} & {tuple(setup.prompts.ids(row)) for row in setup.train_rows}
+    # the split holds when a run starts from a saved warm start (steps 0)
+    again = prepare(load_run_config(None, [*TINY, "--warm_start.steps", "0", "--warm_start.own_rows", "12",
+                                           "--out", str(tmp_path / "c")]), tmp_path / "c", progress=False)
+    assert again.train_rows == shared[:20]
+    with pytest.raises(ValueError, match=r"warm_start.own_rows = 32 leaves none of the 32 training rows"):
+        prepare(load_run_config(None, [*TINY, "--warm_start.own_rows", "32", "--out", str(tmp_path / "d")]),
+                tmp_path / "d", progress=False)
+    with pytest.raises(ValueError, match="own_rows"):
+        load_run_config(None, ["--warm_start.own_rows", "-1"])
