@@ -28,7 +28,6 @@ from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import Scheduler, SchedulerConfig
 from onepath.engine.sequence import Sequence
 from onepath.models import build_decoder
-from onepath.models.kv_cache import KVCache
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import Ops
 
@@ -48,7 +47,7 @@ def run(args) -> dict:
     # forward runs (nothing reads the one-block cache: staging writes ids and tables only)
     model = build_decoder(model_config("tiny"), Ops(ExecutionSpec.default("consistent", "cpu")),
                           max_positions=args.max_model_len)
-    stage = DecodeGraphs(model, KVCache.for_model(model, 1, BLOCK), num_blocks, args.max_model_len, [args.batch],
+    stage = DecodeGraphs(model, model.make_cache(1, BLOCK), num_blocks, args.max_model_len, [args.batch],
                          capture=False)
     phases = {"schedule": [], "chunks": [], "stage": [], "sample_keys": [], "postprocess": []}
     for step in range(args.warmup + args.steps):

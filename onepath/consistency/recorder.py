@@ -41,10 +41,9 @@ import torch
 from onepath.models.batch import ForwardBatch, SeqChunk
 from onepath.models.deepseek_v4 import Compressor
 from onepath.models.dense import DenseDecoder
-from onepath.models.kv_cache import BLOCK_SIZE, KVCache
+from onepath.models.kv_cache import BLOCK_SIZE
 from onepath.models.moe import Experts
 from onepath.models.nemotron_h import Experts as HybridExperts
-from onepath.models.state_cache import HybridCache
 
 # Modules recorded as one site (their output, one row per token): their ops calls are per pair, not token.
 MODULE_SITES = (Experts, HybridExperts)
@@ -343,11 +342,8 @@ class _Gather:
 def trace_cache(model: DenseDecoder, num_blocks: int, block_size: int, num_seqs: int):
     """A trace's private cache, and whether its sequences take state slots: a model with per-sequence state (a
     hybrid's, DeepSeek-V4's rings) gets one slot per sequence, so chunks and decode passes continue from it."""
-    if not getattr(model, "has_recurrent_state", False):
-        return KVCache.for_model(model, num_blocks, block_size), False
-    if hasattr(model, "make_cache"):
-        return model.make_cache(num_blocks, block_size, num_seqs), True
-    return HybridCache.for_model(model, num_blocks, block_size, num_seqs), True
+    stateful = model.has_recurrent_state
+    return model.make_cache(num_blocks, block_size, num_seqs if stateful else 0), stateful
 
 
 @torch.no_grad()

@@ -98,8 +98,9 @@ class LLMEngine:
         if hasattr(model, "rope_cos") and config.max_model_len > model.rope_cos.shape[0]:
             raise ValueError(f"max_model_len {config.max_model_len} > the model's "
                              f"{model.rope_cos.shape[0]} RoPE positions: lower max_model_len")
-        # a hybrid's Mamba layers keep a state per sequence beside the KV cache, one slot per running sequence
-        state_slots = config.max_num_seqs if getattr(model, "has_recurrent_state", False) else 0
+        # a hybrid's Mamba layers (DeepSeek-V4's rings) keep a state per sequence beside the KV cache, one slot per
+        # running sequence
+        state_slots = config.max_num_seqs if model.has_recurrent_state else 0
         if state_slots and enable_prefix_caching:
             why = getattr(model, "prefix_caching_refused",
                           "a cached prefix holds the attention layers' K/V but not the Mamba layers' state after it")

@@ -13,9 +13,7 @@ import torch
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.batch import ForwardBatch
 from onepath.models.dense import DenseDecoder
-from onepath.models.kv_cache import BLOCK_SIZE, KVCache
-from onepath.models.state_cache import StateCache
-from onepath.numerics.spec import SSD_CHUNK
+from onepath.models.kv_cache import KVCache
 from onepath.ops.sampling import sample_key
 
 GIB = 1 << 30
@@ -32,7 +30,7 @@ def activation_peak(model: DenseDecoder, config: SchedulerConfig, block_size: in
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     batch, num_blocks = ForwardBatch.for_sequences([[0] * n for n in lengths], block_size, device)
-    cache = KVCache.for_model(model, num_blocks, block_size)
+    cache = model.make_cache(num_blocks, block_size)
     hidden = model(batch, cache)
     rows = min(config.max_num_seqs, hidden.shape[0])
     logits = model.compute_logits(hidden[:rows])
@@ -47,13 +45,8 @@ def activation_peak(model: DenseDecoder, config: SchedulerConfig, block_size: in
 
 def state_bytes(model: DenseDecoder, state_slots: int) -> int:
     """The per-sequence state of `state_slots` running sequences and the scratch slot (a hybrid's recurrent state,
-    DeepSeek-V4's rings; 0 for the others)."""
-    if not state_slots:
-        return 0
-    if hasattr(model, "cache_state_bytes"):  # a cache layout of its own (DeepSeek-V4's rings)
-        return model.cache_state_bytes(state_slots)
-    chunk = model.ops.spec.op("ssd").chunk or SSD_CHUNK
-    return (state_slots + 1) * StateCache.bytes_per_slot(model.config, model.ops.spec.dtype, chunk)
+    DeepSeek-V4's rings; 0 without state slots)."""
+    return (state_slots + 1) * model.cache_bytes_per_slot() if state_slots else 0
 
 
 def kv_blocks_for(model: DenseDecoder, config: SchedulerConfig, block_size: int, utilization: float,
@@ -68,7 +61,7 @@ def kv_blocks_for(model: DenseDecoder, config: SchedulerConfig, block_size: int,
     free, total = torch.cuda.mem_get_info(device)
     # the scheduler's state slots and the scratch slot the padding rows of captured graphs use (ModelRunner)
     budget = total * utilization - (total - free) - peak - state_bytes(model, state_slots)
-    per_block = kv_bytes_per_token(model, block_size) * block_size
+    per_block = model.cache_bytes_per_token(block_size) * block_size
     blocks = int(budget // per_block)
     needed = -(-config.max_model_len // block_size)
     if blocks < needed:
@@ -80,25 +73,14 @@ def kv_blocks_for(model: DenseDecoder, config: SchedulerConfig, block_size: int,
     return blocks
 
 
-def kv_bytes_per_token(model: DenseDecoder, block_size: int = BLOCK_SIZE) -> float:
-    """K/V bytes of one token in the cache the model's spec asks for, FP8 scales included (a model with a cache
-    layout of its own says, for blocks of block_size tokens: `cache_bytes_per_token`)."""
-    if hasattr(model, "cache_bytes_per_token"):
-        return model.cache_bytes_per_token(block_size)
-    return KVCache.bytes_per_token(model.config, model.ops.spec.dtype, model.ops.kv_quant,
-                                   getattr(model, "kv_heads", None))
-
-
 def report(model: DenseDecoder, cache: KVCache, utilization: float | None) -> dict:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    per_token = kv_bytes_per_token(model, cache.block_size)
+    per_token = model.cache_bytes_per_token(cache.block_size)
     out = {"weights_gib": weights / GIB, "kv_cache_gib": per_token * cache.num_blocks * cache.block_size / GIB,
            "num_blocks": cache.num_blocks - 1, "block_size": cache.block_size, "kv_bytes_per_token": per_token,
            "kv_tokens": (cache.num_blocks - 1) * cache.block_size}
-    states = getattr(cache, "states", None)  # a hybrid's; DeepSeek-V4's cache counts its rings itself
-    slots = states.num_slots - 1 if states is not None else getattr(cache, "num_slots", 0)  # less the scratch slot
-    if slots:
-        out.update(state_cache_gib=state_bytes(model, slots) / GIB, state_slots=slots)
+    if cache.num_slots:
+        out.update(state_cache_gib=state_bytes(model, cache.num_slots) / GIB, state_slots=cache.num_slots)
     if model.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(model.device)
         out.update(gpu_memory_utilization=utilization, device_gib=total / GIB, in_use_gib=(total - free) / GIB)

@@ -6,8 +6,8 @@ graph holds the model and the LM head; sampling runs eagerly on its logits. A re
 between the two paths with its batch, so they must give the same bits, and they do because every
 consistent kernel's row result is independent of the row count (tests/engine/test_cuda_graphs_gpu.py):
 a graph is the eager forward at a padded batch. Padding rows decode token 0 at position 0 into a
-scratch block that the block manager never hands out, so they touch no sequence's K/V, and a hybrid
-model's padding rows use a scratch state slot that the scheduler never hands out.
+scratch block that the block manager never hands out, so they touch no sequence's K/V, and with per-sequence
+state (a hybrid's, DeepSeek-V4's rings) into the cache's scratch slot, which the scheduler never hands out.
 
 Inside a graph nothing depends on the live batch: inputs sit in static buffers (ids, positions,
 slots, block tables as wide as max_model_len; a hybrid's state slots), the attention's key bound is
@@ -28,7 +28,6 @@ from onepath.models.batch import ForwardBatch, SeqChunk
 from onepath.models.dense import DenseDecoder
 from onepath.models.moe import RoutingRecorder
 from onepath.models.kv_cache import KVCache
-from onepath.models.state_cache import HybridCache
 from onepath.ops.attention import AttentionMetadata
 from onepath.ops.host import to_device
 from onepath.ops.sampling import position_key
@@ -61,10 +60,8 @@ class DecodeGraphs:
         self.query_seq = torch.arange(n, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=device)
         self.block_tables = torch.full((n, self.width), scratch_block, dtype=torch.long, device=device)
-        # per-sequence state's scratch slot, where padding rows write: a hybrid's recurrent state (HybridCache gets
-        # one slot more than the scheduler's), a cache with rings of its own (DeepSeek-V4's) names it
-        self.scratch_state = cache.states.num_slots - 1 if isinstance(cache, HybridCache) else \
-            getattr(cache, "scratch_slot", None)
+        # the cache's state slot for padding rows, past the scheduler's (None: no per-sequence state)
+        self.scratch_state = cache.scratch_slot
         self.state_slots = None if self.scratch_state is None else \
             torch.full((n,), self.scratch_state, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -197,20 +194,16 @@ class ModelRunner:
     def __init__(self, model: DenseDecoder, num_blocks: int, block_size: int, *, max_model_len: int | None = None,
                  graph_batch_sizes: list[int] | None = None, record_routing: bool = False, state_slots: int = 0):
         """record_routing: keep every MoE router's choices on each sequence (Sequence.routing), by position.
-        state_slots: a hybrid model's recurrent state slots beside the KV cache (HybridCache)."""
+        state_slots: the scheduler's per-sequence state slots (a model with has_recurrent_state; 0: none)."""
         self.model, self.ops = model, model.ops
         recorder = RoutingRecorder(model) if record_routing else None
         self.recorder = recorder if recorder is not None and recorder.routers else None  # a dense model: nothing
         if self.recorder is not None and graph_batch_sizes:
             raise ValueError("record_routing reads each forward's router choices on the host: turn cuda_graphs off")
         self.block_size = block_size
-        # one block (and state slot) past the block manager's (and scheduler's): the padding rows of captured
-        # graphs write there
-        if hasattr(model, "make_cache"):  # a cache layout of its own (DeepSeek-V4's pages and rings: its scratch
-            self.cache = model.make_cache(num_blocks + 1, block_size, state_slots)  # slot comes with it)
-        else:
-            self.cache = HybridCache.for_model(model, num_blocks + 1, block_size, state_slots + 1) if state_slots \
-                else KVCache.for_model(model, num_blocks + 1, block_size)
+        # one block past the block manager's, where the padding rows of captured graphs write (a cache with
+        # state slots holds their scratch slot past the scheduler's itself)
+        self.cache = model.make_cache(num_blocks + 1, block_size, state_slots)
         self.graphs = None
         if graph_batch_sizes:
             if model.device.type != "cuda":

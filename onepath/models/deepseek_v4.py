@@ -429,7 +429,8 @@ class DeepseekV4Decoder(nn.Module):
         return self.rope.main_cos
 
     def make_cache(self, num_blocks: int, block_size: int, num_slots: int = 0) -> DeepseekV4Cache:
-        """Pages for num_blocks token blocks and rings for num_slots running sequences (0: whole sequences)."""
+        """Pages for num_blocks token blocks and rings for num_slots running sequences and the scratch slot (0: whole
+        sequences, no rings)."""
         return DeepseekV4Cache(self.config, num_blocks, block_size, self.ops.spec.dtype, self.device,
                                kv=self.ops.kv_quant, num_slots=num_slots, index_kv=self.ops.index_quant)
 
@@ -440,10 +441,6 @@ class DeepseekV4Decoder(nn.Module):
     def cache_bytes_per_slot(self) -> int:
         return DeepseekV4Cache.bytes_per_slot(self.config, self.ops.spec.dtype, self.ops.kv_quant,
                                               self.ops.index_quant)
-
-    def cache_state_bytes(self, num_slots: int) -> int:
-        """The rings of num_slots running sequences, and the scratch slot's."""
-        return (num_slots + 1) * self.cache_bytes_per_slot()
 
     def forward(self, batch: ForwardBatch, cache: DeepseekV4Cache, layer_fn=None) -> torch.Tensor:
         """Hidden states after the final norm [T, hidden]; layer_fn(layer, *args) as DenseDecoder's."""

@@ -98,7 +98,7 @@ class DeepseekV4Cache:
         self.layers = [LayerCache(**{name: tensor(name, *shape) for name, shape in layout(config, i).items()})
                        for i in range(config.num_hidden_layers)]
         self.num_blocks, self.block_size, self.num_slots = num_blocks, block_size, num_slots
-        self.scratch_block, self.scratch_slot = num_blocks, num_slots
+        self.scratch_block, self.scratch_slot = num_blocks, num_slots if num_slots else None
 
     @staticmethod
     def row_bytes(name: str, width: int, dtype: torch.dtype, kv: QuantSpec | None,

@@ -13,7 +13,7 @@ from torch import nn
 
 from onepath.models.batch import ForwardBatch
 from onepath.models.config import ModelConfig
-from onepath.models.kv_cache import KVCache
+from onepath.models.kv_cache import BLOCK_SIZE, KVCache
 from onepath.models.rope_scaling import cos_sin_table
 from onepath.models.tensor_parallel import TensorParallel, tensor_parallel
 from onepath.ops import Ops
@@ -196,6 +196,8 @@ class Backbone(nn.Module):
 class DenseDecoder(nn.Module):
     # the forward reads no size on the host: the engine may capture it in a CUDA graph
     capturable = True
+    # no state per sequence beyond its K/V: the engine gives it no state slots
+    has_recurrent_state = False
     tp: TensorParallel | None = None  # set by tensor_parallel()
 
     def __init__(self, config: ModelConfig, ops: Ops, max_positions: int | None = None):
@@ -237,6 +239,23 @@ class DenseDecoder(nn.Module):
     def kv_heads(self) -> int:
         """KV heads this model's cache holds: all of them, or a tensor-parallel rank's."""
         return self.config.num_key_value_heads if self.tp is None else self.tp.kv_heads
+
+    def make_cache(self, num_blocks: int, block_size: int, num_slots: int = 0) -> KVCache:
+        """The paged K/V of num_blocks blocks in the dtype and attention.kv format of the spec, on the model's device,
+        this model's KV heads (a tensor-parallel rank's)."""
+        if num_slots:
+            raise ValueError(f"{type(self).__name__} keeps no state per sequence, so its cache has no state slots: "
+                             f"pass num_slots=0, not {num_slots}")
+        return KVCache(self.config, num_blocks, block_size, self.ops.spec.dtype, self.device, kv=self.ops.kv_quant,
+                       kv_heads=self.kv_heads)
+
+    def cache_bytes_per_token(self, block_size: int = BLOCK_SIZE) -> int:
+        """K and V of one token over all layers in make_cache's format, FP8 scales included."""
+        return KVCache.bytes_per_token(self.config, self.ops.spec.dtype, self.ops.kv_quant, self.kv_heads)
+
+    def cache_bytes_per_slot(self) -> int:
+        """One state slot's bytes: none (no state slots)."""
+        return 0
 
     def tensor_parallel(self, group=None, reduce: str | None = None) -> "DenseDecoder":
         """Shard this model's heads, SwiGLU columns and output columns over `group` (None: every process),

@@ -3,6 +3,12 @@
 With the spec's attention.kv QuantSpec set (FP8_KV), a layer's K and V are each an FP8Tensor: codes
 float8_e4m3fn [num_blocks, block_size, kv_heads, head_dim] and FP32 scales [num_blocks, block_size,
 kv_heads, 1], one per token and head, by quant.py's rule. ops/attention.py writes and reads both forms.
+
+Every model builds its own cache one way, `model.make_cache(num_blocks, block_size, num_slots=0)`, with the dtype,
+device and quantisation its spec asks for: this KVCache for a dense or MoE decoder and for a hybrid's whole-sequence
+forward, HybridCache (state_cache.py) for a hybrid with state slots, DeepseekV4Cache for DeepSeek-V4. A cache with
+per-sequence state holds `num_slots` slots for running sequences and one more past them, `scratch_slot`, where the
+padding rows of a static decode batch write; the scheduler never hands that one out (docs/models.md, "Caches").
 """
 from __future__ import annotations
 
@@ -17,6 +23,10 @@ BLOCK_SIZE = 16  # tokens per paged-cache block: the default of every engine, tr
 
 
 class KVCache:
+    # no per-sequence state: no state slots, no scratch slot for padding rows (HybridCache, DeepseekV4Cache have both)
+    num_slots = 0
+    scratch_slot = None
+
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: str | torch.device = "cpu", kv: QuantSpec | None = None, kv_heads: int | None = None):
         """kv_heads: the heads this cache holds (a tensor-parallel rank's); None: all of config's."""
@@ -35,15 +45,6 @@ class KVCache:
         self.k = [layer() if config.has_kv_cache(i) else None for i in range(config.num_hidden_layers)]
         self.v = [layer() if config.has_kv_cache(i) else None for i in range(config.num_hidden_layers)]
         self.num_blocks, self.block_size = num_blocks, block_size
-
-    @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int) -> "KVCache":
-        """The cache `model`'s spec asks for (its dtype, its attention.kv quantisation), on its device; a model
-        with a cache layout of its own (DeepSeek-V4's) makes it (`make_cache`)."""
-        if hasattr(model, "make_cache"):
-            return model.make_cache(num_blocks, block_size)
-        return cls(model.config, num_blocks, block_size, model.ops.spec.dtype, model.device, kv=model.ops.kv_quant,
-                   kv_heads=getattr(model, "kv_heads", None))
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv: QuantSpec | None = None,

@@ -20,7 +20,7 @@ from torch import nn
 from onepath.models.batch import ForwardBatch
 from onepath.models.config import ModelConfig
 from onepath.models.dense import MLP, DenseDecoder, Linear
-from onepath.models.kv_cache import BLOCK_SIZE, KVCache
+from onepath.models.kv_cache import BLOCK_SIZE
 from onepath.ops import Ops
 
 CAPACITY = 16           # rows per expert chunk of the masked layout
@@ -400,7 +400,7 @@ class RoutingRecorder:
 def expert_choices(model: MoeDecoder, sequences: list[list[int]], block_size: int = BLOCK_SIZE) -> list[torch.Tensor]:
     """Each sparse layer's experts [T, k] for the tokens of `sequences`, run whole in one forward."""
     batch, num_blocks = ForwardBatch.for_sequences(sequences, block_size, model.device)
-    cache = KVCache.for_model(model, num_blocks, block_size)
+    cache = model.make_cache(num_blocks, block_size)
     with RoutingRecorder(model) as recorder, torch.no_grad():
         model(batch, cache)
         return list(recorder.take().unbind(1))

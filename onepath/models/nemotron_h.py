@@ -26,9 +26,9 @@ from torch import nn
 from onepath.models.batch import ForwardBatch
 from onepath.models.config import NemotronHConfig
 from onepath.models.dense import DenseDecoder, Linear, RMSNorm, StackedLinear, stack_projections
-from onepath.models.kv_cache import KVCache
+from onepath.models.kv_cache import BLOCK_SIZE, KVCache
 from onepath.models.moe import CAPACITY, MASKED_MAX_TOKENS, Router, experts_contiguous, experts_masked, slot_sum
-from onepath.models.state_cache import HybridCache
+from onepath.models.state_cache import HybridCache, StateCache
 from onepath.numerics.spec import DTYPES, SSD_CHUNK
 from onepath.ops import Ops
 from onepath.ops.spans import SeqSpans
@@ -268,6 +268,23 @@ class NemotronHDecoder(nn.Module):
             if isinstance(module, StackedLinear):
                 module.share_storage()
 
+    def make_cache(self, num_blocks: int, block_size: int, num_slots: int = 0) -> KVCache:
+        """The attention layers' paged K/V in the spec's dtype and attention.kv format, on the model's device, and
+        with num_slots the Mamba layers' state of num_slots running sequences and the scratch slot (HybridCache);
+        num_slots=0: whole sequences from position 0, no state kept (the trainer's)."""
+        dtype, kv = self.ops.spec.dtype, self.ops.kv_quant
+        if not num_slots:
+            return KVCache(self.config, num_blocks, block_size, dtype, self.device, kv=kv)
+        return HybridCache(self.config, num_blocks, block_size, dtype, num_slots, scan_chunk(self.ops), self.device, kv)
+
+    def cache_bytes_per_token(self, block_size: int = BLOCK_SIZE) -> int:
+        """K and V of one token over the attention layers, FP8 scales included."""
+        return KVCache.bytes_per_token(self.config, self.ops.spec.dtype, self.ops.kv_quant)
+
+    def cache_bytes_per_slot(self) -> int:
+        """One running sequence's state over the Mamba layers."""
+        return StateCache.bytes_per_slot(self.config, self.ops.spec.dtype, scan_chunk(self.ops))
+
     def forward(self, batch: ForwardBatch, cache: KVCache, layer_fn=None) -> torch.Tensor:
         """Hidden states after the final norm [T, hidden]. With a HybridCache the Mamba layers continue each
         sequence's state from its slot (batch.state_slots, default 0, 1, ...) and keep it there; with a plain
@@ -319,12 +336,17 @@ class NemotronHDecoder(nn.Module):
         return split_experts(renamed(state, "model.", "backbone."))
 
 
+def scan_chunk(ops: Ops) -> int:
+    """The scan's chunk (the spec's ssd.chunk, SSD_CHUNK by default): the state cache keeps its open chunk."""
+    return ops.spec.op("ssd").chunk or SSD_CHUNK
+
+
 def check_chunk(config: NemotronHConfig, ops: Ops) -> None:
     """The scan runs in the spec's chunks (ssd.chunk); the checkpoint's chunk_size must divide them, so every boundary
     of the spec's scan is one of the checkpoint's own scan too."""
     if "linear_attention" not in config.layers_block_type:
         return
-    tile = ops.spec.op("ssd").chunk or SSD_CHUNK
+    tile = scan_chunk(ops)
     if tile % config.chunk_size:
         raise ValueError(f"chunk_size {config.chunk_size} does not divide the spec's ssd.chunk {tile}: use a spec "
                          f"whose ssd.chunk is a multiple of it (e.g. --spec ssd.chunk="

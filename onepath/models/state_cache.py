@@ -39,14 +39,11 @@ class StateCache:
 
 
 class HybridCache(KVCache):
-    """The paged KV of the attention layers and the recurrent state of the Mamba layers, `num_slots` sequences."""
+    """The paged KV of the attention layers and the recurrent state of the Mamba layers: `num_slots` sequences'
+    slots and the scratch slot past them (`scratch_slot`), where a static decode batch's padding rows write."""
 
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, num_slots: int,
                  chunk: int = SSD_CHUNK, device="cpu", kv=None):
         super().__init__(config, num_blocks, block_size, dtype, device, kv)
-        self.states = StateCache(config, num_slots, dtype, chunk, device)
-
-    @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int, num_slots: int = 1) -> "HybridCache":
-        return cls(model.config, num_blocks, block_size, model.ops.spec.dtype, num_slots,
-                   model.ops.spec.op("ssd").chunk or SSD_CHUNK, model.device, model.ops.kv_quant)
+        self.states = StateCache(config, num_slots + 1, dtype, chunk, device)
+        self.num_slots, self.scratch_slot = num_slots, num_slots

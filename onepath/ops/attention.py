@@ -66,7 +66,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping, kv: QuantSpec | None = None):
     the cache is FP8. On CUDA both take one launch (ops/cuda/attention_kv.py: write_kv, write_kv_fp8)."""
     if isinstance(k_cache, FP8Tensor) != (kv is not None):
         raise TypeError(f"KV cache of {type(k_cache).__name__} with the spec's attention.kv {kv}: build the "
-                        "cache from the model's spec (KVCache.for_model) so its format follows the spec")
+                        "cache from the model's spec (model.make_cache) so its format follows the spec")
     cuda = (k_cache if kv is None else k_cache.codes).is_cuda
     KV_WRITES[kv is not None, cuda](k_cache, v_cache, k.detach(), v.detach(), slot_mapping, kv)
 

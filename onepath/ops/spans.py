@@ -48,7 +48,8 @@ class SeqSpans:
             if late:
                 b, p = late[0]
                 raise ValueError(f"sequence {b} starts at position {p} but there is no recurrent state to continue: "
-                                 "run whole sequences from position 0, or give each a state slot (HybridCache)")
+                                 "run whole sequences from position 0, or give each a state slot (a cache from "
+                                 "model.make_cache with num_slots)")
 
     @classmethod
     def of(cls, cu_seqlens, context_lens, slots=None, device: torch.device | str | None = None) -> "SeqSpans":

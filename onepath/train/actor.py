@@ -127,7 +127,7 @@ class Actor:
     def forward(self, prompts, completions, params, head_rows):
         device = self.model.device
         batch, num_blocks, rows = ForwardBatch.for_completions(prompts, completions, self.block_size, device)
-        cache = KVCache.for_model(self.model, num_blocks, self.block_size)
+        cache = self.model.make_cache(num_blocks, self.block_size)
         if self.routing is None:
             hidden = self.hidden(batch, cache)
         else:

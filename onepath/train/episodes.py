@@ -19,7 +19,6 @@ from onepath.chat.episode import Episode
 from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
 from onepath.models.batch import ForwardBatch
-from onepath.models.kv_cache import KVCache
 from onepath.train.actor import Actor, Responses
 
 MAX_TURNS = 1 << 10
@@ -122,7 +121,7 @@ def masked_forward(actor: Actor, prompts, completions, masks, params, head_rows)
                 tokens.append(c[j])
                 row_params.append(p)
         k += len(c)
-    cache = KVCache.for_model(actor.model, num_blocks, actor.block_size)
+    cache = actor.model.make_cache(num_blocks, actor.block_size)
     hidden = actor.hidden(batch, cache)
     return actor.head(hidden, rows, tokens, row_params, head_rows)
 

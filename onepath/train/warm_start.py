@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from onepath.models.batch import ForwardBatch
 from onepath.models.dense import DenseDecoder
-from onepath.models.kv_cache import BLOCK_SIZE, KVCache
+from onepath.models.kv_cache import BLOCK_SIZE
 
 
 def warm_start(model: DenseDecoder, examples: list[tuple[list[int], list[int]]], steps: int, batch_size: int,
@@ -25,7 +25,7 @@ def warm_start(model: DenseDecoder, examples: list[tuple[list[int], list[int]]],
         pairs = [examples[i] for i in picks]
         batch, num_blocks, rows = ForwardBatch.for_completions([p for p, _ in pairs], [c for _, c in pairs], block_size,
                                                                model.device)
-        hidden = model(batch, KVCache.for_model(model, num_blocks, block_size))
+        hidden = model(batch, model.make_cache(num_blocks, block_size))
         targets = [t for _, c in pairs for t in c]
         loss = F.cross_entropy(model.compute_logits(hidden[rows]).float(), torch.tensor(targets, device=model.device))
         optimizer.zero_grad(set_to_none=True)

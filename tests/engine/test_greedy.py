@@ -7,7 +7,6 @@ from onepath.engine.llm_engine import LLMEngine
 from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.batch import ForwardBatch
-from onepath.models.kv_cache import KVCache
 from onepath.numerics.diff import is_exact, rollout_diff
 from onepath.ops.sampling import greedy_tokens
 from tests.tiny import random_prompts, tiny_model
@@ -31,7 +30,7 @@ def test_greedy_tokens_are_the_argmax_of_the_models_forward():
         seq = o.prompt_token_ids + o.token_ids
         batch, num_blocks, rows = ForwardBatch.for_completions([o.prompt_token_ids], [o.token_ids], 16, model.device)
         with torch.no_grad():
-            logits = model.compute_logits(model(batch, KVCache.for_model(model, num_blocks, 16))[rows])
+            logits = model.compute_logits(model(batch, model.make_cache(num_blocks, 16))[rows])
         assert greedy_tokens(logits).tolist() == seq[len(o.prompt_token_ids):]
 
 
@@ -61,6 +60,6 @@ def test_greedy_logprob_is_the_untempered_distributions():
     model = engine().model
     batch, num_blocks, rows = ForwardBatch.for_completions([out.prompt_token_ids], [out.token_ids], 16, model.device)
     with torch.no_grad():
-        logits = model.compute_logits(model(batch, KVCache.for_model(model, num_blocks, 16))[rows]).double()
+        logits = model.compute_logits(model(batch, model.make_cache(num_blocks, 16))[rows]).double()
     want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), want, rtol=0, atol=1e-5)

@@ -13,7 +13,6 @@ from onepath.engine.model_runner import DecodeGraphs
 from onepath.engine.sampling_params import SamplingParams, sampling_tensors
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models.batch import ForwardBatch
-from onepath.models.kv_cache import KVCache
 from tests.engine.engines import same
 from tests.models.test_nemotron_h_phases import tiny_model
 
@@ -35,7 +34,7 @@ def trainer_logprobs(model, prompts, completions, params=PARAMS):
     """The trainer's recompute: each prompt + completion[:-1] whole, teacher-forced, from position 0."""
     batch, blocks, rows = ForwardBatch.for_completions(prompts, completions, 16)
     with torch.no_grad():
-        hidden = model(batch, KVCache.for_model(model, blocks, 16))
+        hidden = model(batch, model.make_cache(blocks, 16))
         logits = model.compute_logits(hidden[rows])
     tokens = torch.tensor([t for c in completions for t in c])
     temperature, _, _ = sampling_tensors([params] * len(rows), "cpu")

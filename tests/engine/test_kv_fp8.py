@@ -85,7 +85,7 @@ def test_negative_control_baseline_depends_on_chunking():
 @torch.no_grad()
 def prefill_then_decode(model, prompt):
     """Logits of a prefill of prompt[:-1], then of one decode step of its last token over that cache."""
-    cache, table = KVCache.for_model(model, 4, 16), [2, 0, 3, 1]
+    cache, table = model.make_cache(4, 16), [2, 0, 3, 1]
     def run(tokens, start):
         return model.compute_logits(model(ForwardBatch.build([SeqChunk(tokens, start, table)], 16), cache))
 
@@ -122,7 +122,7 @@ def test_bytes_per_token_include_scales_and_are_at_most_057_of_bf16():
 def test_cache_format_must_follow_the_spec():
     model = fp8_model()
     batch, num_blocks = ForwardBatch.for_sequences([[4, 5, 6]], 16, "cpu")
-    with pytest.raises(TypeError, match="KVCache.for_model"):
+    with pytest.raises(TypeError, match="model.make_cache"):
         model(batch, KVCache(model.config, num_blocks, 16, torch.float32))
     with pytest.raises(ValueError, match="FP8_KV"):
         KVCache(model.config, num_blocks, 16, torch.float32, kv=replace(FP8_KV, scale_domain="per_tensor"))

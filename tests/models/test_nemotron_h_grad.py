@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from onepath.models.batch import ForwardBatch
-from onepath.models.kv_cache import KVCache
 from onepath.models.nemotron_h import NemotronHDecoder
 from onepath.ops.spans import SeqSpans
 from tests.models.test_nemotron_h_phases import tiny_model
@@ -127,7 +126,7 @@ def test_model_gradients_match_transformers_in_float64(tmp_path):
     sum((ref(torch.tensor([s]), use_cache=False).logits[0] * c.double()).sum()
         for s, c in zip(seqs, cotangents)).backward()
     batch, num_blocks = ForwardBatch.for_sequences(seqs, 16)
-    logits = model.compute_logits(model(batch, KVCache.for_model(model, num_blocks, 16)))
+    logits = model.compute_logits(model(batch, model.make_cache(num_blocks, 16)))
     (logits * torch.cat(cotangents)).sum().backward()
     want = dict(ref.named_parameters())
     for name, p in model.named_parameters():

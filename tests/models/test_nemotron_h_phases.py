@@ -10,7 +10,7 @@ from onepath.models import build_decoder
 from onepath.models.batch import ForwardBatch, SeqChunk
 from onepath.models.config import NemotronHConfig
 from onepath.models.kv_cache import KVCache
-from onepath.models.state_cache import HybridCache, StateCache
+from onepath.models.state_cache import StateCache
 from onepath.ops import ExecutionSpec, Ops
 
 BLOCK = 16
@@ -44,7 +44,7 @@ def prompts(seed=5):
 def trainer_logits(model, seqs):
     batch, blocks = ForwardBatch.for_sequences(seqs, BLOCK, model.device)
     with torch.no_grad():
-        logits = model.compute_logits(model(batch, KVCache.for_model(model, blocks, BLOCK)))
+        logits = model.compute_logits(model(batch, model.make_cache(blocks, BLOCK)))
     return list(logits.split([len(s) for s in seqs]))
 
 
@@ -55,7 +55,7 @@ def engine_logits(model, seqs, passes):
         n = -(-len(s) // BLOCK)
         tables.append(list(range(first, first + n)))
         first += n
-    cache = HybridCache.for_model(model, first, BLOCK, num_slots=len(seqs) + 2)
+    cache = model.make_cache(first, BLOCK, num_slots=len(seqs) + 2)
     slot = {i: len(seqs) + 1 - i for i in range(len(seqs))}  # not the batch order
     rows = [[None] * len(s) for s in seqs]
     for pieces in passes:
@@ -123,7 +123,7 @@ def test_a_reused_slot_starts_afresh():
     """A slot that held another sequence's state gives a new sequence (starting at position 0) the bits of a
     fresh cache: nothing of the old state leaks."""
     model, seqs = tiny_model(), prompts()
-    cache = HybridCache.for_model(model, 8, BLOCK, num_slots=1)
+    cache = model.make_cache(8, BLOCK, num_slots=1)
     with torch.no_grad():
         model(ForwardBatch.build([SeqChunk(seqs[3], 0, [0, 1], 0)], BLOCK), cache)
         again = model.compute_logits(model(ForwardBatch.build([SeqChunk(seqs[4], 0, [2, 3, 4], 0)], BLOCK), cache))

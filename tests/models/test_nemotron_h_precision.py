@@ -80,9 +80,8 @@ def test_each_module_computes_in_its_class_formats(monkeypatch):
 
 
 def test_the_attention_cache_is_fp8_and_the_mamba_layers_keep_none():
-    from onepath.models.state_cache import HybridCache
     model = model_under(bf16_spec())
-    cache = HybridCache.for_model(model, 4, 16, num_slots=2)
+    cache = model.make_cache(4, 16, num_slots=2)
     kinds = model.config.layers_block_type
     assert [isinstance(k, FP8Tensor) for k in cache.k] == [t == "full_attention" for t in kinds]
     assert all((k is None) == (t != "full_attention") for k, t in zip(cache.k, kinds))
@@ -91,10 +90,9 @@ def test_the_attention_cache_is_fp8_and_the_mamba_layers_keep_none():
 def test_the_trainer_backward_is_straight_through_under_the_recipe():
     model = model_under(bf16_spec())
     from onepath.models.batch import ForwardBatch
-    from onepath.models.kv_cache import KVCache
     seqs = prompts()[2:4]
     batch, blocks = ForwardBatch.for_sequences(seqs, 16)
-    logits = model.compute_logits(model(batch, KVCache.for_model(model, blocks, 16)))
+    logits = model.compute_logits(model(batch, model.make_cache(blocks, 16)))
     logits.float().logsumexp(-1).sum().backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     for name in ("model.layers.0.mixer.in_proj.weight", "model.layers.1.mixer.experts.up_proj",

@@ -18,7 +18,6 @@ from onepath.models import build_decoder
 from onepath.models.batch import ForwardBatch
 from onepath.models.checkpoint import CONFIG, WEIGHTS, load_config, load_state_dict, save_checkpoint
 from onepath.models.config import ModelConfig
-from onepath.models.kv_cache import KVCache
 from onepath.models.nemotron_h import NemotronHDecoder
 from onepath.ops import ExecutionSpec, Ops
 from tests.tiny import randomize
@@ -89,7 +88,7 @@ def reference_logits(model, seqs):
 def our_logits(model, seqs):
     batch, num_blocks = ForwardBatch.for_sequences(seqs, 16)
     with torch.no_grad():
-        logits = model.compute_logits(model(batch, KVCache.for_model(model, num_blocks, 16)))
+        logits = model.compute_logits(model(batch, model.make_cache(num_blocks, 16)))
     return list(logits.split([len(s) for s in seqs]))
 
 

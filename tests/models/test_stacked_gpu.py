@@ -10,7 +10,6 @@ import torch
 
 from onepath.models import dense
 from onepath.models.batch import ForwardBatch
-from onepath.models.kv_cache import KVCache
 from onepath.models.dense import DenseDecoder
 from onepath.numerics.spec import ExecutionSpec
 from tests.planted import SplitKBelowWideOps
@@ -35,7 +34,7 @@ def hidden_states(mode: str, stacked: bool, monkeypatch, lengths=(1, 37, 300, 5)
     prompts = [random_prompts(gen, 1, low=n, high=n)[0] for n in lengths]
     batch, num_blocks = ForwardBatch.for_sequences(prompts, 16, device="cuda")
     with torch.no_grad():
-        return model(batch, KVCache.for_model(model, num_blocks=num_blocks, block_size=16))
+        return model(batch, model.make_cache(num_blocks=num_blocks, block_size=16))
 
 
 def test_stacked_projections_keep_the_bits_gpu(monkeypatch):

@@ -11,7 +11,6 @@ from onepath.engine.sampling_params import SamplingParams
 from onepath.engine.scheduler import SchedulerConfig
 from onepath.models import dense
 from onepath.models.batch import ForwardBatch
-from onepath.models.kv_cache import KVCache
 from tests.tiny import random_prompts, tiny_model
 
 
@@ -22,7 +21,7 @@ def stacked(monkeypatch):
 
 def forward(model, tokens: list[int]) -> torch.Tensor:
     batch, num_blocks = ForwardBatch.for_sequences([tokens], 16, device=model.device)
-    return model(batch, KVCache.for_model(model, num_blocks=num_blocks, block_size=16))
+    return model(batch, model.make_cache(num_blocks=num_blocks, block_size=16))
 
 
 def test_stacked_sites_keep_the_layers_parameters(stacked):

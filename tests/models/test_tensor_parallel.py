@@ -21,7 +21,6 @@ from onepath.numerics.spec import ExecutionSpec
 from onepath.ops import Ops
 from onepath.models.batch import ForwardBatch
 from onepath.models.dense import DenseDecoder
-from onepath.models.kv_cache import KVCache
 from tests.models.test_moe_ep import collect, free_port
 from tests.tiny import random_prompts, tiny_config, tiny_model, tiny_moe_config, tiny_moe_model
 
@@ -58,7 +57,7 @@ def logprobs(model, sequences: list[list[int]]) -> list[torch.Tensor]:
     """Each sequence's [n, 1 + vocab]: the log-prob of the next token at every position, then the whole
     logits row, so that a one-ULP move anywhere shows."""
     batch, blocks = ForwardBatch.for_sequences(sequences, 16, model.device)
-    cache = KVCache.for_model(model, blocks, 16)  # a TP rank's cache holds its KV heads
+    cache = model.make_cache(blocks, 16)  # a TP rank's cache holds its KV heads
     with torch.no_grad():
         logits = model.compute_logits(model(batch, cache))
         targets = torch.tensor([t for s in sequences for t in s[1:] + s[:1]])
