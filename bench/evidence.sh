@@ -9,6 +9,9 @@
 # Extra settings for every run go in $EVIDENCE_ARGS, e.g. EVIDENCE_ARGS="--train.steps 20".
 # Run again on the same OUT, it goes on where it stopped: the warm start is reused, each run resumes from its
 # latest checkpoint (train.save_every), a finished run is kept as it is.
+# EVIDENCE_CONCURRENT=1 runs the four at once on the one device (each run's log in OUT/<run>.log): the same
+# steps and bits, in about the time of one run where one run leaves the GPU idle; each run's wall time is then
+# its time on a shared device, so compare wall times from runs made one after another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config=${1:-onepath/configs/evidence-dense.yaml}
@@ -20,12 +23,31 @@ train() { "$py" -m onepath train --config "$config" "${extra[@]}" "$@"; }
 
 train --out "$out" --train.steps 0                       # the data and the warm start: $out/warm_start
 shared=(--model.path "$out/warm_start" --warm_start.steps 0 --resume)
-train "${shared[@]}" --out "$out/consistent" --mode consistent
 fast=("${shared[@]}" --mode baseline --trainer_quant none)
-train "${fast[@]}" --out "$out/baseline"
-train "${fast[@]}" --out "$out/baseline-tis" --train.rollout_is token
-train "${fast[@]}" --out "$out/baseline-mis" --train.rollout_rs token
-runs=("$out/consistent" "$out/baseline" "$out/baseline-tis" "$out/baseline-mis")
+declare -A args=(
+  [consistent]="--mode consistent"
+  [baseline]=""
+  [baseline-tis]="--train.rollout_is token"
+  [baseline-mis]="--train.rollout_rs token")
+names=(consistent baseline baseline-tis baseline-mis)
+one() {  # one run: NAME
+  local -a own; read -r -a own <<< "${args[$1]}"
+  if [[ $1 == consistent ]]; then train "${shared[@]}" --out "$out/$1" "${own[@]}"
+  else train "${fast[@]}" --out "$out/$1" "${own[@]}"; fi
+}
+if [[ ${EVIDENCE_CONCURRENT:-0} == 1 ]]; then
+  pids=()
+  for n in "${names[@]}"; do one "$n" > "$out/$n.log" 2>&1 & pids+=($!); done
+  failed=0
+  for i in "${!names[@]}"; do
+    if wait "${pids[$i]}"; then tail -n 2 "$out/${names[$i]}.log"
+    else failed=1; echo "run ${names[$i]} failed: $out/${names[$i]}.log" >&2; tail -n 20 "$out/${names[$i]}.log" >&2; fi
+  done
+  (( failed == 0 ))
+else
+  for n in "${names[@]}"; do one "$n"; done
+fi
+runs=("${names[@]/#/$out/}")
 "$py" -m onepath report "${runs[@]}" --out "$out/report.png"
 "$py" - "$out/evidence.json" "bash bench/evidence.sh $* (EVIDENCE_ARGS=${EVIDENCE_ARGS:-})" "${runs[@]}" <<'PY'
 import json, sys

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from onepath.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -13,13 +15,29 @@ SMALL = ("--quant fp8 --warm_start.steps 10 --train.steps 2 --train.prompts_per_
          "--data.n_train 40 --data.n_test 4 --quiet")
 
 
-def test_evidence_script_runs_the_four_runs_from_one_warm_start(tmp_path):
-    env = {**os.environ, "EVIDENCE_ARGS": SMALL, "PYTHON": os.environ.get("PYTHON", "python"), "OMP_NUM_THREADS": "1"}
+NAMES = ("consistent", "baseline", "baseline-tis", "baseline-mis")
+
+
+def evidence(out: Path, concurrent: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, "EVIDENCE_ARGS": SMALL, "PYTHON": os.environ.get("PYTHON", "python"), "OMP_NUM_THREADS": "1",
+           "EVIDENCE_CONCURRENT": "1" if concurrent else "0"}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
-    done = subprocess.run(["bash", "bench/evidence.sh", "onepath/configs/demo.yaml", str(tmp_path)], cwd=ROOT, env=env,
+    done = subprocess.run(["bash", "bench/evidence.sh", "onepath/configs/demo.yaml", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    runs = {name: read_metrics(tmp_path / name) for name in ("consistent", "baseline", "baseline-tis", "baseline-mis")}
+    return done
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("evidence")
+    evidence(out)
+    return out
+
+
+def test_evidence_script_runs_the_four_runs_from_one_warm_start(sequential):
+    tmp_path = sequential
+    runs = {name: read_metrics(tmp_path / name) for name in NAMES}
     assert all(len(h) == 2 for h in runs.values())
     assert all(m["training/rollout_probs_diff_max"] == 0 and m["rollout_corr/k3_kl"] == 0 for m in runs["consistent"])
     assert all(m["training/rollout_probs_diff_max"] > 0 for m in runs["baseline"])
@@ -37,3 +55,20 @@ def test_evidence_script_runs_the_four_runs_from_one_warm_start(tmp_path):
     shared = str(tmp_path / "warm_start")
     assert all(yaml.safe_load((tmp_path / n / "config.yaml").read_text())["model"]["path"] == shared for n in runs)
     assert not any((tmp_path / n / "warm_start").exists() for n in runs)
+
+
+def outcome(metrics: dict) -> dict:
+    """A step's record less its timings (what a run computed, not how long it took)."""
+    return {k: v for k, v in metrics.items() if not k.startswith(("timing_s/", "perf/"))}
+
+
+def test_concurrent_runs_compute_what_the_runs_one_after_another_do_and_a_rerun_keeps_them(sequential, tmp_path):
+    evidence(tmp_path, concurrent=True)
+    for name in NAMES:
+        assert (tmp_path / f"{name}.log").stat().st_size > 0
+        together, alone = read_metrics(tmp_path / name), read_metrics(sequential / name)
+        assert [outcome(m) for m in together] == [outcome(m) for m in alone] and len(alone) == 2
+    # run again on the same OUT: every run is finished, so each is kept as it is
+    before = {name: (tmp_path / name / "metrics.jsonl").read_text() for name in NAMES}
+    evidence(tmp_path)
+    assert {name: (tmp_path / name / "metrics.jsonl").read_text() for name in NAMES} == before
