@@ -186,29 +186,40 @@ def fp8_library(op: OpSpec, x, x2, qw, bias, out_dtype):
 
 
 # (N, K) -> whether torch._scaled_mm took the blockwise layout at that weight shape (decided at the first call,
-# an eager one: the engine warms a graph's forward up before it captures it)
+# an eager one: the engine warms a graph's forward up before it captures it); where it refused, why
 _SCALED_MM_FITS: dict[tuple[int, int], bool] = {}
+_SCALED_MM_REFUSED: dict[tuple[int, int], str] = {}
+SCALED_MM_ROWS = 16  # the library call's rows are padded to a multiple of this: its outer-dim-major activation
+#                      scales then have 16-byte aligned columns whatever the batch
 
 
 def fp8_library_cuda(op: OpSpec, x, x2, qw, bias, out_dtype):
     """baseline on CUDA, the fast path FP8 engines run: the library's blockwise FP8 GEMM (torch._scaled_mm with
     1x128 activation scales, outer-dim major, and 128x128 weight scales: cuBLAS's DeepSeek-style kernel, whose
     tiles and split follow the shape) on the codes, the activations quantised by the Triton quantiser (the same
-    codes as every path). A weight shape the library refuses (K not a multiple of 128, say) takes the dequantised
-    GEMM, once decided for good."""
+    codes as every path), the rows padded with zero codes to a multiple of SCALED_MM_ROWS. A weight shape the
+    library refuses (K not a multiple of 128, say) takes the dequantised GEMM, once decided for good (the
+    library's reason in _SCALED_MM_REFUSED)."""
     from onepath.ops.cuda.quant import quantize_fp8
     qa = quantize_fp8(x2, op.act)
     n, k = qw.codes.shape
     if _SCALED_MM_FITS.get((n, k), True) and op.act.block == (1, 128) and qw.block == (128, 128):
+        m = qa.codes.shape[0]
+        pad = -m % SCALED_MM_ROWS
+        codes, scales = qa.codes, qa.scales
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, k)])
+            scales = torch.cat([scales, scales.new_ones(pad, scales.shape[1])])
         try:
-            out = torch._scaled_mm(qa.codes, qw.codes.t(), scale_a=qa.scales.t().contiguous().t(),
-                                   scale_b=qw.scales.t(), out_dtype=out_dtype)
+            out = torch._scaled_mm(codes, qw.codes.t(), scale_a=scales.t().contiguous().t(),
+                                   scale_b=qw.scales.t(), out_dtype=out_dtype)[:m]
             _SCALED_MM_FITS[(n, k)] = True
             return out if bias is None else (out.float() + bias.float()).to(out_dtype)
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError) as e:
             if capturing(x2):
                 raise
             _SCALED_MM_FITS[(n, k)] = False
+            _SCALED_MM_REFUSED[(n, k)] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return dequantized_gemm(qa, qw, bias).to(out_dtype)
 
 

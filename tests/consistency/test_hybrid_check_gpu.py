@@ -25,9 +25,8 @@ def spec(mode="consistent"):
     return ExecutionSpec.default(mode, "cuda").with_op("ssd", chunk=CHUNK)
 
 
-@pytest.fixture(scope="module")
-def sliced(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hybrid")
+def make_sliced(root):
+    """The hybrid under check, sliced to 4 layers (one of each kind), at root/"sliced" (root/"full": the whole)."""
     config = NemotronHConfig(vocab_size=512, hidden_size=256, layers_block_type=pattern_layers("ME*M-M"),
                              num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
                              mamba_num_heads=4, mamba_head_dim=64, ssm_state_size=64, n_groups=2, chunk_size=CHUNK,
@@ -37,6 +36,13 @@ def sliced(tmp_path_factory):
     model.init_weights(0, std=0.1)
     save_checkpoint(root / "full", model.hf_state_dict(), config)
     slice_checkpoint(root / "full", root / "sliced", layers=4, start=1)
+    return root / "sliced"
+
+
+@pytest.fixture(scope="module")
+def sliced(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid")
+    make_sliced(root)
     (root / "spec.json").write_text(spec().to_json())
     return root
 

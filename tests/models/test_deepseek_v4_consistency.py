@@ -46,7 +46,8 @@ def phase_logits(model, seqs, layout: Layout) -> list[torch.Tensor]:
     out = [[None] * len(s) for s in seqs]
     with torch.no_grad():
         for pieces in layout.schedule([len(s) for s in seqs]):
-            batch = ForwardBatch.build([SeqChunk(seqs[i][a:b], a, tables[i], i) for i, a, b in pieces], BLOCK)
+            batch = ForwardBatch.build([SeqChunk(seqs[i][a:b], a, tables[i], i) for i, a, b in pieces], BLOCK,
+                                       model.device)
             logits = model.compute_logits(model(batch, cache))
             rows = iter(logits)
             for i, a, b in pieces:

@@ -160,3 +160,60 @@ def test_leading_dims_and_no_rows(preset, gen):
     y = L.linear(spec(preset), x, w)
     assert y.shape == (2, 3, 20) and torch.equal(y.reshape(6, 20), L.linear(spec(preset), x.reshape(6, 40), w))
     assert L.linear(spec(preset), x[:0].reshape(0, 40), w).shape == (0, 20)
+
+
+def test_baselines_library_fp8_call_pads_rows_and_keeps_the_librarys_refusal(monkeypatch):
+    """The baseline's CUDA block-FP8 linear as it calls torch._scaled_mm, on the CPU with a stand-in for the
+    library that checks the layout it is given (rows a multiple of SCALED_MM_ROWS, 1x128 activation scales
+    outer-dim major, 128x128 weight scales) and multiplies the dequantised operands: every batch size's rows come
+    back unpadded and equal to the unpadded product; a refusal is kept with its reason and the dequantised GEMM
+    answers instead."""
+    import sys
+    import types
+
+    import onepath.ops.linear_quant as LQ
+    from onepath.numerics.quant import quantize
+    from onepath.numerics.spec import ExecutionSpec
+
+    op = ExecutionSpec.default("baseline", "cuda", quant="fp8").op("linear")
+    fake = types.ModuleType("onepath.ops.cuda.quant")
+    fake.quantize_fp8 = lambda x, spec: quantize(x, spec)
+    monkeypatch.setitem(sys.modules, "onepath.ops.cuda.quant", fake)
+    monkeypatch.setattr(LQ, "_SCALED_MM_FITS", {})
+    monkeypatch.setattr(LQ, "_SCALED_MM_REFUSED", {})
+    calls = []
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        m, k = a.shape
+        assert m % LQ.SCALED_MM_ROWS == 0 and scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m)
+        assert scale_b.shape == (k // 128, b.shape[1] // 128) and scale_b.stride(0) == 1
+        calls.append(m)
+        wide_a = a.float() * scale_a.repeat_interleave(128, 1)
+        wide_b = b.float() * scale_b.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        return (wide_a @ wide_b).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    gen = torch.Generator().manual_seed(3)
+    qw = quantize(torch.randn(256, 384, generator=gen), op.weight)
+    for m in (1, 37, 48):
+        x = torch.randn(m, 384, generator=gen)
+        got = LQ.fp8_library_cuda(op, x, x, qw, None, torch.float32)
+        qa = quantize(x, op.act)
+        want = scaled_mm(qa.codes, qw.codes.t(), qa.scales.t().contiguous().t(), qw.scales.t(), torch.float32) \
+            if m % LQ.SCALED_MM_ROWS == 0 else None
+        assert got.shape == (m, 256) and LQ._SCALED_MM_FITS[(256, 384)] is True
+        torch.testing.assert_close(got, LQ.dequantized_gemm(qa, qw).float(), rtol=1e-5, atol=1e-4)
+        if want is not None:
+            assert torch.equal(got, want)
+    assert calls[:3] == [16, 48, 48]  # m = 1, 37, 48 padded to whole multiples of SCALED_MM_ROWS
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul\nmore")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    qw2 = quantize(torch.randn(128, 256, generator=gen), op.weight)
+    x = torch.randn(5, 256, generator=gen)
+    got = LQ.fp8_library_cuda(op, x, x, qw2, None, torch.float32)
+    assert torch.equal(got, LQ.dequantized_gemm(quantize(x, op.act), qw2).float())
+    assert LQ._SCALED_MM_FITS[(128, 256)] is False
+    assert LQ._SCALED_MM_REFUSED[(128, 256)] == "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul"

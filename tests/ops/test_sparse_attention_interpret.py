@@ -44,3 +44,25 @@ interpreted, test_sparse_attention_interpreted = interpreted_checks(__file__, "s
 
 if __name__ == "__main__":
     print_checks(_run_checks)
+
+
+def test_kernel_builds_for_sm90():
+    """The kernel as the GPU compiles it, at the launches the model makes (FP32 with IEEE dots, BF16; a head count
+    and head width that pad): it builds for sm_90 within shared memory."""
+    import triton
+
+    from onepath.ops.cuda import sparse_attention as SA
+    from tests.interpret import SM90_SHARED_BYTES, build_sm90
+
+    config = type("Launch", (), dict(num_warps=SA.NUM_WARPS, num_stages=1))
+    for dtype, precision, heads, d, kv_tile in (("fp32", "ieee", 4, 80, 32), ("bf16", "tf32", 20, 144, 64),
+                                                ("bf16", "tf32", 64, 512, 128)):
+        sig = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", valid_ptr="*i8", sink_ptr="*fp32", o_ptr=f"*{dtype}",
+                   L="i32", H="i32", D="i32", scale="fp32", q_st="i32", q_sh="i32", k_st="i32", k_sl="i32",
+                   v_st="i32", o_st="i32", o_sh="i32")
+        block_dv = min(SA.BLOCK_DV, max(16, triton.next_power_of_2(d)))
+        consts = dict(BLOCK_H=max(16, triton.next_power_of_2(heads)),
+                      BLOCK_D=min(SA.BLOCK_D, max(16, triton.next_power_of_2(d))), BLOCK_DV=block_dv,
+                      KV_TILE=kv_tile, PRECISION=precision)
+        built = build_sm90(SA._sparse_attention_kernel, sig, consts, ("q_ptr", "k_ptr", "o_ptr"), config)
+        assert built.metadata.shared <= SM90_SHARED_BYTES, (dtype, heads, d, built.metadata.shared)

@@ -50,3 +50,17 @@ interpreted, test_index_topk_interpreted = interpreted_checks(__file__, "index_t
 
 if __name__ == "__main__":
     print_checks(_run_checks)
+
+
+def test_kernel_builds_for_sm90():
+    """The kernel as the GPU compiles it (the interpreter runs code the compiler refuses, a constexpr assigned in a
+    static loop for one): it builds for sm_90 within shared memory, and keeps its 64-bit position stores."""
+    from onepath.ops.cuda import topk
+    from tests.interpret import SM90_SHARED_BYTES, build_sm90
+
+    sig = dict(s_ptr="*fp32", v_ptr="*i8", o_ptr="*i64", L="i32", K="i32", s_stride="i32", v_stride="i32",
+               o_stride="i32")
+    config = type("Launch", (), dict(num_warps=topk.NUM_WARPS, num_stages=1))
+    built = build_sm90(topk._index_topk_kernel, sig, dict(BLOCK=topk.BLOCK, RADIX=topk.RADIX),
+                       ("s_ptr", "v_ptr", "o_ptr"), config)
+    assert built.metadata.shared <= SM90_SHARED_BYTES and "st.global" in built.asm["ptx"]

@@ -40,7 +40,7 @@ def _index_topk_kernel(s_ptr, v_ptr, o_ptr, L, K, s_stride, v_stride, o_stride,
     above = tl.zeros([], dtype=tl.int32)    # entries known to lie above s*
     want = tl.zeros([], dtype=tl.int32)     # min(K, valid entries): the rank of s*
     for p in tl.static_range(32 // RADIX):
-        shift: tl.constexpr = 32 - RADIX * (p + 1)
+        shift = 32 - RADIX * (p + 1)  # a constexpr: p and RADIX are
         hist = tl.zeros([1 << RADIX], dtype=tl.int32)
         for start in range(0, L, BLOCK):
             offs = start + cols
