@@ -40,9 +40,11 @@ from onepath.consistency.gates.kernels import gate_c2, gate_c3, gate_c4, graph_v
 from onepath.consistency.gates.rl import gate_c8, gate_c9, stale_parameters, train_step
 from onepath.consistency.gates.run import GATES, parse_gates, run_gate, run_gates
 from onepath.consistency.gates.throughput import gate_c1, gate_c10, measure_throughput
-from onepath.consistency.gates.trainer import GRAD_BOUNDS, engine_trainer_layers, gate_c5, gate_c6, gate_c7, param_group
+from onepath.consistency.gates.trainer import (GRAD_BOUNDS, STOCK_FACTOR, engine_trainer_layers, gate_c5, gate_c6,
+                                              gate_c7, param_group)
 
-__all__ = ["GATES", "GRAD_BOUNDS", "OP_SPEC", "SAMPLING", "TINY", "TITLES", "GateContext", "GateResult", "Workload",
+__all__ = ["GATES", "GRAD_BOUNDS", "OP_SPEC", "SAMPLING", "STOCK_FACTOR", "TINY", "TITLES", "GateContext", "GateResult",
+           "Workload",
            "compare_traces", "diff_evidence", "engine_has_graphs", "engine_trainer_layers", "first_difference",
            "format_result", "gate_c0", "gate_c1", "gate_c2", "gate_c3", "gate_c4", "gate_c5", "gate_c6", "gate_c7",
            "gate_c8", "gate_c9", "gate_c10", "graph_vs_eager", "locate", "main", "measure_throughput", "param_group",

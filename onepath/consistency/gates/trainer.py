@@ -19,6 +19,11 @@ from onepath.train.actor import Actor, Responses
 
 # C7: ||g - g_ref|| / ||g_ref|| per parameter group, by the storage dtype of the spec under test
 GRAD_BOUNDS = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+# in a 16-bit dtype a group may also come within this many times the stock path's own error on the same draw: a
+# few per-head gradients summed over every token (a Mamba layer's A_log, D, dt_bias), or a router's near tie that
+# the float64 reference decides the other way, move 16-bit gradients past a fixed bound on some draws
+# (lab/c7_bf16_draws.py). FP32 keeps the fixed bound alone, the strict check of the backward's maths.
+STOCK_FACTOR = 2.0
 
 
 def engine_trainer_layers(ctx: GateContext, model, outs: list[RequestOutput], index: int) -> tuple[BisectReport, dict]:
@@ -106,6 +111,22 @@ def param_group(name: str) -> str:
     return "other"
 
 
+def grad_groups(model, ref: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Per parameter group: ||g - g_ref|| / ||g_ref|| of model's gradients against the float64 reference's, the
+    group's size, its worst parameter and that one's own relative error."""
+    sums: dict[str, list] = {}
+    for name, p in model.named_parameters():
+        g = torch.zeros_like(ref[name]) if p.grad is None else p.grad.detach().cpu().double()
+        err, norm = float((g - ref[name]).norm()), float(ref[name].norm())
+        acc = sums.setdefault(param_group(name), [0.0, 0.0, 0, None, -1.0])
+        acc[0], acc[1], acc[2] = acc[0] + err ** 2, acc[1] + norm ** 2, acc[2] + 1
+        rel = err / norm if norm else (0.0 if err == 0 else float("inf"))
+        if rel > acc[4]:
+            acc[3], acc[4] = name, rel
+    return {g: {"rel_err": (e / n) ** 0.5 if n else (0.0 if e == 0 else float("inf")), "params": k,
+                "worst_param": w, "worst_rel_err": wr} for g, (e, n, k, w, wr) in sums.items()}
+
+
 def gate_c7(ctx: GateContext) -> GateResult:
     gen = ctx.rng(7)
     prompts = ctx.prompts(gen, 3, 4, 16)
@@ -126,32 +147,35 @@ def gate_c7(ctx: GateContext) -> GateResult:
                         for p, c, s in zip(prompts, completions, params)])
     lp_ref.sum().backward()
     ref = reference.grads()
-    sums: dict[str, list] = {}
-    for name, p in policy.named_parameters():
-        g = torch.zeros_like(ref[name]) if p.grad is None else p.grad.detach().cpu().double()
-        err, norm = float((g - ref[name]).norm()), float(ref[name].norm())
-        acc = sums.setdefault(param_group(name), [0.0, 0.0, 0, None, -1.0])
-        acc[0], acc[1], acc[2] = acc[0] + err ** 2, acc[1] + norm ** 2, acc[2] + 1
-        rel = err / norm if norm else (0.0 if err == 0 else float("inf"))
-        if rel > acc[4]:
-            acc[3], acc[4] = name, rel
     bound = GRAD_BOUNDS[str(ctx.spec.dtype).removeprefix("torch.")]
-    groups = {g: {"rel_err": (e / n) ** 0.5 if n else (0.0 if e == 0 else float("inf")), "params": k,
-                  "worst_param": w, "worst_rel_err": wr} for g, (e, n, k, w, wr) in sums.items()}
+    groups = grad_groups(policy, ref)
+    if ctx.spec.dtype != torch.float32:  # the stock path's error on this draw, in the same dtype
+        stock = ctx.baseline_model()
+        lp_stock, _ = Actor(stock, ctx.block_size, lr=ctx.lr).logprobs(r)
+        lp_stock[r.mask.to(lp_stock.device)].sum().backward()
+        for group, stock_err in grad_groups(stock, ref).items():
+            groups[group]["stock_rel_err"] = stock_err["rel_err"]
+            groups[group]["bound"] = max(bound, STOCK_FACTOR * stock_err["rel_err"])
     lp_valid = lp.detach()[r.mask.to(lp.device)].cpu().double()
     forward = float((lp_valid - lp_ref.detach()).norm() / lp_ref.detach().norm())
-    failing = sorted(g for g, v in groups.items() if not v["rel_err"] <= bound)
+    failing = sorted(g for g, v in groups.items() if not v["rel_err"] <= v.get("bound", bound))
     ok = not failing and forward <= bound
     evidence = {"bound": bound, "dtype": str(ctx.spec.dtype).removeprefix("torch."),
                 "objective": "sum of completion log-probs", "sequences": len(prompts), "tokens": int(r.mask.sum()),
                 "forward_logprob_rel_err": forward, "groups": groups}
     worst = max(groups.items(), key=lambda kv: kv[1]["rel_err"])
     if ok:
+        widened = sorted(g for g, v in groups.items() if v["rel_err"] > bound)  # within 2x the stock path's
         detail = (f"{len(groups)} parameter groups within {bound:g} of the float64 reference "
-                  f"(worst {worst[0]} {worst[1]['rel_err']:.2g}; forward {forward:.2g})")
+                  f"(worst {worst[0]} {worst[1]['rel_err']:.2g}; forward {forward:.2g})"
+                  + (f"; within {STOCK_FACTOR:g}x the stock path's own error: "
+                     + ", ".join(f"{g} {groups[g]['rel_err']:.3g} (stock {groups[g]['stock_rel_err']:.3g})"
+                                 for g in widened) if widened else ""))
     elif failing:
-        detail = (f"{len(failing)} of {len(groups)} groups exceed {bound:g}: "
-                  + ", ".join(f"{g} {groups[g]['rel_err']:.3g}" for g in failing[:4]))
+        detail = (f"{len(failing)} of {len(groups)} groups exceed their bound ({bound:g}, or {STOCK_FACTOR:g}x the "
+                  "stock path's error in a 16-bit dtype): "
+                  + ", ".join(f"{g} {groups[g]['rel_err']:.3g} > {groups[g].get('bound', bound):.3g}"
+                              for g in failing[:4]))
     else:
         detail = f"forward log-probs {forward:.3g} from the float64 reference (bound {bound:g})"
     return GateResult("C7", ok, evidence, detail)
