@@ -206,13 +206,12 @@ def fp8_library_cuda(op: OpSpec, x, x2, qw, bias, out_dtype):
     if _SCALED_MM_FITS.get((n, k), True) and op.act.block == (1, 128) and qw.block == (128, 128):
         m = qa.codes.shape[0]
         pad = -m % SCALED_MM_ROWS
-        codes, scales = qa.codes, qa.scales
-        if pad:
-            codes = torch.cat([codes, codes.new_zeros(pad, k)])
-            scales = torch.cat([scales, scales.new_ones(pad, scales.shape[1])])
+        codes = torch.cat([qa.codes, qa.codes.new_zeros(pad, k)]) if pad else qa.codes
+        scales = qa.scales.new_ones(qa.scales.shape[1], m + pad).t()  # outer-dim major, written once
+        scales[:m] = qa.scales
         try:
-            out = torch._scaled_mm(codes, qw.codes.t(), scale_a=scales.t().contiguous().t(),
-                                   scale_b=qw.scales.t(), out_dtype=out_dtype)[:m]
+            out = torch._scaled_mm(codes, qw.codes.t(), scale_a=scales, scale_b=qw.scales.t(),
+                                   out_dtype=out_dtype)[:m]
             _SCALED_MM_FITS[(n, k)] = True
             return out if bias is None else (out.float() + bias.float()).to(out_dtype)
         except (RuntimeError, NotImplementedError) as e:

@@ -148,7 +148,7 @@ def gate_c7(ctx: GateContext) -> GateResult:
     lp_ref.sum().backward()
     ref = reference.grads()
     bound = GRAD_BOUNDS[str(ctx.spec.dtype).removeprefix("torch.")]
-    groups = grad_groups(policy, ref)
+    groups = {g: {**v, "bound": bound} for g, v in grad_groups(policy, ref).items()}
     if ctx.spec.dtype != torch.float32:  # the stock path's error on this draw, in the same dtype
         stock = ctx.baseline_model()
         lp_stock, _ = Actor(stock, ctx.block_size, lr=ctx.lr).logprobs(r)
@@ -158,7 +158,7 @@ def gate_c7(ctx: GateContext) -> GateResult:
             groups[group]["bound"] = max(bound, STOCK_FACTOR * stock_err["rel_err"])
     lp_valid = lp.detach()[r.mask.to(lp.device)].cpu().double()
     forward = float((lp_valid - lp_ref.detach()).norm() / lp_ref.detach().norm())
-    failing = sorted(g for g, v in groups.items() if not v["rel_err"] <= v.get("bound", bound))
+    failing = sorted(g for g, v in groups.items() if not v["rel_err"] <= v["bound"])
     ok = not failing and forward <= bound
     evidence = {"bound": bound, "dtype": str(ctx.spec.dtype).removeprefix("torch."),
                 "objective": "sum of completion log-probs", "sequences": len(prompts), "tokens": int(r.mask.sum()),
@@ -174,7 +174,7 @@ def gate_c7(ctx: GateContext) -> GateResult:
     elif failing:
         detail = (f"{len(failing)} of {len(groups)} groups exceed their bound ({bound:g}, or {STOCK_FACTOR:g}x the "
                   "stock path's error in a 16-bit dtype): "
-                  + ", ".join(f"{g} {groups[g]['rel_err']:.3g} > {groups[g].get('bound', bound):.3g}"
+                  + ", ".join(f"{g} {groups[g]['rel_err']:.3g} > {groups[g]['bound']:.3g}"
                               for g in failing[:4]))
     else:
         detail = f"forward log-probs {forward:.3g} from the float64 reference (bound {bound:g})"
