@@ -101,7 +101,15 @@ def run_agent(url: str, toolbox: Toolbox, max_turns: int, reward=None, timeout_s
     from openai import OpenAI
     done, start = 0, time.monotonic()
     while time.monotonic() - start < timeout_s:
-        listing = get(f"{url}/onepath/rollout", retry_s=0 if done else 10)
+        try:
+            listing = get(f"{url}/onepath/rollout", retry_s=0 if done else 10)
+        except urllib.error.URLError as e:
+            # The server runs for the whole run: refused once it answered, it has stopped, and the trainer
+            # may stop it between the agent's polls of the last step (then "done" was never seen). The caller
+            # joins the trainer and checks its result and the count returned here.
+            if done and isinstance(e.reason, ConnectionRefusedError):
+                return done
+            raise
         if listing["status"] == "done":
             return done
         todo = [e for e in listing["episodes"] if not e["finished"]]
