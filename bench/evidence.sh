@@ -23,17 +23,16 @@ train() { "$py" -m onepath train --config "$config" "${extra[@]}" "$@"; }
 
 train --out "$out" --train.steps 0                       # the data and the warm start: $out/warm_start
 shared=(--model.path "$out/warm_start" --warm_start.steps 0 --resume)
-fast=("${shared[@]}" --mode baseline --trainer_quant none)
+fast="--mode baseline --trainer_quant none"               # the baseline: FP8 rollout on stock kernels, BF16 trainer
 declare -A args=(
   [consistent]="--mode consistent"
-  [baseline]=""
-  [baseline-tis]="--train.rollout_is token"
-  [baseline-mis]="--train.rollout_rs token")
+  [baseline]="$fast"
+  [baseline-tis]="$fast --train.rollout_is token"
+  [baseline-mis]="$fast --train.rollout_rs token")
 names=(consistent baseline baseline-tis baseline-mis)
 one() {  # one run: NAME
   local -a own; read -r -a own <<< "${args[$1]}"
-  if [[ $1 == consistent ]]; then train "${shared[@]}" --out "$out/$1" "${own[@]}"
-  else train "${fast[@]}" --out "$out/$1" "${own[@]}"; fi
+  train "${shared[@]}" --out "$out/$1" "${own[@]}"
 }
 if [[ ${EVIDENCE_CONCURRENT:-0} == 1 ]]; then
   pids=()
