@@ -20,10 +20,14 @@ bytes allows (below the 0.70 target where the target cannot be met). The HBM pea
 
 Block-FP8 W8A8 (ops/cuda/linear_grouped_fp8.py; the experts of an FP8 MoE, each expert's weight quantised
 128x128, the rows 1x128), per row as well:
-  grouped_fp8        one grouped FP8 launch on pre-quantised operands (the launcher's host work included);
+  grouped_fp8        one grouped FP8 launch on pre-quantised operands, the launcher's pick of kernel
+                     (pick_grouped_kernel; the launcher's host work included);
   grouped_fp8_graph  the same with the counts on the device, replayed from a CUDA graph;
   quant_grouped_fp8_graph  the activation quantiser and the grouped launch together, replayed (the MoE's path);
-fp8_over_bf16 = grouped_graph us / grouped_fp8_graph us (target >= 1.5 at 8192 tokens), and
+  grouped_fp8_ws, grouped_fp8_ws_graph  the warp-specialized kernel forced (GROUPED_WS_CONFIG; Hopper only,
+                     None elsewhere), eager and replayed; grouped_fp8_triton_graph  the Triton kernel forced, replayed;
+fp8_over_bf16 = grouped_graph us / grouped_fp8_graph us (target >= 1.5 at 8192 tokens), fp8_ws_over_bf16 the
+same of grouped_fp8_ws_graph, and
 grouped_fp8_fraction_of_hbm = the FP8 bytes the call must move / the HBM peak / grouped_fp8_graph us
 (target >= 0.8 at 256 tokens). Without CUDA it says so and exits 0.
 """
@@ -103,17 +107,28 @@ def graph_us(fn, rep_ms: int) -> float | None:
 def fp8_us(x, w, counts, out_dtype, rep_ms: int) -> dict:
     """The grouped block-FP8 timings of the module docstring, on x and w quantised as an FP8 MoE does."""
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.linear_grouped_fp8 import linear_grouped_fp8
+    from onepath.ops.cuda import sm_count
+    from onepath.ops.cuda.linear_fp8 import is_hopper
+    from onepath.ops.cuda.linear_grouped_fp8 import GROUPED_WS_CONFIG, linear_grouped_fp8, pick_grouped_fp8_config
     from onepath.ops.cuda.quant import quantize_fp8
     from onepath.ops.linear_quant import quantize_experts
 
     qw, qa = quantize_experts(w, FP8_WEIGHT), quantize_fp8(x, FP8_ACT)
     sizes = torch.tensor(counts, device="cuda")
+    # the Triton kernel's tile as the launcher picks it for device counts (even groups)
+    rows, groups = sum(counts), len(counts)
+    tile = pick_grouped_fp8_config([-(-rows // groups)] * groups, w.shape[1], sm_count(x.device))
+    hopper = is_hopper(x.device)
     return dict(
         grouped_fp8=kernel_us(lambda: linear_grouped_fp8(qa, qw, counts, out_dtype), rep_ms),
         grouped_fp8_graph=graph_us(lambda: linear_grouped_fp8(qa, qw, sizes, out_dtype), rep_ms),
         quant_grouped_fp8_graph=graph_us(lambda: linear_grouped_fp8(quantize_fp8(x, FP8_ACT), qw, sizes, out_dtype),
-                                         rep_ms))
+                                         rep_ms),
+        grouped_fp8_ws=kernel_us(lambda: linear_grouped_fp8(qa, qw, counts, out_dtype, config=GROUPED_WS_CONFIG),
+                                 rep_ms) if hopper else None,
+        grouped_fp8_ws_graph=graph_us(lambda: linear_grouped_fp8(qa, qw, sizes, out_dtype, config=GROUPED_WS_CONFIG),
+                                      rep_ms) if hopper else None,
+        grouped_fp8_triton_graph=graph_us(lambda: linear_grouped_fp8(qa, qw, sizes, out_dtype, config=tile), rep_ms))
 
 
 def run(args) -> dict:
@@ -167,10 +182,11 @@ def run(args) -> dict:
                        grouped_over_dense_bound=us["dense"] / roofline_us)
             if args.fp8:
                 fp8_roofline_us = must_move_fp8(counts, n, k, out_dtype) / hbm * 1e6
-                fp8_graph, bf16_graph = us["grouped_fp8_graph"], us["grouped_graph"]
+                fp8_graph, ws_graph, bf16_graph = us["grouped_fp8_graph"], us["grouped_fp8_ws_graph"], us["grouped_graph"]
                 row.update(grouped_fp8_roofline_us=fp8_roofline_us,
                            grouped_fp8_fraction_of_hbm=fp8_roofline_us / fp8_graph if fp8_graph else None,
-                           fp8_over_bf16=bf16_graph / fp8_graph if fp8_graph and bf16_graph else None)
+                           fp8_over_bf16=bf16_graph / fp8_graph if fp8_graph and bf16_graph else None,
+                           fp8_ws_over_bf16=bf16_graph / ws_graph if ws_graph and bf16_graph else None)
             result["rows"].append(row)
             save_json(result, Path(args.out))
             table.append([str(tokens), name, row["config"], us["grouped"], us["grouped_graph"], us["dense"], us["loop"],
@@ -179,13 +195,14 @@ def run(args) -> dict:
                           row["grouped_over_dense"], row["grouped_over_dense_bound"]])
             if args.fp8:
                 fp8_table.append([str(tokens), name, us["grouped_fp8"], us["grouped_fp8_graph"],
-                                  us["quant_grouped_fp8_graph"], us["grouped_graph"], row["fp8_over_bf16"],
-                                  row["grouped_fp8_fraction_of_hbm"]])
+                                  us["quant_grouped_fp8_graph"], us["grouped_fp8_ws_graph"],
+                                  us["grouped_fp8_triton_graph"], us["grouped_graph"], row["fp8_over_bf16"],
+                                  row["fp8_ws_over_bf16"], row["grouped_fp8_fraction_of_hbm"]])
         torch.cuda.empty_cache()
     if args.fp8:
         print_table("Block-FP8 grouped expert GEMM (us: median; targets " + str(FP8_TARGETS) + ")",
-                    ["tokens", "proj", "fp8 us", "fp8 graph us", "quant+fp8 graph us", "bf16 graph us",
-                     "fp8/bf16 speed", "fp8 of HBM"], fp8_table)
+                    ["tokens", "proj", "fp8 us", "fp8 graph us", "quant+fp8 graph us", "ws graph us",
+                     "triton graph us", "bf16 graph us", "fp8/bf16 speed", "ws/bf16 speed", "fp8 of HBM"], fp8_table)
     print_table(f"MoE expert GEMMs, {NUM_EXPERTS} experts top-{TOP_K}, hidden {HIDDEN}, moe_intermediate "
                 f"{MOE_INTERMEDIATE} (us: median; target grouped/dense >= {TARGET})",
                 ["tokens", "proj", "config", "grouped us", "graph us", "dense us", "loop us", "cuBLAS loop us",

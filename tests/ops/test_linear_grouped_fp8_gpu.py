@@ -8,8 +8,11 @@ dispatch: the contiguous and the masked row maps give each (token, slot) pair it
 graph replays other routings with the eager bits. Controls: the same products with K's blocks in
 reverse order, and the dequantised operands' BF16 matmul, differ from the kernel's rows; a replay
 under the captured routing's sizes differs from the replayed routing's rows.
+The `warp_specialized` tests hold linear_grouped_fp8_ws.py's kernel (the default on Hopper from 128 rows a group,
+so also in the tests above at 1024 and 8192 tokens) to the Triton grouped kernel on awkward counts, N and K.
 
     python -m pytest -q -m gpu tests/ops/test_linear_grouped_fp8_gpu.py
+    python -m pytest -q -m gpu tests/ops/test_linear_grouped_fp8_gpu.py -k warp_specialized
 """
 import pytest
 import torch
@@ -203,3 +206,161 @@ def test_controls_see_order_and_dequantisation():
     deq = torch.cat([a[starts[e]:starts[e + 1]] @ expert(qw, e).dequantize(torch.bfloat16).t()
                      for e in range(NUM_EXPERTS) if host[e]]).float()
     assert not torch.equal(deq, y), "the dequantised BF16 matmul gave the kernel's bits: the comparisons see nothing"
+
+
+# ---- the warp-specialized grouped kernel (linear_grouped_fp8_ws): python -m pytest -q -m gpu -k warp_specialized
+# (G, N, K, out dtype): N off multiples of 128 (and of 16: the epilogue's scalar stores), K off multiples of 128
+# (TMA's zero fill of the last block) and of 16 (the codes padded), Qwen3-MoE's two projections
+WS_CASES = {"awkward_bf16": (7, 200, 400, torch.bfloat16), "awkward_fp32": (5, 328, 1000, torch.float32),
+            "gate_up": (16, 1536, 2048, torch.bfloat16), "down": (16, 2048, 768, torch.float32)}
+WS_COUNTS = ([0, 1, 127, 128, 129, 300, 0, 5, 64, 0, 256, 3, 0, 77, 1000, 9],  # cut to G groups
+             [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 700])  # one group, the rest empty (cut: all empty)
+
+
+def ws_operands(groups: int, n: int, k: int, rows: int, gen: torch.Generator):
+    from onepath.numerics.quant import FP8Tensor, quantize
+    from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
+
+    parts = [quantize(torch.randn(n, k, generator=gen, device="cuda") * k ** -0.5, FP8_WEIGHT) for _ in range(groups)]
+    qw = FP8Tensor(torch.stack([p.codes for p in parts]), torch.stack([p.scales for p in parts]), parts[0].block,
+                   parts[0].rule)
+    return quantize(torch.randn(rows, k, generator=gen, device="cuda") * 2, FP8_ACT), qw
+
+
+def random_counts(groups: int, rows: int, gen: torch.Generator) -> list[int]:
+    """Rows spread over the groups at random, about a third of the groups empty."""
+    picks = torch.randint(0, groups, (rows,), generator=gen, device="cuda")
+    keep = torch.rand(groups, generator=gen, device="cuda") > 0.33
+    keep[0] = True
+    return torch.bincount(torch.where(keep[picks], picks, 0), minlength=groups).tolist()
+
+
+@pytest.mark.parametrize("case", list(WS_CASES))
+def test_warp_specialized_grouped_rows_equal_the_triton_grouped_kernel_and_dense(case):
+    """torch.equal: the warp-specialized grouped kernel's rows = the Triton grouped kernel's = linear_fp8's Triton
+    kernel per group, for host-list and device counts (device: M rows, more than the counts sum to; those rows
+    past the sum keep the output's NaN fill), under any program count and the split "n" layout; the dequantised
+    operands' BF16 matmul differs on the same case."""
+    from onepath.ops.cuda.linear_fp8 import DECODE_WS_CONFIG, TILES_FP8, linear_fp8
+    from onepath.ops.cuda.linear_fp8_ws import WSConfig
+    from onepath.ops.cuda.linear_grouped_fp8 import GROUPED_WS_CONFIG, linear_grouped_fp8
+    from onepath.ops.cuda.linear_grouped_fp8_ws import linear_grouped_fp8_ws
+
+    groups, n, k, out_dtype = WS_CASES[case]
+    gen = torch.Generator(device="cuda").manual_seed(len(case))
+    bad = []
+    for c, counts in enumerate([*(cs[:groups] for cs in WS_COUNTS), random_counts(groups, 1500, gen)]):
+        total = sum(counts)
+        qa, qw = ws_operands(groups, n, k, total + 37, gen)
+        listed = gather(qa, torch.arange(total, device="cuda"))
+        triton = linear_grouped_fp8(listed, qw, counts, out_dtype=out_dtype, config=TILES_FP8[0])
+        starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
+        dense = [linear_fp8(gather(listed, torch.arange(starts[g], starts[g + 1], device="cuda")), expert(qw, g),
+                            out_dtype=out_dtype, config=TILES_FP8[0]) for g in range(groups) if counts[g]]
+        if total and not torch.equal(triton, torch.cat(dense)):
+            bad.append((c, "triton grouped vs dense"))
+        runs = {"list": linear_grouped_fp8(listed, qw, counts, out_dtype=out_dtype, config=GROUPED_WS_CONFIG),
+                "one program": linear_grouped_fp8(listed, qw, counts, out_dtype=out_dtype, config=GROUPED_WS_CONFIG,
+                                                  programs=1),
+                "split n": linear_grouped_fp8(listed, qw, counts, out_dtype=out_dtype, config=DECODE_WS_CONFIG),
+                "128x256, a program a tile": linear_grouped_fp8(listed, qw, counts, out_dtype=out_dtype,
+                                                                config=WSConfig(256, 4, persistent=False))}
+        sizes = torch.tensor(counts, device="cuda")
+        for name, config in (("device", GROUPED_WS_CONFIG), ("device split n", DECODE_WS_CONFIG)):
+            out = torch.full((qa.codes.shape[0], n), float("nan"), device="cuda", dtype=out_dtype)
+            linear_grouped_fp8_ws(qa, qw, sizes, out, config)
+            if not out[total:].isnan().all():
+                bad.append((c, f"{name}: rows past the counts written"))
+            runs[name] = out[:total]
+        for name, got in runs.items():
+            if not torch.equal(got, triton):
+                bad.append((c, name, int((got != triton).any(-1).sum())))
+        if total:
+            a = listed.dequantize(torch.bfloat16)
+            deq = torch.cat([a[starts[g]:starts[g + 1]] @ expert(qw, g).dequantize(torch.bfloat16).t()
+                             for g in range(groups) if counts[g]]).to(out_dtype)
+            if torch.equal(deq, runs["list"]):
+                bad.append((c, "control: the dequantised BF16 matmul gave the kernel's bits"))
+    assert not bad, f"(counts case, check, rows differing): {bad}"
+
+
+def test_warp_specialized_grouped_is_the_default_from_128_rows_a_group():
+    """On Hopper, linear_grouped_fp8 picks the warp-specialized kernel at 8192 tokens x top-8 over 64 experts and
+    the Triton kernel at 64 tokens; both give the forced Triton kernel's rows (pick_grouped_kernel)."""
+    from onepath.ops.cuda.linear_fp8 import TILES_FP8, is_hopper
+    from onepath.ops.cuda.linear_grouped_fp8 import GROUPED_WS_CONFIG, linear_grouped_fp8, pick_grouped_kernel
+
+    if not is_hopper(torch.device("cuda")):
+        pytest.skip("the warp-specialized kernel is Hopper's (sm_90)")
+    n, k, out_dtype = PROJECTIONS["down"]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    qw = fp8_experts(n, k, gen)
+    for tokens, picked in ((8192, GROUPED_WS_CONFIG), (64, None)):
+        qa, counts, _ = packed(tokens, k, gen)
+        assert pick_grouped_kernel(qa.codes.shape[0], NUM_EXPERTS, k, out_dtype, qa.codes.device) == picked
+        y = linear_grouped_fp8(qa, qw, counts, out_dtype=out_dtype)
+        assert torch.equal(y, linear_grouped_fp8(qa, qw, counts, out_dtype=out_dtype, config=TILES_FP8[0])), tokens
+
+
+def test_warp_specialized_graph_replays_other_counts_with_the_eager_bits():
+    """One launch with device counts captured in a CUDA graph (the tile map built inside it) and replayed under
+    other counts (random, one group, every group empty but the last, fewer rows than M): each replay's rows equal
+    the eager Triton grouped kernel's, the rows past the counts keep their fill. Control: the rows of the
+    captured counts differ from a replay's."""
+    from onepath.ops.cuda.linear_fp8 import TILES_FP8
+    from onepath.ops.cuda.linear_grouped_fp8 import GROUPED_WS_CONFIG, linear_grouped_fp8
+    from onepath.ops.cuda.linear_grouped_fp8_ws import linear_grouped_fp8_ws
+
+    groups, n, k, out_dtype = WS_CASES["awkward_bf16"]
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    m = 2000
+    qa, qw = ws_operands(groups, n, k, m, gen)
+    cases = [random_counts(groups, m, gen), [0, 0, m, 0, 0, 0, 0], [0] * (groups - 1) + [513],
+             random_counts(groups, 1111, gen), [1, 129, 0, 300, 0, 7, 128]]
+    sizes = torch.tensor(cases[0], device="cuda")
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
+    side = torch.cuda.Stream()  # the first run compiles, outside the capture
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        linear_grouped_fp8_ws(qa, qw, sizes, out, GROUPED_WS_CONFIG)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        linear_grouped_fp8_ws(qa, qw, sizes, out, GROUPED_WS_CONFIG)
+    bad, stale_equal = [], []
+    for i, counts in enumerate(cases):
+        total = sum(counts)
+        sizes.copy_(torch.tensor(counts))
+        out.fill_(float("nan"))
+        graph.replay()
+        eager = linear_grouped_fp8(gather(qa, torch.arange(total, device="cuda")), qw, counts, out_dtype=out_dtype,
+                                   config=TILES_FP8[0])
+        if not torch.equal(out[:total], eager):
+            bad.append((i, int((out[:total] != eager).any(-1).sum())))
+        if not out[total:].isnan().all():
+            bad.append((i, "rows past the counts written"))
+        if i:
+            captured = linear_grouped_fp8(qa, qw, torch.tensor(cases[0], device="cuda"), out_dtype=out_dtype,
+                                          config=TILES_FP8[0])
+            stale_equal.append(torch.equal(out[:total], captured[:total]))
+    assert not bad, f"(counts case, rows differing from eager): {bad}"
+    assert not any(stale_equal), f"replays equal to the captured counts' rows: {stale_equal}"
+
+
+def test_warp_specialized_control_sees_k_order():
+    """The comparisons can fail: K's 128-wide blocks reversed (codes and scales alike) through the same kernel give
+    rows close to, and not equal to, the kernel's."""
+    from onepath.numerics.quant import FP8Tensor
+    from onepath.ops.cuda.linear_grouped_fp8 import GROUPED_WS_CONFIG, linear_grouped_fp8
+
+    groups, n, k, out_dtype = WS_CASES["down"]
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    counts = random_counts(groups, 3000, gen)
+    qa, qw = ws_operands(groups, n, k, sum(counts), gen)
+    y = linear_grouped_fp8(qa, qw, counts, out_dtype=out_dtype, config=GROUPED_WS_CONFIG)
+    flip = torch.arange(k, device="cuda").view(-1, 128).flip(0).flatten()
+    qa_r = FP8Tensor(qa.codes[:, flip].contiguous(), qa.scales.flip(-1).contiguous(), qa.block, qa.rule)
+    qw_r = FP8Tensor(qw.codes[:, :, flip].contiguous(), qw.scales.flip(-1).contiguous(), qw.block, qw.rule)
+    reversed_k = linear_grouped_fp8(qa_r, qw_r, counts, out_dtype=out_dtype, config=GROUPED_WS_CONFIG)
+    assert torch.allclose(reversed_k, y, rtol=1e-4, atol=1e-4) and not torch.equal(reversed_k, y), \
+        "K blocks summed in reverse gave the same bits: the comparisons see no order"

@@ -74,28 +74,59 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _load_partition(a_desc, w_desc, sa_desc, a_bufs, w_bufs, sa_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
-                    GROUP_M: gl.constexpr):
+def _num_m_tiles(tiles_ptr, M, BM: gl.constexpr, GROUPED: gl.constexpr):
+    """The M tiles the programs walk: ceil(M / BM), or (grouped) the tile map's count of its groups' tiles."""
+    if GROUPED:
+        num_pid_m = gl.load(tiles_ptr)
+    else:
+        num_pid_m = gl.cdiv(M, BM)
+    return num_pid_m
+
+
+@gluon.jit
+def _tile(tile_id, num_pid_m, num_pid_n, tiles_ptr, M, BM: gl.constexpr, GROUP_M: gl.constexpr,
+          GROUPED: gl.constexpr):
+    """(group, first row, end row, pid_n) of output tile tile_id. Grouped, M tile pid_m is the tile map's entry
+    (linear_grouped_fp8_ws.tile_map: int32 count, then (group, first row, group's end row) per tile); its rows
+    from the end row on are the next group's, computed and never stored."""
+    pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+    if GROUPED:
+        entry = tiles_ptr + 1 + 3 * pid_m
+        group = gl.load(entry)
+        first = gl.load(entry + 1)
+        end = gl.load(entry + 2)
+    else:
+        group = 0
+        first = pid_m * BM
+        end = M
+    return group, first, end, pid_n
+
+
+@gluon.jit
+def _load_partition(a_desc, w_desc, sa_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles_ptr, M, N, K,
+                    NUM_PROGRAMS, GROUP_M: gl.constexpr, GROUPED: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    num_pid_m = gl.cdiv(M, BM)
+    num_pid_m = _num_m_tiles(tiles_ptr, M, BM, GROUPED)
     num_pid_n = gl.cdiv(N, BN)
     k_tiles = gl.cdiv(K, BK)
     it = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        group, first, _, pid_n = _tile(tile_id, num_pid_m, num_pid_n, tiles_ptr, M, BM, GROUP_M, GROUPED)
+        # grouped: W viewed [G * N, K], the group's rows from group * N (columns past N: the next group's rows)
+        w_row = group * N + pid_n * BN if GROUPED else pid_n * BN
         for kb in range(k_tiles):
             s = it % STAGES
             # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + w_desc.block_type.nbytes
                             + sa_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kb * BK], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(w_desc, [pid_n * BN, kb * BK], ready.index(s), w_bufs.index(s))
+            tma.async_copy_global_to_shared(a_desc, [first, kb * BK], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(w_desc, [w_row, kb * BK], ready.index(s), w_bufs.index(s))
             # the A rows' scales of the block, a [1, BM] column of sa by column (rows past M: TMA's zeros)
-            tma.async_copy_global_to_shared(sa_desc, [kb, pid_m * BM], ready.index(s), sa_bufs.index(s))
+            tma.async_copy_global_to_shared(sa_desc, [kb, first], ready.index(s), sa_bufs.index(s))
             it += 1
 
 
@@ -201,34 +232,54 @@ def _release(empty, it):
 
 
 @gluon.jit
-def _store(piece, c_smem, out_desc, bias_ptr, row0, col0, N, HAS_BIAS: gl.constexpr):
-    """piece (+ bias in FP32), one rounding to the output dtype, a TMA store at (row0, col0) through c_smem
-    (rows past M and columns past N are clipped)."""
+def _store(piece, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, col0, row_end, N, HAS_BIAS: gl.constexpr,
+           GROUPED: gl.constexpr):
+    """piece (+ bias in FP32), one rounding to the output dtype, stored at (row0, col0) through c_smem: by TMA
+    (rows past M and columns past N are clipped), or (grouped) read back in a coalesced layout and stored by
+    gl.store masked to the rows before row_end and the columns before N (a TMA store would write the next
+    group's rows)."""
     if HAS_BIAS:
         cols = col0 + gl.arange(0, piece.shape[1], layout=gl.SliceLayout(0, piece.type.layout))
         piece += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
-    tma.store_wait(0)  # the previous store out of c_smem has read it
-    c_smem.store(piece.to(out_desc.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(out_desc, [row0, col0], c_smem)
+    if GROUPED:
+        c_smem.store(piece.to(c_smem.dtype))
+        ROWS: gl.constexpr = c_smem.shape[0]
+        COLS: gl.constexpr = c_smem.shape[1]
+        VEC: gl.constexpr = 128 // c_smem.dtype.primitive_bitwidth  # 16 bytes a thread
+        LANES_N: gl.constexpr = COLS // VEC
+        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [4, 1], [1, 0])
+        values = c_smem.load(layout)
+        rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+        offsets = gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+        mask = gl.expand_dims(rows < row_end, 1) & gl.expand_dims(cols < N, 0)
+        gl.store(out_ptr + offsets, values, mask=mask)
+    else:
+        tma.store_wait(0)  # the previous store out of c_smem has read it
+        c_smem.store(piece.to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [row0, col0], c_smem)
 
 
 @gluon.jit
-def _epilogue(acc, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS: gl.constexpr):
+def _epilogue(acc, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n, row_end, N, HAS_BIAS: gl.constexpr,
+              GROUPED: gl.constexpr):
     EPI_N: gl.constexpr = c_smem.shape[1]
     if EPI_N == acc.shape[1]:
-        _store(acc, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS)
+        _store(acc, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n, row_end, N, HAS_BIAS, GROUPED)
     else:  # 4-byte outputs: two 64-column pieces, half the staging memory
         lo, hi = acc.reshape([acc.shape[0], 2, EPI_N]).permute(0, 2, 1).split()
-        _store(lo, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS)
-        _store(hi, c_smem, out_desc, bias_ptr, row0, off_n + EPI_N, N, HAS_BIAS)
+        _store(lo, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n, row_end, N, HAS_BIAS, GROUPED)
+        _store(hi, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n + EPI_N, row_end, N, HAS_BIAS,
+               GROUPED)
 
 
 @gluon.jit
-def _mma_partition(a_bufs, w_bufs, sa_bufs, ready, empty, turn, c_smem, out_desc, sw_ptr, bias_ptr, M, N, K,
-                   stride_swn, NUM_PROGRAMS, WG: gl.constexpr, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   GROUP_M: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr, MMA_N: gl.constexpr,
-                   PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr):
+def _mma_partition(a_bufs, w_bufs, sa_bufs, ready, empty, turn, c_smem, out_desc, out_ptr, stride_om, tiles_ptr,
+                   sw_base, bias_ptr, M, N, K, stride_swe, stride_swn, NUM_PROGRAMS, WG: gl.constexpr,
+                   W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, WAIT1: gl.constexpr,
+                   SPLIT_N: gl.constexpr, MMA_N: gl.constexpr, PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr,
+                   GROUPED: gl.constexpr):
     BM: gl.constexpr = a_bufs.type.shape[1]
     BK: gl.constexpr = a_bufs.type.shape[2]
     BN: gl.constexpr = w_bufs.type.shape[1]
@@ -242,15 +293,17 @@ def _mma_partition(a_bufs, w_bufs, sa_bufs, ready, empty, turn, c_smem, out_desc
         turn = None
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, MMA_N, 32])
-    num_pid_m = gl.cdiv(M, BM)
+    num_pid_m = _num_m_tiles(tiles_ptr, M, BM, GROUPED)
     num_pid_n = gl.cdiv(N, BN)
     k_tiles = gl.cdiv(K, BK)
     zero = gl.zeros((WG_M, MMA_N), gl.float32, layout)
     it = 0  # K blocks this program has consumed: the ring position, as the producer counts them
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        row0 = pid_m * BM + A_PART * WG_M
+        group, first, row_end, pid_n = _tile(tile_id, num_pid_m, num_pid_n, tiles_ptr, M, BM, GROUP_M, GROUPED)
+        row0 = first + A_PART * WG_M
         off_n = pid_n * BN + W_PART * MMA_N
+        # the group's weight scales [ceil(N / W_BLOCK_N), K blocks]
+        sw_ptr = sw_base + group * stride_swe if GROUPED else sw_base
         acc0 = gl.zeros((WG_M, MMA_N), gl.float32, layout)
         acc1 = gl.zeros((WG_M, MMA_N), gl.float32, layout)
         if WAIT1:
@@ -303,25 +356,36 @@ def _mma_partition(a_bufs, w_bufs, sa_bufs, ready, empty, turn, c_smem, out_desc
                     _release(empty, it)
                     acc1 = _promote(partial, scale1, acc1)
                 it += 1
-        _epilogue(acc0, c_smem, out_desc, bias_ptr, row0, off_n, N, HAS_BIAS)
+        _epilogue(acc0, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n, row_end, N, HAS_BIAS, GROUPED)
         if TWO:
-            _epilogue(acc1, c_smem, out_desc, bias_ptr, row0, off_n + MMA_N, N, HAS_BIAS)
-    tma.store_wait(0)
+            _epilogue(acc1, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n + MMA_N, row_end, N, HAS_BIAS,
+                      GROUPED)
+    if not GROUPED:
+        tma.store_wait(0)
 
 
-# no integer specialization: nothing here gets faster for N or K multiples of 16 (TMA does the bounds),
-# and one build per config, out dtype and bias keeps compile time down (no build per shape in training)
-@gluon.jit(do_not_specialize=["M", "N", "K", "stride_swn", "NUM_PROGRAMS"])
-def _fp8_gemm_ws_kernel(a_desc, w_desc, sa_desc, out_desc, sw_ptr, bias_ptr, M, N, K, stride_swn,
-                        NUM_PROGRAMS, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
-                        NUM_STAGES: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr, MMA_N: gl.constexpr,
-                        PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                        PRODUCER_REGS: gl.constexpr):
+@gluon.jit
+def _fp8_gemm_ws(a_desc, w_desc, sa_desc, out_desc, out_ptr, tiles_ptr, sw_ptr, bias_ptr, M, N, K, stride_swe,
+                 stride_swn, stride_om, NUM_PROGRAMS, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr,
+                 MMA_N: gl.constexpr, PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                 PRODUCER_REGS: gl.constexpr, GROUPED: gl.constexpr):
+    """The kernels' body. Dense: out_desc the output's TMA descriptor (out_ptr, tiles_ptr None). Grouped: out_ptr
+    the output, stored by masked gl.store (out_desc None), tiles_ptr the tile map, w_desc over the weights viewed
+    [G * N, K], sw_ptr the groups' weight scales stride_swe apart."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES] + w_desc.block_type.shape, w_desc.layout)
     sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [NUM_STAGES] + sa_desc.block_type.shape, sa_desc.layout)
-    c_smem0 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-    c_smem1 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+    if GROUPED:  # the epilogue's staging tiles as the TMA store's (64 rows of EPI_BYTES), read back by the consumers
+        OUT: gl.constexpr = out_ptr.dtype.element_ty
+        EPI_N: gl.constexpr = min(MMA_N, 2048 // OUT.primitive_bitwidth)
+        epi_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=OUT.primitive_bitwidth,
+                                                        rank=2)
+        c_smem0 = gl.allocate_shared_memory(OUT, [64, EPI_N], epi_layout)
+        c_smem1 = gl.allocate_shared_memory(OUT, [64, EPI_N], epi_layout)
+    else:
+        c_smem0 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
+        c_smem1 = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
@@ -335,15 +399,42 @@ def _fp8_gemm_ws_kernel(a_desc, w_desc, sa_desc, out_desc, sw_ptr, bias_ptr, M, 
     fence_async_shared()
     # (the constexpr switches are listed per partition: a tuple built here would turn them into tensors)
     gl.warp_specialize([
-        (_mma_partition, (a_bufs, w_bufs, sa_bufs, ready, empty, turn, c_smem0, out_desc, sw_ptr, bias_ptr, M, N, K,
-                          stride_swn, NUM_PROGRAMS, 0, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1, SPLIT_N,
-                          MMA_N, PINGPONG, PASS_DONE)),
-        (_mma_partition, (a_bufs, w_bufs, sa_bufs, ready, empty, turn, c_smem1, out_desc, sw_ptr, bias_ptr, M, N, K,
-                          stride_swn, NUM_PROGRAMS, 1, W_BLOCK_N, HAS_BIAS, GROUP_M, WAIT1, SPLIT_N,
-                          MMA_N, PINGPONG, PASS_DONE)),
-        (_load_partition, (a_desc, w_desc, sa_desc, a_bufs, w_bufs, sa_bufs, ready, empty, M, N, K, NUM_PROGRAMS,
-                           GROUP_M)),
+        (_mma_partition, (a_bufs, w_bufs, sa_bufs, ready, empty, turn, c_smem0, out_desc, out_ptr, stride_om,
+                          tiles_ptr, sw_ptr, bias_ptr, M, N, K, stride_swe, stride_swn, NUM_PROGRAMS, 0, W_BLOCK_N,
+                          HAS_BIAS, GROUP_M, WAIT1, SPLIT_N, MMA_N, PINGPONG, PASS_DONE, GROUPED)),
+        (_mma_partition, (a_bufs, w_bufs, sa_bufs, ready, empty, turn, c_smem1, out_desc, out_ptr, stride_om,
+                          tiles_ptr, sw_ptr, bias_ptr, M, N, K, stride_swe, stride_swn, NUM_PROGRAMS, 1, W_BLOCK_N,
+                          HAS_BIAS, GROUP_M, WAIT1, SPLIT_N, MMA_N, PINGPONG, PASS_DONE, GROUPED)),
+        (_load_partition, (a_desc, w_desc, sa_desc, a_bufs, w_bufs, sa_bufs, ready, empty, tiles_ptr, M, N, K,
+                           NUM_PROGRAMS, GROUP_M, GROUPED)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# no integer specialization: nothing here gets faster for N or K multiples of 16 (TMA does the bounds),
+# and one build per config, out dtype and bias keeps compile time down (no build per shape in training)
+@gluon.jit(do_not_specialize=["M", "N", "K", "stride_swn", "NUM_PROGRAMS"])
+def _fp8_gemm_ws_kernel(a_desc, w_desc, sa_desc, out_desc, sw_ptr, bias_ptr, M, N, K, stride_swn,
+                        NUM_PROGRAMS, W_BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                        NUM_STAGES: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr, MMA_N: gl.constexpr,
+                        PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                        PRODUCER_REGS: gl.constexpr):
+    _fp8_gemm_ws(a_desc, w_desc, sa_desc, out_desc, None, None, sw_ptr, bias_ptr, M, N, K, 0, stride_swn, 0,
+                 NUM_PROGRAMS, W_BLOCK_N, HAS_BIAS, GROUP_M, NUM_STAGES, WAIT1, SPLIT_N, MMA_N, PINGPONG, PASS_DONE,
+                 CONSUMER_REGS, PRODUCER_REGS, False)
+
+
+# N and the output's row stride specialized (multiples of 16 in practice): the masked epilogue's gl.store
+# vectorizes only where the column mask and the row offsets are known constant over 16 bytes
+@gluon.jit(do_not_specialize=["M", "K", "stride_swe", "stride_swn", "NUM_PROGRAMS"])
+def _grouped_fp8_gemm_ws_kernel(a_desc, w_desc, sa_desc, out_ptr, tiles_ptr, sw_ptr, M, N, K, stride_swe,
+                                stride_swn, stride_om, NUM_PROGRAMS, W_BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                                NUM_STAGES: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr,
+                                MMA_N: gl.constexpr, PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    """linear_grouped_fp8_ws's launch: the tile map's tiles of the groups' rows (the map at tiles_ptr)."""
+    _fp8_gemm_ws(a_desc, w_desc, sa_desc, None, out_ptr, tiles_ptr, sw_ptr, None, M, N, K, stride_swe, stride_swn,
+                 stride_om, NUM_PROGRAMS, W_BLOCK_N, False, GROUP_M, NUM_STAGES, WAIT1, SPLIT_N, MMA_N, PINGPONG,
+                 PASS_DONE, CONSUMER_REGS, PRODUCER_REGS, True)
 
 
 @dataclass(frozen=True)
@@ -444,32 +535,43 @@ def _tma_ready(codes: torch.Tensor) -> torch.Tensor:
     return codes
 
 
-def launch_args(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out: torch.Tensor, config: WSConfig):
-    """(grid, positional arguments, constexpr keywords) of _fp8_gemm_ws_kernel for out = qa qw^T (+ bias);
-    out [M, N] with 16-byte aligned rows (output() makes one)."""
-    config.check()
-    a, w = _tma_ready(qa.codes), _tma_ready(qw.codes)
-    (m, k), n = qa.codes.shape, qw.codes.shape[0]
-    sa, sw = tma_scales(qa.scales.reshape(m, -1)), qw.scales.contiguous()
+def operand_descs(a: torch.Tensor, w: torch.Tensor, sa: torch.Tensor, config: WSConfig):
+    """The TMA descriptors of a stage's boxes: activation codes a [M, K] and weight codes w [R, K] (copied by
+    _tma_ready where TMA cannot read them) in [BLOCK_M | BLOCK_N, 128] boxes, the A scales sa [M, K blocks] by
+    column (tma_scales) in [1, BLOCK_M] boxes."""
+    a, w, sa = _tma_ready(a), _tma_ready(w), tma_scales(sa)
     layout = gl.NVMMASharedLayout.get_default_for([config.block_m, BLOCK_K], gl.float8e4nv)
     a_desc = TensorDescriptor.from_tensor(a, [config.block_m, BLOCK_K], layout)
     w_desc = TensorDescriptor.from_tensor(w, [config.block_n, BLOCK_K], layout)
     # sa by column as TMA reads it: [K blocks, M], a block's column of rows one [1, BLOCK_M] box
-    sa_desc = TensorDescriptor(sa.t(), [sa.shape[1], m], [sa.stride(1), 1], [1, config.block_m],
+    sa_desc = TensorDescriptor(sa.t(), [sa.shape[1], sa.shape[0]], [sa.stride(1), 1], [1, config.block_m],
                                gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    return a_desc, w_desc, sa_desc
+
+
+def config_consts(config: WSConfig, w_block_n: int) -> dict:
+    """The kernels' constexpr keywords for `config` and weight scale blocks of w_block_n rows."""
+    return dict(W_BLOCK_N=w_block_n, GROUP_M=config.group_m, NUM_STAGES=config.num_stages, WAIT1=config.wait1,
+                SPLIT_N=config.split == "n", MMA_N=config.mma_n, PINGPONG=bool(config.pingpong),
+                PASS_DONE=config.pingpong == "done", CONSUMER_REGS=config.consumer_regs,
+                PRODUCER_REGS=config.producer_regs)
+
+
+def launch_args(qa: FP8Tensor, qw: FP8Tensor, bias: torch.Tensor | None, out: torch.Tensor, config: WSConfig):
+    """(grid, positional arguments, constexpr keywords) of _fp8_gemm_ws_kernel for out = qa qw^T (+ bias);
+    out [M, N] with 16-byte aligned rows (output() makes one)."""
+    config.check()
+    (m, k), n = qa.codes.shape, qw.codes.shape[0]
+    a_desc, w_desc, sa_desc = operand_descs(qa.codes, qw.codes, qa.scales.reshape(m, -1), config)
+    sw = qw.scales.contiguous()
     epi = [WG_M, min(config.mma_n, EPI_BYTES // out.element_size())]
     out_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], epi,
                                 gl.NVMMASharedLayout.get_default_for(epi, OUT_DTYPES[out.dtype]))
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    programs = min(sm_count(a.device), tiles) if config.persistent else tiles
+    programs = min(sm_count(qa.codes.device), tiles) if config.persistent else tiles
     args = (a_desc, w_desc, sa_desc, out_desc, sw, bias.contiguous() if bias is not None else None, m, n, k,
             sw.stride(0), programs)
-    consts = dict(W_BLOCK_N=qw.block[0], HAS_BIAS=bias is not None, GROUP_M=config.group_m,
-                  NUM_STAGES=config.num_stages, WAIT1=config.wait1, SPLIT_N=config.split == "n",
-                  MMA_N=config.mma_n, PINGPONG=bool(config.pingpong),
-                  PASS_DONE=config.pingpong == "done", CONSUMER_REGS=config.consumer_regs,
-                  PRODUCER_REGS=config.producer_regs)
-    return (programs,), args, consts
+    return (programs,), args, dict(config_consts(config, qw.block[0]), HAS_BIAS=bias is not None)
 
 
 def output(m: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -16,6 +16,12 @@ is the same in every one. A tile never stores past its group: its rows past the 
 columns past N (the next group's weight rows, under TMA) are computed and dropped, which cannot move a
 stored element, whose products use its own row and column only.
 
+Two kernels keep that chain: this file's Triton kernel and linear_grouped_fp8_ws.py's, linear_fp8_ws.py's
+warp-specialized Gluon kernel over the groups' tiles (Hopper only). pick_grouped_kernel takes the Gluon one
+where the rows fill its 128-row tiles (GROUPED_WS_MIN_ROWS_PER_GROUP rows a group on average) and TMA reads the
+rows without a copy; the Triton tiles elsewhere (decode's few rows an expert, the interpreter). Neither can
+move a row's bits (tests/ops/test_linear_grouped_fp8_gpu.py: torch.equal between them).
+
 The group sizes are read as linear_grouped.py reads them: once per program, a list uploaded or the MoE
 dispatch's tensor read in place (no host sync), the group, first row and end row of an M tile found from
 their prefix sums. With tensor sizes the tile config and the grid follow M and G only, never the sizes:
@@ -28,11 +34,19 @@ import triton
 import triton.language as tl
 
 from onepath.numerics.quant import FP8Tensor
-from onepath.ops.cuda import sm_count
+from onepath.ops.cuda import interpreting, sm_count
 from onepath.ops.cuda.linear import TileConfig, tma_ok
-from onepath.ops.cuda.linear_fp8 import BLOCK_K, TILES_FP8
+from onepath.ops.cuda.linear_fp8 import BLOCK_K, TILES_FP8, WS_CONFIG, is_hopper
+from onepath.ops.cuda.linear_fp8_ws import OUT_DTYPES, TMA_ALIGN, WSConfig
 from onepath.ops.cuda.linear_grouped import group_tables, group_tile, grouped_programs
+from onepath.ops.cuda.linear_grouped_fp8_ws import linear_grouped_fp8_ws
 from onepath.ops.host import to_device
+
+# The warp-specialized kernel's grouped layout: the dense training layout (128x128, 5 stages, persistent, wait1),
+# taken once the groups average GROUPED_WS_MIN_ROWS_PER_GROUP rows, enough to fill its 128-row M tiles; below
+# (a decode step's ~16 rows an expert), the Triton kernel's 64-row tiles. Not yet timed against each other.
+GROUPED_WS_CONFIG = WS_CONFIG
+GROUPED_WS_MIN_ROWS_PER_GROUP = 128
 
 
 def pick_grouped_fp8_config(counts: list[int], n: int, num_sms: int) -> TileConfig:
@@ -42,6 +56,16 @@ def pick_grouped_fp8_config(counts: list[int], n: int, num_sms: int) -> TileConf
         if sum(-(-m // c.block_m) for m in counts) * -(-n // c.block_n) >= num_sms:
             return c
     return TILES_FP8[-1]
+
+
+def pick_grouped_kernel(m: int, groups: int, k: int, out_dtype: torch.dtype, device: torch.device) -> WSConfig | None:
+    """GROUPED_WS_CONFIG where the warp-specialized kernel runs without a copy (on Hopper, not interpreted, the
+    codes' rows 16-byte multiples) and the rows average GROUPED_WS_MIN_ROWS_PER_GROUP a group; else None (the
+    Triton kernel). M and G only, never the sizes: a CUDA graph's launch stays valid under any routing."""
+    if (k % TMA_ALIGN == 0 and out_dtype in OUT_DTYPES and m >= GROUPED_WS_MIN_ROWS_PER_GROUP * groups
+            and not interpreting() and is_hopper(device)):
+        return GROUPED_WS_CONFIG
+    return None
 
 
 @triton.jit(do_not_specialize=["NUM_PROGRAMS"])
@@ -88,14 +112,15 @@ def _linear_grouped_fp8_kernel(
 
 
 def linear_grouped_fp8(qa: FP8Tensor, qw: FP8Tensor, counts: list[int] | torch.Tensor,
-                       out_dtype: torch.dtype = torch.bfloat16, config: TileConfig | None = None,
+                       out_dtype: torch.dtype = torch.bfloat16, config: TileConfig | WSConfig | None = None,
                        programs: int | None = None) -> torch.Tensor:
     """qa: codes [M, K] with (1, 128) groups, its rows packed by group (counts[g] rows of group g, in
     order); qw: codes [G, N, K] with (r, 128) blocks, scales [G, ceil(N/r), ceil(K/128)] -> [M, N] in
     out_dtype, row r of group g = linear_fp8(qa[r], qw[g])'s bits. counts: a list, or an integer tensor
     on the codes' device, read there (no host sync: the caller vouches that they are >= 0 and sum to at
-    most M; rows past them are left unwritten). `config` forces a tile config (its `tma`: the weight's
-    tiles by TMA), `programs` the number of programs (tests, benchmarks: none can move a row's bits)."""
+    most M; rows past them are left unwritten). `config` forces a kernel: a TileConfig the Triton kernel's tile
+    (its `tma`: the weight's tiles by TMA), a WSConfig the warp-specialized one (Hopper); `programs` the number
+    of programs (tests, benchmarks: none can move a row's bits). By default pick_grouped_kernel's."""
     a, w = qa.codes, qw.codes
     if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[2]:
         raise ValueError(f"linear_grouped_fp8: codes {tuple(a.shape)} and {tuple(w.shape)} do not match "
@@ -123,6 +148,9 @@ def linear_grouped_fp8(qa: FP8Tensor, qw: FP8Tensor, counts: list[int] | torch.T
         raise ValueError(f"linear_grouped_fp8: activations {tuple(a.shape)}, one group's weight [{n}, {k}] or the "
                          f"weights' {groups * n} rows reach 2^31 (32-bit offsets); split the rows or groups into "
                          "several calls")
+    config = config or pick_grouped_kernel(m, groups, k, out_dtype, a.device)
+    if isinstance(config, WSConfig):
+        return linear_grouped_fp8_ws(qa, qw, counts, out, config, programs)
     a, w, sw = a.contiguous(), w.contiguous(), qw.scales.contiguous()
     sa = qa.scales.reshape(m, -1)  # either layout (by row, or quant_rows.scales_by_column's): read by its strides
     num_sms = sm_count(a.device)
