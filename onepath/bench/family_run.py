@@ -36,6 +36,7 @@ from onepath.models.checkpoint import save_checkpoint
 from onepath.models.config import ModelConfig
 from onepath.numerics.diff import DIFF_METRICS, is_exact
 from onepath.ops import ExecutionSpec, Ops
+from onepath.train import checkpoint as train_checkpoint
 from onepath.train.metrics import read_metrics
 from onepath.train.trainer import embedded_task
 
@@ -48,12 +49,13 @@ FAMILY_QUANT = {"nemotron_h": "fp8_mamba+nvfp4_experts+fp8_kv", "deepseek_v4": "
 # compressed entries; arithmetic's 20-token sequences reach none of these.
 TASKS = {"word_problems": dict(max_operand=9, max_tokens=32, max_model_len=384),
          "arithmetic": dict(max_operand=49, max_tokens=16, max_model_len=64)}
-# 4 prompts x 8 samples (GRPO groups of 8), 32 sequences a step: one decode batch, one captured graph size, a
-# trainer micro-batch or three; small enough that 30 steps of a mode at the presets' widths take minutes.
-# No warm start, no validation, old log-probs recomputed and diffed on every step.
+# 4 prompts x 8 samples (GRPO groups of 8), 32 sequences a step, decoded as one batch; small
+# enough that 30 steps of a mode at the presets' widths take minutes. Trainer micro-batches of 2048 tokens bound the
+# activations DeepSeek-V4's gathered candidates keep for backward. No warm start, no validation, old log-probs
+# recomputed and diffed on every step.
 RUN = ["warm_start.steps=0", "train.val_every=0", "data.n_test=0", "data.n_train=512", "train.prompts_per_step=4",
-       "rollout.n=8", "rollout.max_num_seqs=32", "rollout.num_blocks=1024", "rollout.max_num_batched_tokens=8192",
-       "train.micro_batch_tokens=4096", "train.old_logprob=verify"]
+       "rollout.n=8", "rollout.max_num_seqs=32", "rollout.num_blocks=1024", "train.micro_batch_tokens=2048",
+       "train.old_logprob=verify"]
 # GPU bytes per parameter at least: BF16 weights in the engine and the trainer (4), gradients (2), AdamW's two
 # moments (4) and its foreach step's temporaries (about 2), the quantised weight copies of both sides (about 1 each)
 BYTES_PER_PARAMETER = 14
@@ -159,7 +161,9 @@ def step_record(r: dict) -> dict:
             "routing_agreement": r.get("moe/routing_agreement"),
             "routing_compared_tokens": r.get("moe/routing_compared_tokens"),
             "reward": r.get("critic/score/mean"), "grad_norm": r.get("actor/grad_norm"),
-            "step_s": r.get("timing_s/step")}
+            "step_s": r.get("timing_s/step"), "gen_s": r.get("timing_s/gen"),
+            "rollout_tokens_per_s": r.get("perf/rollout_tokens_per_s"),
+            "peak_memory_gib": r.get("perf/peak_memory_gib")}
 
 
 def summary(modes: dict, steps: int) -> dict:
@@ -167,12 +171,14 @@ def summary(modes: dict, steps: int) -> dict:
     for mode, run in modes.items():
         records = run["steps"]
         agreements = [s["routing_agreement"] for s in records if s["routing_agreement"] is not None]
+        peaks = [s["peak_memory_gib"] for s in records if s["peak_memory_gib"] is not None]  # CUDA only
         out[mode] = dict(steps=len(records), exit_code=run["exit_code"],
                          exact_steps=sum(s["exact"] is True for s in records),
                          max_dp=max((s["max_dp"] or 0.0 for s in records), default=None),
                          min_routing_agreement=min(agreements, default=None),
                          routing_compared_tokens=sum(s["routing_compared_tokens"] or 0 for s in records),
-                         mean_step_s=sum(s["step_s"] or 0.0 for s in records) / len(records) if records else None)
+                         mean_step_s=sum(s["step_s"] or 0.0 for s in records) / len(records) if records else None,
+                         peak_memory_gib=max(peaks, default=None))
     if "consistent" in modes:
         c = out["consistent"]
         out["consistent_exact_every_step"] = c["steps"] == steps and c["exact_steps"] == steps
@@ -270,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                                          steps=[step_record(r) for r in records])
             for step_dir in run_dir.glob("step_*"):  # the final checkpoint: the size of the model and its AdamW
                 shutil.rmtree(step_dir)
+            train_checkpoint.remove_leftovers(run_dir)  # a save cut by --mode-timeout
             result["summary"] = summary(result["modes"], args.steps)
             save_json(result, out)
     result.update(environment(args.device))
@@ -279,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         m = s[mode]
         print(f"{mode}: {m['steps']} steps, {m['exact_steps']} exact, max |dp| {m['max_dp']}, routing agreement "
               f"min {m['min_routing_agreement']} over {m['routing_compared_tokens']} tokens, "
-              f"{m['mean_step_s'] or 0:.2f} s a step")
+              f"{m['mean_step_s'] or 0:.2f} s a step" +
+              (f", peak {m['peak_memory_gib']:.1f} GiB" if m["peak_memory_gib"] is not None else ""))
     print(f"consistent exact on every step: {s.get('consistent_exact_every_step')}, baseline nonzero on some step: "
           f"{s.get('baseline_nonzero_some_step')}; {out}")
     return 0 if s.get("consistent_exact_every_step", True) else 1

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from onepath.bench import family_run as bench
+from onepath.bench import family_run as bench, runs
 from onepath.bench.workloads import MODELS
 from onepath.tasks import word_problems
 
@@ -84,3 +84,7 @@ def test_a_model_too_large_for_the_gpu_is_refused_naming_the_layers_that_fit(mon
         bench.check_fits("nemotron-3-nano-13l", None, {}, tokenizer, word_problems)
     monkeypatch.setattr(bench, "device_bytes", lambda: 141 * 2**30)  # an H200
     bench.check_fits("nemotron-3-nano-13l", None, {}, tokenizer, word_problems)
+
+
+def test_a_run_past_its_timeout_is_stopped():
+    assert runs.train(["--help"], timeout=0.01) == runs.TIMED_OUT
