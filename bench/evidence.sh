@@ -9,9 +9,10 @@
 # Extra settings for every run go in $EVIDENCE_ARGS, e.g. EVIDENCE_ARGS="--train.steps 20".
 # Run again on the same OUT, it goes on where it stopped: the warm start is reused, each run resumes from its
 # latest checkpoint (train.save_every), a finished run is kept as it is.
-# EVIDENCE_CONCURRENT=1 runs the four at once on the one device (each run's log in OUT/<run>.log): the same
-# steps and bits, in about the time of one run where one run leaves the GPU idle; each run's wall time is then
-# its time on a shared device, so compare wall times from runs made one after another.
+# EVIDENCE_CONCURRENT=N runs up to N of the four at once on the one device (each run's log in OUT/<run>.log): the
+# same steps and bits, in less time where one run leaves the GPU idle; each run's wall time is then its time on a
+# shared device, so compare wall times from runs made one after another. The four dense runs at once did not fit
+# an 80 GB H100's memory, two did (bench/results/evidence/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config=${1:-onepath/configs/evidence-dense.yaml}
@@ -34,13 +35,18 @@ one() {  # one run: NAME
   local -a own; read -r -a own <<< "${args[$1]}"
   train "${shared[@]}" --out "$out/$1" "${own[@]}"
 }
-if [[ ${EVIDENCE_CONCURRENT:-0} == 1 ]]; then
-  pids=()
-  for n in "${names[@]}"; do one "$n" > "$out/$n.log" 2>&1 & pids+=($!); done
+at_once=${EVIDENCE_CONCURRENT:-1}
+if (( at_once > 1 )); then
+  for n in "${names[@]}"; do
+    while (( $(jobs -rp | wc -l) >= at_once )); do wait -n || true; done
+    rm -f "$out/$n.rc"
+    ( set +e; one "$n" > "$out/$n.log" 2>&1; echo $? > "$out/$n.rc" ) &
+  done
+  wait
   failed=0
-  for i in "${!names[@]}"; do
-    if wait "${pids[$i]}"; then tail -n 2 "$out/${names[$i]}.log"
-    else failed=1; echo "run ${names[$i]} failed: $out/${names[$i]}.log" >&2; tail -n 20 "$out/${names[$i]}.log" >&2; fi
+  for n in "${names[@]}"; do
+    if [[ $(cat "$out/$n.rc" 2>/dev/null) == 0 ]]; then tail -n 6 "$out/$n.log"
+    else failed=1; echo "run $n failed: $out/$n.log" >&2; tail -n 20 "$out/$n.log" >&2; fi
   done
   (( failed == 0 ))
 else

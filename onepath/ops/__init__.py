@@ -100,7 +100,11 @@ class Ops:
         projection): grouped_linear over the groups' rows, one row per token."""
         t, groups = x.shape[:2]
         packed = x.transpose(0, 1).reshape(groups * t, -1)
-        return self.grouped_linear(packed, weight, [t] * groups).view(groups, t, -1).transpose(0, 1)
+        counts = [t] * groups
+        if x.is_cuda and self.grouped_on_device(weight):
+            # filled on the device: a CUDA graph holds the fill (a list would be a host copy, refused in capture)
+            counts = torch.full((groups,), t, dtype=torch.int32, device=x.device)
+        return self.grouped_linear(packed, weight, counts).view(groups, t, -1).transpose(0, 1)
 
     def grouped_expert_down(self, x, weight, counts, op="linear"):
         """ops.expert_down (FP32 output) of rows packed by expert, as grouped_linear."""

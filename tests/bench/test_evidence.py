@@ -20,7 +20,7 @@ NAMES = ("consistent", "baseline", "baseline-tis", "baseline-mis")
 
 def evidence(out: Path, concurrent: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "EVIDENCE_ARGS": SMALL, "PYTHON": os.environ.get("PYTHON", "python"), "OMP_NUM_THREADS": "1",
-           "EVIDENCE_CONCURRENT": "1" if concurrent else "0"}
+           "EVIDENCE_CONCURRENT": "2" if concurrent else "1"}
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     done = subprocess.run(["bash", "bench/evidence.sh", "onepath/configs/demo.yaml", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)

@@ -83,7 +83,11 @@ def test_index_topk_kernel_equals_the_key_and_beats_torch_topk_on_ties():
         assert torch.equal(got, T.keyed_index_topk(scores, valid, k))
         assert torch.equal(torch.cat([T.index_topk(cuda, scores[i:i + 1], valid[i:i + 1], k) for i in range(256)]),
                            got)
+    # the control: fewer positive scores than k, so the selection ends among the zeros and their tie-break decides
+    # it (with ~half positive, the top 2048 of 8192 hold no zero and torch.topk picks the key's set)
+    scores = torch.relu(torch.randn(256, 8192, device="cuda", generator=gen) - 1.2)  # ~11% positive: ~940 a row
     library = T.index_topk(ExecutionSpec.default("baseline", "cuda"), scores, valid, 2048)
+    assert torch.equal(T.index_topk(cuda, scores, valid, 2048), T.keyed_index_topk(scores, valid, 2048))
     assert not torch.equal(torch.sort(library, descending=True).values, T.keyed_index_topk(scores, valid, 2048))
 
 

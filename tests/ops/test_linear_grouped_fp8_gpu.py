@@ -284,11 +284,15 @@ def test_warp_specialized_grouped_rows_equal_the_triton_grouped_kernel_and_dense
     assert not bad, f"(counts case, check, rows differing): {bad}"
 
 
-def test_warp_specialized_grouped_is_the_default_from_128_rows_a_group():
-    """On Hopper, linear_grouped_fp8 picks the warp-specialized kernel at 8192 tokens x top-8 over 64 experts and
-    the Triton kernel at 64 tokens; both give the forced Triton kernel's rows (pick_grouped_kernel)."""
+def test_warp_specialized_grouped_is_the_default_from_128_rows_a_group(monkeypatch):
+    """On Hopper, with GROUPED_WS_BY_DEFAULT on, linear_grouped_fp8 picks the warp-specialized kernel at 8192
+    tokens x top-8 over 64 experts and the Triton kernel at 64 tokens; both give the forced Triton kernel's rows
+    (pick_grouped_kernel)."""
+    from onepath.ops.cuda import linear_grouped_fp8 as gm
     from onepath.ops.cuda.linear_fp8 import TILES_FP8, is_hopper
     from onepath.ops.cuda.linear_grouped_fp8 import GROUPED_WS_CONFIG, linear_grouped_fp8, pick_grouped_kernel
+
+    monkeypatch.setattr(gm, "GROUPED_WS_BY_DEFAULT", True)
 
     if not is_hopper(torch.device("cuda")):
         pytest.skip("the warp-specialized kernel is Hopper's (sm_90)")

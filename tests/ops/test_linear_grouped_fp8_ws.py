@@ -102,6 +102,9 @@ def test_pick_takes_the_warp_specialized_kernel_from_128_rows_a_group_on_hopper(
     assert gm.pick_grouped_kernel(128 * 128, 128, 2048, torch.bfloat16, cpu) is None  # not Hopper
     monkeypatch.setattr(gm, "is_hopper", lambda device: True)
     monkeypatch.setattr(gm, "interpreting", lambda: False)
+    assert not gm.GROUPED_WS_BY_DEFAULT  # off until it passes on a GPU
+    assert gm.pick_grouped_kernel(128 * 128, 128, 2048, torch.bfloat16, cpu) is None
+    monkeypatch.setattr(gm, "GROUPED_WS_BY_DEFAULT", True)
     assert gm.pick_grouped_kernel(128 * 128, 128, 2048, torch.bfloat16, cpu) == gm.GROUPED_WS_CONFIG
     assert gm.pick_grouped_kernel(8192 * 8, 128, 768, torch.float32, cpu) == gm.GROUPED_WS_CONFIG
     assert gm.pick_grouped_kernel(256 * 8, 128, 2048, torch.bfloat16, cpu) is None  # decode: the Triton tiles
@@ -115,7 +118,7 @@ def test_pick_takes_the_warp_specialized_kernel_from_128_rows_a_group_on_hopper(
 def _grouped_build(v, counts, n, k, out_dtype):
     from onepath.numerics.quant import FP8Tensor, quantize
     from onepath.numerics.spec import FP8_ACT, FP8_WEIGHT
-    from onepath.ops.cuda.linear_fp8_ws import _grouped_fp8_gemm_ws_kernel
+    from onepath.ops.cuda.linear_fp8_ws import grouped_fp8_gemm_ws_kernel
     from onepath.ops.cuda.linear_grouped_fp8_ws import launch_args
     from tests.ops.test_linear_fp8_ws import _compile_like_jit
 
@@ -126,7 +129,7 @@ def _grouped_build(v, counts, n, k, out_dtype):
     qw = FP8Tensor(torch.stack([p.codes for p in parts]), torch.stack([p.scales for p in parts]), parts[0].block,
                    parts[0].rule)
     _, args, consts = launch_args(qa, qw, tile_map(counts, m, v.block_m, "cpu"), torch.empty(m, n, dtype=out_dtype), v)
-    return _compile_like_jit(_grouped_fp8_gemm_ws_kernel, args, dict(consts, num_warps=4))
+    return _compile_like_jit(grouped_fp8_gemm_ws_kernel, args, dict(consts, num_warps=4))
 
 
 def _epilogue_problems(ptx: str, sass: str, vectorized: bool) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from tests.interpret import check_recorder, interpreted_checks, print_checks
 
 CHECKS = ["equals_keyed_topk", "planted_ties_to_the_larger_position", "fewer_valid_than_k", "rows_alone_equal_batch",
-          "library_topk_differs_on_ties"]
+          "library_topk_differs_on_ties", "no_entries_yet"]
 
 
 def _run_checks() -> dict:
@@ -43,6 +43,9 @@ def _run_checks() -> dict:
     record("fewer_valid_than_k", torch.equal(got, want) and bool((got[2] == -1).all()), "")
     alone = torch.cat([topk.index_topk(scores[i:i + 1], valid[i:i + 1], 300) for i in range(6)])
     record("rows_alone_equal_batch", torch.equal(alone, topk.index_topk(scores, valid, 300)), "")
+    # a context with no compressed entry yet: scores [..., 0], nothing to pick (ops.topk asks for min(k, 0))
+    none = topk.index_topk(torch.zeros(2, 3, 0), torch.zeros(2, 3, 0, dtype=torch.bool), 0)
+    record("no_entries_yet", none.shape == (2, 3, 0) and none.dtype == torch.int64, f"got {tuple(none.shape)}")
     return results
 
 

@@ -426,7 +426,7 @@ def _fp8_gemm_ws_kernel(a_desc, w_desc, sa_desc, out_desc, sw_ptr, bias_ptr, M, 
 # N and the output's row stride specialized (multiples of 16 in practice): the masked epilogue's gl.store
 # vectorizes only where the column mask and the row offsets are known constant over 16 bytes
 @gluon.jit(do_not_specialize=["M", "K", "stride_swe", "stride_swn", "NUM_PROGRAMS"])
-def _grouped_fp8_gemm_ws_kernel(a_desc, w_desc, sa_desc, out_ptr, tiles_ptr, sw_ptr, M, N, K, stride_swe,
+def grouped_fp8_gemm_ws_kernel(a_desc, w_desc, sa_desc, out_ptr, tiles_ptr, sw_ptr, M, N, K, stride_swe,
                                 stride_swn, stride_om, NUM_PROGRAMS, W_BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
                                 NUM_STAGES: gl.constexpr, WAIT1: gl.constexpr, SPLIT_N: gl.constexpr,
                                 MMA_N: gl.constexpr, PINGPONG: gl.constexpr, PASS_DONE: gl.constexpr,

@@ -47,6 +47,10 @@ from onepath.ops.host import to_device
 # (a decode step's ~16 rows an expert), the Triton kernel's 64-row tiles. Not yet timed against each other.
 GROUPED_WS_CONFIG = WS_CONFIG
 GROUPED_WS_MIN_ROWS_PER_GROUP = 128
+# Off until the kernel passes its GPU tests: its first launch on an H100 stopped on an illegal instruction
+# (bench/results/tests/gpu-tests.log); pick_grouped_kernel then keeps the Triton kernel everywhere, and a WSConfig
+# passed as `config` still forces the warp-specialized one (the GPU tests, the bench's grouped_fp8_ws column).
+GROUPED_WS_BY_DEFAULT = False
 
 
 def pick_grouped_fp8_config(counts: list[int], n: int, num_sms: int) -> TileConfig:
@@ -61,9 +65,10 @@ def pick_grouped_fp8_config(counts: list[int], n: int, num_sms: int) -> TileConf
 def pick_grouped_kernel(m: int, groups: int, k: int, out_dtype: torch.dtype, device: torch.device) -> WSConfig | None:
     """GROUPED_WS_CONFIG where the warp-specialized kernel runs without a copy (on Hopper, not interpreted, the
     codes' rows 16-byte multiples) and the rows average GROUPED_WS_MIN_ROWS_PER_GROUP a group; else None (the
-    Triton kernel). M and G only, never the sizes: a CUDA graph's launch stays valid under any routing."""
-    if (k % TMA_ALIGN == 0 and out_dtype in OUT_DTYPES and m >= GROUPED_WS_MIN_ROWS_PER_GROUP * groups
-            and not interpreting() and is_hopper(device)):
+    Triton kernel); None everywhere while GROUPED_WS_BY_DEFAULT is off. M and G only, never the sizes: a CUDA
+    graph's launch stays valid under any routing."""
+    if (GROUPED_WS_BY_DEFAULT and k % TMA_ALIGN == 0 and out_dtype in OUT_DTYPES
+            and m >= GROUPED_WS_MIN_ROWS_PER_GROUP * groups and not interpreting() and is_hopper(device)):
         return GROUPED_WS_CONFIG
     return None
 

@@ -27,7 +27,7 @@ import triton
 
 from onepath.numerics.quant import FP8Tensor
 from onepath.ops.cuda import sm_count
-from onepath.ops.cuda.linear_fp8_ws import (OUT_DTYPES, WSConfig, _grouped_fp8_gemm_ws_kernel, config_consts,
+from onepath.ops.cuda.linear_fp8_ws import (OUT_DTYPES, WSConfig, grouped_fp8_gemm_ws_kernel, config_consts,
                                             operand_descs)
 from onepath.ops.host import to_device
 
@@ -62,7 +62,7 @@ def tile_map(counts: list[int] | torch.Tensor, m: int, block_m: int, device=None
 
 def launch_args(qa: FP8Tensor, qw: FP8Tensor, tiles: torch.Tensor, out: torch.Tensor, config: WSConfig,
                 programs: int | None = None):
-    """(grid, positional arguments, constexpr keywords) of _grouped_fp8_gemm_ws_kernel, grouped, for out[rows of g] =
+    """(grid, positional arguments, constexpr keywords) of grouped_fp8_gemm_ws_kernel, grouped, for out[rows of g] =
     qa[rows of g] qw[g]^T over the tile map `tiles` (tile_map with config.block_m); out [M, N], any row stride.
     Persistent: #SMs programs; else one per tile of the map's bound (those past the real tiles walk none)."""
     config.check()
@@ -88,5 +88,5 @@ def linear_grouped_fp8_ws(qa: FP8Tensor, qw: FP8Tensor, counts: list[int] | torc
     M, N, K > 0); the rows of out from sum(counts) on are left as they were."""
     tiles = tile_map(counts, qa.codes.shape[0], config.block_m, qa.codes.device)
     grid, args, consts = launch_args(qa, qw, tiles, out, config, programs)
-    _grouped_fp8_gemm_ws_kernel[grid](*args, **consts, num_warps=4)
+    grouped_fp8_gemm_ws_kernel[grid](*args, **consts, num_warps=4)
     return out

@@ -12,6 +12,8 @@ at its rank, so the output is sorted by descending position with no sort; the sl
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -78,9 +80,10 @@ def _index_topk_kernel(s_ptr, v_ptr, o_ptr, L, K, s_stride, v_stride, o_stride,
 
 def index_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
     """scores [..., L] FP32, valid [..., L] bool -> [..., k] int64 positions, descending, -1 where none."""
-    length = scores.shape[-1]
-    s = scores.reshape(-1, length).float().contiguous()
-    v = valid.reshape(-1, length).to(torch.int8).contiguous()
+    length, rows = scores.shape[-1], math.prod(scores.shape[:-1])
+    # (rows, not -1: a context with no compressed entry yet has length 0)
+    s = scores.reshape(rows, length).float().contiguous()
+    v = valid.reshape(rows, length).to(torch.int8).contiguous()
     out = torch.empty(s.shape[0], k, dtype=torch.int64, device=scores.device)
     if s.shape[0] and k:
         _index_topk_kernel[(s.shape[0],)](s, v, out, length, k, s.stride(0), v.stride(0), out.stride(0),
