@@ -3,7 +3,7 @@
 Per step and mode: the exact flag (every diff metric 0), max |dp|, k3, MoE routing agreement and the step's time.
 
     python -m onepath.bench.family_run --preset nemotron-3-nano-13l --device cuda --out nemotron-h-run.json
-    python -m onepath.bench.family_run --preset nemotron-3-nano-13l --layers 7 --device cuda ...   # an 80 GB GPU
+    python -m onepath.bench.family_run --preset nemotron-3-nano-13l --layers 8 --device cuda ...   # fewer layers
     python -m onepath.bench.family_run --preset deepseek-v4-flash-4l --device cuda --out deepseek-v4-run.json
 
 The checkpoint is the preset's config (published layer shapes; --layers N keeps its first N layers, --set
@@ -140,13 +140,16 @@ def check_fits(preset: str, layers: int | None, fields_set: dict, tokenizer, tas
     if total is None:
         return
     layers = layers or preset_layers({**MODELS[preset], **fields_set})
-    need = {n: parameter_count(preset_config(preset, n, fields_set, tokenizer, task)) * BYTES_PER_PARAMETER
-            for n in range(1, layers + 1)}
-    if need[layers] <= FITS * total:
-        return
-    fits = [n for n in need if need[n] <= FITS * total]
+
+    def need(n: int) -> int:
+        return parameter_count(preset_config(preset, n, fields_set, tokenizer, task)) * BYTES_PER_PARAMETER
+
+    asked = need(layers)
+    if asked <= FITS * total:
+        return  # (the smaller cuts are counted only for the refusal's hint)
+    fits = [n for n in range(1, layers) if need(n) <= FITS * total]
     hint = f"--layers {fits[-1]}" if fits else "a smaller --set model.n_routed_experts"
-    raise SystemExit(f"{preset} with --layers {layers} needs about {need[layers] / 2**30:.0f} GiB of GPU memory "
+    raise SystemExit(f"{preset} with --layers {layers} needs about {asked / 2**30:.0f} GiB of GPU memory "
                      f"({BYTES_PER_PARAMETER} bytes a parameter: both sides' weights, gradients, AdamW), more than "
                      f"{FITS} of this GPU's {total / 2**30:.0f} GiB: run it with {hint}")
 
