@@ -185,10 +185,10 @@ def fp8_library(op: OpSpec, x, x2, qw, bias, out_dtype):
     return dequantized_gemm(quantize(x2, op.act), qw, bias).to(out_dtype)
 
 
-# (N, K) -> whether torch._scaled_mm took the blockwise layout at that weight shape (decided at the first call,
-# an eager one: the engine warms a graph's forward up before it captures it); where it refused, why
-_SCALED_MM_FITS: dict[tuple[int, int], bool] = {}
-_SCALED_MM_REFUSED: dict[tuple[int, int], str] = {}
+# (N, K) -> None where torch._scaled_mm took the blockwise layout at that weight shape, else the library's reason
+# for refusing it (decided at the first call, an eager one: the engine warms a graph's forward up before it
+# captures it)
+_SCALED_MM_REFUSED: dict[tuple[int, int], str | None] = {}
 SCALED_MM_ROWS = 16  # the library call's rows are padded to a multiple of this: its outer-dim-major activation
 #                      scales then have 16-byte aligned columns whatever the batch
 
@@ -203,7 +203,7 @@ def fp8_library_cuda(op: OpSpec, x, x2, qw, bias, out_dtype):
     from onepath.ops.cuda.quant import quantize_fp8
     qa = quantize_fp8(x2, op.act)
     n, k = qw.codes.shape
-    if _SCALED_MM_FITS.get((n, k), True) and op.act.block == (1, 128) and qw.block == (128, 128):
+    if _SCALED_MM_REFUSED.get((n, k)) is None and op.act.block == (1, 128) and qw.block == (128, 128):
         m = qa.codes.shape[0]
         pad = -m % SCALED_MM_ROWS
         codes = torch.cat([qa.codes, qa.codes.new_zeros(pad, k)]) if pad else qa.codes
@@ -212,12 +212,11 @@ def fp8_library_cuda(op: OpSpec, x, x2, qw, bias, out_dtype):
         try:
             out = torch._scaled_mm(codes, qw.codes.t(), scale_a=scales, scale_b=qw.scales.t(),
                                    out_dtype=out_dtype)[:m]
-            _SCALED_MM_FITS[(n, k)] = True
+            _SCALED_MM_REFUSED[(n, k)] = None
             return out if bias is None else (out.float() + bias.float()).to(out_dtype)
         except (RuntimeError, NotImplementedError) as e:
             if capturing(x2):
                 raise
-            _SCALED_MM_FITS[(n, k)] = False
             _SCALED_MM_REFUSED[(n, k)] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return dequantized_gemm(qa, qw, bias).to(out_dtype)
 
