@@ -8,6 +8,7 @@ reports the error or the max difference against the dequantised FP32 GEMM; the a
 decode and prefill shapes against ops.cuda.linear_fp8 and F.linear in BF16. JSON on stdout (and --out).
 
     python lab/scaled_mm_blockwise.py --out $OUT/scaled_mm.json
+    python lab/scaled_mm_blockwise.py --k-blocks      # which K the blockwise kernel gets right (text on stdout)
 """
 from __future__ import annotations
 
@@ -49,12 +50,43 @@ def time_us(fn, repeats=50):
     return start.elapsed_time(end) / repeats * 1e3
 
 
+def k_blocks() -> None:
+    """Per (N, K) and weight-scale layout, the blockwise product's max |difference| / max |value| against the
+    dequantised FP32 GEMM at M = 64, or the library's refusal: cur (the weight's scales transposed, what
+    linear_quant.fp8_library_cuda passed before it widened K), padded-ld (columns padded to a multiple of 4),
+    rowmajor, and widened (K widened with zero codes to linear_quant.scaled_mm_k(K), as fp8_library_cuda now does)."""
+    from onepath.ops import linear_quant as LQ
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((1024, 2816), (1024, 1152), (1024, 1536), (256, 2304)):
+        qw = quantize_fp8(torch.randn(n, k, generator=g, device="cuda") * 0.05, FP8_WEIGHT)
+        qa = quantize_fp8(torch.randn(64, k, generator=g, device="cuda").bfloat16(), FP8_ACT)
+        want = LQ.dequantized_gemm(qa, qw, None).float()
+        kb, sa = k // 128, qa.scales.t().contiguous().t()
+        buf = torch.ones(n // 128, kb + (-kb % 4), device="cuda")
+        buf[:, :kb] = qw.scales
+        wide = LQ.scaled_mm_k(k)
+        wa, ww = LQ.widened(qa, wide), LQ.widened(qw, wide)
+        cases = (("cur", qa.codes, qw.codes, sa, qw.scales.t()), ("padded-ld", qa.codes, qw.codes, sa, buf[:, :kb].t()),
+                 ("rowmajor", qa.codes, qw.codes, sa, qw.scales.t().contiguous()),
+                 ("widened", wa.codes, ww.codes, wa.scales.t().contiguous().t(), ww.scales.t()))
+        for name, a, w, scale_a, scale_b in cases:
+            try:
+                got = torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16).float()
+                print(n, k, name, float((got - want).abs().max() / want.abs().max()), flush=True)
+            except RuntimeError as e:
+                print(n, k, name, type(e).__name__, str(e).splitlines()[0][:100], flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out")
+    p.add_argument("--k-blocks", action="store_true", help="only the K sweep (k_blocks)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs CUDA")
+        return 0
+    if args.k_blocks:
+        k_blocks()
         return 0
     from onepath.ops.cuda.linear_fp8 import linear_fp8
     from onepath.ops.cuda.quant import quantize_fp8 as quantize_fp8_cuda

@@ -72,13 +72,17 @@ def check_formats(op: OpSpec, name: str) -> str:
                      "(fp8_e4m3 both), NVFP4 W4A16 (weight nvfp4, act None) or W4A4 (nvfp4 both)")
 
 
-def prepared_weight(weight: torch.Tensor, q: QuantSpec, operand_dtype: torch.dtype, dequantized: bool = False):
+def prepared_weight(weight: torch.Tensor, q: QuantSpec, operand_dtype: torch.dtype, dequantized: bool = False,
+                    library_k: bool = False):
     """The weight as the GEMM takes it: an FP8Tensor, or (code * s_blk in operand_dtype, s_dec) for NVFP4;
     stacked expert weights [G, N, K] are quantised expert by expert (quantize_experts). `dequantized`: the
     FP8 codes times their scales in operand_dtype instead (the baseline's stock grouped GEMM takes them).
+    `library_k`: an FP8 weight [N, K] widened to scaled_mm_k(K) columns (zero codes, unit scales) as the library's
+    blockwise GEMM needs them (fp8_library_cuda).
     From the parameter's cache while its version and storage are unchanged. A stale cache is rewritten
     in place, so a CUDA graph captured on it reads the new weights (refresh_quantized does it eagerly)."""
-    key = (q, operand_dtype, dequantized, weight._version, weight.data_ptr(), tuple(weight.shape), weight.device)
+    key = (q, operand_dtype, dequantized, library_k, weight._version, weight.data_ptr(), tuple(weight.shape),
+           weight.device)
     use_cache = getattr(weight, "quant_cache", True)
     hit = getattr(weight, "_quantized", None) if use_cache else None
     if hit is not None and (hit[0] == key or capturing(weight)):
@@ -91,7 +95,9 @@ def prepared_weight(weight: torch.Tensor, q: QuantSpec, operand_dtype: torch.dty
         elif dequantized:
             per_expert = [expert(prepared, g) for g in range(weight.shape[0])] if weight.dim() == 3 else [prepared]
             prepared = (torch.stack([q.dequantize(operand_dtype) for q in per_expert]).reshape(weight.shape),)
-        if hit is not None and hit[0][:3] == key[:3] and _copy_into(hit[1], prepared):
+        elif library_k and weight.dim() == 2:
+            prepared = widened(prepared, scaled_mm_k(weight.shape[1]))
+        if hit is not None and hit[0][:4] == key[:4] and _copy_into(hit[1], prepared):
             prepared = hit[1]
     if use_cache:
         weight._quantized = (key, prepared)
@@ -141,7 +147,7 @@ def refresh_quantized(module: torch.nn.Module) -> None:
             hit = getattr(t, "_quantized", None)
             if hit is not None and id(t) not in seen:
                 seen.add(id(t))
-                prepared_weight(t, *hit[0][:3])
+                prepared_weight(t, *hit[0][:4])
 
 
 def fused_act_rule(spec: ExecutionSpec, block: int) -> QuantSpec | None:
@@ -191,34 +197,59 @@ def fp8_library(op: OpSpec, x, x2, qw, bias, out_dtype):
 _SCALED_MM_REFUSED: dict[tuple[int, int], str | None] = {}
 SCALED_MM_ROWS = 16  # the library call's rows are padded to a multiple of this: its outer-dim-major activation
 #                      scales then have 16-byte aligned columns whatever the batch
+# The library reads the weight's scales [K/128, N/128] by column, each column K/128 FP32 values long: where K/128 is
+# not a multiple of 4 the columns do not start 16-byte aligned and its products come out wrong, with no error
+# (K = 1152, 2304, 2816 on an H100, torch 2.11: bench/results/linear/scaled-mm-k-blocks-h100.txt). Such a K is
+# widened with zero codes to a multiple of SCALED_MM_K: the weight once, in its prepared copy; the activations per call.
+SCALED_MM_K = 512
+
+
+def scaled_mm_k(k: int) -> int:
+    """The K the library's blockwise FP8 GEMM is called with for a reduction of k: k itself where k / 128 is a
+    multiple of 4 or k is not a multiple of 128 (the library refuses that one), else k rounded up to SCALED_MM_K."""
+    return k if k % 128 or (k // 128) % 4 == 0 else -(-k // SCALED_MM_K) * SCALED_MM_K
+
+
+def widened(q: FP8Tensor, k: int) -> FP8Tensor:
+    """q [R, K'] with k >= K' columns: zero codes and unit scales past K' (they add nothing to a product)."""
+    extra = k - q.codes.shape[-1]
+    if extra == 0:
+        return q
+    codes = F.pad(q.codes.view(torch.uint8), (0, extra)).view(q.codes.dtype)
+    scales = F.pad(q.scales, (0, -(-k // q.block[1]) - q.scales.shape[-1]), value=1.0)
+    return FP8Tensor(codes, scales, q.block, q.rule)
 
 
 def fp8_library_cuda(op: OpSpec, x, x2, qw, bias, out_dtype):
     """baseline on CUDA, the fast path FP8 engines run: the library's blockwise FP8 GEMM (torch._scaled_mm with
     1x128 activation scales, outer-dim major, and 128x128 weight scales: cuBLAS's DeepSeek-style kernel, whose
     tiles and split follow the shape) on the codes, the activations quantised by the Triton quantiser (the same
-    codes as every path), the rows padded with zero codes to a multiple of SCALED_MM_ROWS. A weight shape the
-    library refuses (K not a multiple of 128, say) takes the dequantised GEMM, once decided for good (the
-    library's reason in _SCALED_MM_REFUSED)."""
+    codes as every path), the rows padded with zero codes to a multiple of SCALED_MM_ROWS and K widened to
+    scaled_mm_k(K) (qw may come widened already: prepared_weight's library_k). A weight shape the library refuses
+    (K not a multiple of 128, say) takes the dequantised GEMM, once decided for good (the library's reason in
+    _SCALED_MM_REFUSED)."""
     from onepath.ops.cuda.quant import quantize_fp8
     qa = quantize_fp8(x2, op.act)
-    n, k = qw.codes.shape
-    if _SCALED_MM_REFUSED.get((n, k)) is None and op.act.block == (1, 128) and qw.block == (128, 128):
-        m = qa.codes.shape[0]
+    (m, k), n = qa.codes.shape, qw.codes.shape[0]
+    wide = scaled_mm_k(k)
+    if _SCALED_MM_REFUSED.get((n, wide)) is None and op.act.block == (1, 128) and qw.block == (128, 128):
         pad = -m % SCALED_MM_ROWS
-        codes = torch.cat([qa.codes, qa.codes.new_zeros(pad, k)]) if pad else qa.codes
-        scales = qa.scales.new_ones(qa.scales.shape[1], m + pad).t()  # outer-dim major, written once
-        scales[:m] = qa.scales
+        codes = qa.codes
+        if pad or wide != k:
+            codes = qa.codes.new_zeros(m + pad, wide)
+            codes[:m, :k] = qa.codes
+        scales = qa.scales.new_ones(wide // 128, m + pad).t()  # outer-dim major, written once
+        scales[:m, :qa.scales.shape[1]] = qa.scales
         try:
-            out = torch._scaled_mm(codes, qw.codes.t(), scale_a=scales, scale_b=qw.scales.t(),
-                                   out_dtype=out_dtype)[:m]
-            _SCALED_MM_REFUSED[(n, k)] = None
+            w = widened(qw, wide)
+            out = torch._scaled_mm(codes, w.codes.t(), scale_a=scales, scale_b=w.scales.t(), out_dtype=out_dtype)[:m]
+            _SCALED_MM_REFUSED[(n, wide)] = None
             return out if bias is None else (out.float() + bias.float()).to(out_dtype)
         except (RuntimeError, NotImplementedError) as e:
             if capturing(x2):
                 raise
-            _SCALED_MM_REFUSED[(n, k)] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return dequantized_gemm(qa, qw, bias).to(out_dtype)
+            _SCALED_MM_REFUSED[(n, wide)] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return dequantized_gemm(widened(qa, qw.codes.shape[1]), qw, bias).to(out_dtype)
 
 
 def nvfp4_cuda(op: OpSpec, a_op, w_op):
@@ -257,7 +288,7 @@ def quant_linear(spec: ExecutionSpec, x: torch.Tensor, weight: torch.Tensor, bia
     fmt = check_formats(op, name)
     backend = spec.mode, spec.device
     operand_dtype = x.dtype if backend == ("consistent", "cuda") else torch.float32
-    qw = prepared_weight(weight, op.weight, operand_dtype)
+    qw = prepared_weight(weight, op.weight, operand_dtype, library_k=fmt == "fp8" and backend == ("baseline", "cuda"))
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if fmt == "fp8":

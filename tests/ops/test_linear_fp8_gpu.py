@@ -114,13 +114,15 @@ def test_negative_control_a_bf16_gemm_of_the_dequantised_operands_differs(out_dt
 def test_baseline_runs_the_librarys_blockwise_fp8_gemm(m, monkeypatch):
     """baseline's block-FP8 GEMM on CUDA is torch._scaled_mm's blockwise kernel (1x128 activation, 128x128
     weight scales) where the weight's shape allows: values within FP8 accumulation error of the dequantised
-    GEMM; a K the library refuses (1000) takes the dequantised GEMM itself, its bits exactly."""
+    GEMM, K = 2816 and 1152 too (K / 128 not a multiple of 4: widened to scaled_mm_k, where the unwidened call's
+    products were wrong, bench/results/linear/scaled-mm-k-blocks-h100.txt); a K the library refuses (1000) takes
+    the dequantised GEMM itself, its bits exactly."""
     from onepath.numerics.spec import ExecutionSpec
     from onepath.ops import linear_quant as LQ
 
     op = ExecutionSpec.default("baseline", "cuda", quant="fp8").op("linear")
     monkeypatch.setattr(LQ, "_SCALED_MM_REFUSED", {})  # each case decides afresh, at its own row count
-    for n, k in ((1024, 2048), (6144, 4096), (1000, 1000)):
+    for n, k in ((1024, 2048), (6144, 4096), (1024, 2816), (2048, 1152), (1000, 1000)):
         gen = torch.Generator(device="cuda").manual_seed(m + n)
         x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
         qw, b = _weight(n, k, m, bias=True)
@@ -129,5 +131,6 @@ def test_baseline_runs_the_librarys_blockwise_fp8_gemm(m, monkeypatch):
         if k % 128:
             assert LQ._SCALED_MM_REFUSED[(n, k)] is not None and torch.equal(got, want)
         else:
-            assert LQ._SCALED_MM_REFUSED[(n, k)] is None, (n, k, LQ._SCALED_MM_REFUSED[(n, k)])
+            wide = LQ.scaled_mm_k(k)
+            assert LQ._SCALED_MM_REFUSED[(n, wide)] is None, (n, k, LQ._SCALED_MM_REFUSED[(n, wide)])
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))

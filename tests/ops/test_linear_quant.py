@@ -165,9 +165,10 @@ def test_leading_dims_and_no_rows(preset, gen):
 def test_baselines_library_fp8_call_pads_rows_and_keeps_the_librarys_refusal(monkeypatch):
     """The baseline's CUDA block-FP8 linear as it calls torch._scaled_mm, on the CPU with a stand-in for the
     library that checks the layout it is given (rows a multiple of SCALED_MM_ROWS, 1x128 activation scales
-    outer-dim major, 128x128 weight scales) and multiplies the dequantised operands: every batch size's rows come
-    back unpadded and equal to the unpadded product; a refusal is kept with its reason and the dequantised GEMM
-    answers instead."""
+    outer-dim major, 128x128 weight scales whose columns start 16-byte aligned: K/128 a multiple of 4, where the
+    H100's library gave wrong products otherwise) and multiplies the dequantised operands: every batch size's rows
+    come back unpadded and equal to the unwidened product, K = 384 widened to 512 (the weight as given, or prepared
+    widened once); a refusal is kept with its reason and the dequantised GEMM answers instead."""
     import sys
     import types
 
@@ -185,26 +186,32 @@ def test_baselines_library_fp8_call_pads_rows_and_keeps_the_librarys_refusal(mon
     def scaled_mm(a, b, scale_a, scale_b, out_dtype):
         m, k = a.shape
         assert m % LQ.SCALED_MM_ROWS == 0 and scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m)
-        assert scale_b.shape == (k // 128, b.shape[1] // 128) and scale_b.stride(0) == 1
-        calls.append(m)
+        assert scale_b.shape == (k // 128, b.shape[1] // 128) and scale_b.stride() == (1, k // 128)
+        assert (k // 128) % 4 == 0, f"K {k}: the weight scales' columns would not start 16-byte aligned"
+        calls.append((m, k))
         wide_a = a.float() * scale_a.repeat_interleave(128, 1)
         wide_b = b.float() * scale_b.repeat_interleave(128, 0).repeat_interleave(128, 1)
         return (wide_a @ wide_b).to(out_dtype)
 
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    assert [LQ.scaled_mm_k(k) for k in (384, 512, 1000, 1152, 1536, 2816)] == [512, 512, 1000, 1536, 1536, 3072]
     gen = torch.Generator().manual_seed(3)
-    qw = quantize(torch.randn(256, 384, generator=gen), op.weight)
-    for m in (1, 37, 48):
-        x = torch.randn(m, 384, generator=gen)
-        got = LQ.fp8_library_cuda(op, x, x, qw, None, torch.float32)
-        qa = quantize(x, op.act)
-        want = scaled_mm(qa.codes, qw.codes.t(), qa.scales.t().contiguous().t(), qw.scales.t(), torch.float32) \
-            if m % LQ.SCALED_MM_ROWS == 0 else None
-        assert got.shape == (m, 256) and LQ._SCALED_MM_REFUSED[(256, 384)] is None
-        torch.testing.assert_close(got, LQ.dequantized_gemm(qa, qw).float(), rtol=1e-5, atol=1e-4)
-        if want is not None:
-            assert torch.equal(got, want)
-    assert calls[:3] == [16, 48, 48]  # m = 1, 37, 48 padded to whole multiples of SCALED_MM_ROWS
+    for k in (384, 512):
+        w = torch.randn(256, k, generator=gen)
+        qw = quantize(w, op.weight)
+        prepared = LQ.prepared_weight(torch.nn.Parameter(w.clone()), op.weight, torch.float32, library_k=True)
+        assert prepared.codes.shape == (256, 512) and prepared.scales.shape == (2, 4)
+        assert not prepared.codes[:, k:].float().any() and torch.equal(prepared.codes[:, :k].float(), qw.codes.float())
+        for m in (1, 37, 48):
+            x = torch.randn(m, k, generator=gen)
+            qa = quantize(x, op.act)
+            want = LQ.dequantized_gemm(qa, qw).float()
+            for weight in (qw, prepared):
+                got = LQ.fp8_library_cuda(op, x, x, weight, None, torch.float32)
+                assert got.shape == (m, 256) and LQ._SCALED_MM_REFUSED[(256, 512)] is None
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    # m = 1, 37, 48 padded to whole multiples of SCALED_MM_ROWS, K = 384 widened to 512
+    assert calls == [(m, 512) for m in (16, 16, 48, 48, 48, 48)] * 2
 
     def refuse(*args, **kwargs):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul\nmore")
@@ -214,4 +221,4 @@ def test_baselines_library_fp8_call_pads_rows_and_keeps_the_librarys_refusal(mon
     x = torch.randn(5, 256, generator=gen)
     got = LQ.fp8_library_cuda(op, x, x, qw2, None, torch.float32)
     assert torch.equal(got, LQ.dequantized_gemm(quantize(x, op.act), qw2).float())
-    assert LQ._SCALED_MM_REFUSED[(128, 256)] == "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul"
+    assert LQ._SCALED_MM_REFUSED[(128, 512)] == "RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul"
