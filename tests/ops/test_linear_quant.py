@@ -112,6 +112,27 @@ def test_refresh_rewrites_the_cache_without_a_forward(preset, gen):
     assert torch.equal(L.linear(s, x, layer.weight), expected)
 
 
+def test_refresh_keeps_the_baselines_widened_weight_widened(gen):
+    """The baseline's CUDA FP8 weights are prepared widened for the library's GEMM (library_k): a refresh after an
+    in-place update rewrites the widened copy in its own storage (a captured graph reads it), still widened: the
+    new codes in the first K columns, zeros past them."""
+    from onepath.ops.linear_quant import prepared_weight, scaled_mm_k, widened
+
+    q = spec("fp8").op("linear").weight
+    layer = torch.nn.Linear(384, 256, bias=False)
+    first = prepared_weight(layer.weight, q, torch.float32, library_k=True)
+    ptrs, old = [t.data_ptr() for t in storage(first)], first.codes.clone()
+    new = torch.randn(256, 384, generator=gen) * 0.1
+    with torch.no_grad():
+        layer.weight.copy_(new)
+    refresh_quantized(layer)
+    refreshed = layer.weight._quantized[1]
+    want = widened(quantize(new, q), scaled_mm_k(384))
+    assert [t.data_ptr() for t in storage(refreshed)] == ptrs and refreshed.codes.shape == (256, 512)
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(storage(refreshed), storage(want)))
+    assert not torch.equal(old.float(), want.codes.float())  # the refresh changed the codes it holds
+
+
 def quantize_like(weight, s):
     from onepath.ops.linear_quant import prepared_weight
     return prepared_weight(torch.nn.Parameter(weight.clone()), s.op("linear").weight, torch.float32)
