@@ -220,13 +220,29 @@ def widened(q: FP8Tensor, k: int) -> FP8Tensor:
     return FP8Tensor(codes, scales, q.block, q.rule)
 
 
+# The library's first product at a weight shape is held to the dequantised GEMM's within this share of the latter's
+# largest value (the FP8 accumulation order and the output's rounding move it well under 1 %); past it the shape
+# is refused, as the library's wrong products at K / 128 not a multiple of 4 would have been.
+SCALED_MM_TOLERANCE = 0.05
+
+
+def wrong_products(out: torch.Tensor, qa: FP8Tensor, w: FP8Tensor) -> str | None:
+    """None where out (the library's product of qa and w) is within SCALED_MM_TOLERANCE of the dequantised GEMM's
+    largest value, else the refusal's reason."""
+    want = dequantized_gemm(widened(qa, w.codes.shape[1]), w).float()
+    err = float((out.float() - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+    return None if err <= SCALED_MM_TOLERANCE else (
+        f"wrong products: max |difference| {err:.3g} of the dequantised GEMM's largest value at the first call")
+
+
 def fp8_library_cuda(op: OpSpec, x, x2, qw, bias, out_dtype):
     """baseline on CUDA, the fast path FP8 engines run: the library's blockwise FP8 GEMM (torch._scaled_mm with
     1x128 activation scales, outer-dim major, and 128x128 weight scales: cuBLAS's DeepSeek-style kernel, whose
     tiles and split follow the shape) on the codes, the activations quantised by the Triton quantiser (the same
     codes as every path), the rows padded with zero codes to a multiple of SCALED_MM_ROWS and K widened to
     scaled_mm_k(K) (qw may come widened already: prepared_weight's library_k). A weight shape the library refuses
-    (K not a multiple of 128, say) takes the dequantised GEMM, once decided for good (the library's reason in
+    (K not a multiple of 128, say), or whose first product is off the dequantised GEMM's (wrong_products, checked
+    at the first call, an eager one), takes the dequantised GEMM, once decided for good (the reason in
     _SCALED_MM_REFUSED)."""
     from onepath.ops.cuda.quant import quantize_fp8
     qa = quantize_fp8(x2, op.act)
@@ -243,12 +259,15 @@ def fp8_library_cuda(op: OpSpec, x, x2, qw, bias, out_dtype):
         try:
             w = widened(qw, wide)
             out = torch._scaled_mm(codes, w.codes.t(), scale_a=scales, scale_b=w.scales.t(), out_dtype=out_dtype)[:m]
-            _SCALED_MM_REFUSED[(n, wide)] = None
-            return out if bias is None else (out.float() + bias.float()).to(out_dtype)
         except (RuntimeError, NotImplementedError) as e:
             if capturing(x2):
                 raise
             _SCALED_MM_REFUSED[(n, wide)] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        else:
+            if (n, wide) not in _SCALED_MM_REFUSED and not capturing(x2):
+                _SCALED_MM_REFUSED[(n, wide)] = wrong_products(out, qa, w)
+            if _SCALED_MM_REFUSED.get((n, wide)) is None:
+                return out if bias is None else (out.float() + bias.float()).to(out_dtype)
     return dequantized_gemm(widened(qa, qw.codes.shape[1]), qw, bias).to(out_dtype)
 
 

@@ -189,7 +189,8 @@ def test_baselines_library_fp8_call_pads_rows_and_keeps_the_librarys_refusal(mon
     outer-dim major, 128x128 weight scales whose columns start 16-byte aligned: K/128 a multiple of 4, where the
     H100's library gave wrong products otherwise) and multiplies the dequantised operands: every batch size's rows
     come back unpadded and equal to the unwidened product, K = 384 widened to 512 (the weight as given, or prepared
-    widened once); a refusal is kept with its reason and the dequantised GEMM answers instead."""
+    widened once); a refusal, or products off the dequantised GEMM's at a shape's first call, is kept with its reason
+    and the dequantised GEMM answers instead."""
     import sys
     import types
 
@@ -233,6 +234,14 @@ def test_baselines_library_fp8_call_pads_rows_and_keeps_the_librarys_refusal(mon
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     # m = 1, 37, 48 padded to whole multiples of SCALED_MM_ROWS, K = 384 widened to 512
     assert calls == [(m, 512) for m in (16, 16, 48, 48, 48, 48)] * 2
+
+    # a shape whose first product the library gets wrong is refused by the first call's check: the dequantised GEMM
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: scaled_mm(*args, **kwargs) * 1.5)
+    qw3 = quantize(torch.randn(384, 512, generator=gen), op.weight)
+    x = torch.randn(3, 512, generator=gen)
+    got = LQ.fp8_library_cuda(op, x, x, qw3, None, torch.float32)
+    assert torch.equal(got, LQ.dequantized_gemm(quantize(x, op.act), qw3).float())
+    assert LQ._SCALED_MM_REFUSED[(384, 512)].startswith("wrong products: max |difference| 0.5")
 
     def refuse(*args, **kwargs):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul\nmore")
