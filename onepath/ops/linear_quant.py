@@ -226,12 +226,16 @@ def widened(q: FP8Tensor, k: int) -> FP8Tensor:
 SCALED_MM_TOLERANCE = 0.05
 
 
-def wrong_products(out: torch.Tensor, qa: FP8Tensor, w: FP8Tensor) -> str | None:
-    """None where out (the library's product of qa and w) is within SCALED_MM_TOLERANCE of the dequantised GEMM's
-    largest value, else the refusal's reason."""
+def wrong_products(out: torch.Tensor, qa: FP8Tensor, w: FP8Tensor) -> tuple[bool, str | None]:
+    """(decided, reason): out (the library's product of qa and w) against the dequantised GEMM's: within
+    SCALED_MM_TOLERANCE of its largest value (True, None), past it (True, the refusal's reason), or undecided where
+    that product is all zeros (a zero input tells nothing: the next call decides)."""
     want = dequantized_gemm(widened(qa, w.codes.shape[1]), w).float()
-    err = float((out.float() - want).abs().max()) / max(float(want.abs().max()), 1e-30)
-    return None if err <= SCALED_MM_TOLERANCE else (
+    top = float(want.abs().max())
+    if not top > 0:
+        return False, None
+    err = float((out.float() - want).abs().max()) / top
+    return True, None if err <= SCALED_MM_TOLERANCE else (
         f"wrong products: max |difference| {err:.3g} of the dequantised GEMM's largest value at the first call")
 
 
@@ -242,7 +246,7 @@ def fp8_library_cuda(op: OpSpec, x, x2, qw, bias, out_dtype):
     codes as every path), the rows padded with zero codes to a multiple of SCALED_MM_ROWS and K widened to
     scaled_mm_k(K) (qw may come widened already: prepared_weight's library_k). A weight shape the library refuses
     (K not a multiple of 128, say), or whose first product is off the dequantised GEMM's (wrong_products, checked
-    at the first call, an eager one), takes the dequantised GEMM, once decided for good (the reason in
+    at the first eager call with a nonzero product), takes the dequantised GEMM, once decided for good (the reason in
     _SCALED_MM_REFUSED)."""
     from onepath.ops.cuda.quant import quantize_fp8
     qa = quantize_fp8(x2, op.act)
@@ -265,7 +269,9 @@ def fp8_library_cuda(op: OpSpec, x, x2, qw, bias, out_dtype):
             _SCALED_MM_REFUSED[(n, wide)] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         else:
             if (n, wide) not in _SCALED_MM_REFUSED and not capturing(x2):
-                _SCALED_MM_REFUSED[(n, wide)] = wrong_products(out, qa, w)
+                decided, reason = wrong_products(out, qa, w)
+                if decided:
+                    _SCALED_MM_REFUSED[(n, wide)] = reason
             if _SCALED_MM_REFUSED.get((n, wide)) is None:
                 return out if bias is None else (out.float() + bias.float()).to(out_dtype)
     return dequantized_gemm(widened(qa, qw.codes.shape[1]), qw, bias).to(out_dtype)

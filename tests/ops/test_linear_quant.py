@@ -238,6 +238,9 @@ def test_baselines_library_fp8_call_pads_rows_and_keeps_the_librarys_refusal(mon
     # a shape whose first product the library gets wrong is refused by the first call's check: the dequantised GEMM
     monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: scaled_mm(*args, **kwargs) * 1.5)
     qw3 = quantize(torch.randn(384, 512, generator=gen), op.weight)
+    zeros = torch.zeros(2, 512)  # a zero product tells nothing: the shape stays undecided
+    assert not LQ.fp8_library_cuda(op, zeros, zeros, qw3, None, torch.float32).any()
+    assert (384, 512) not in LQ._SCALED_MM_REFUSED
     x = torch.randn(3, 512, generator=gen)
     got = LQ.fp8_library_cuda(op, x, x, qw3, None, torch.float32)
     assert torch.equal(got, LQ.dequantized_gemm(quantize(x, op.act), qw3).float())
