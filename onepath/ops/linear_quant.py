@@ -191,9 +191,9 @@ def fp8_library(op: OpSpec, x, x2, qw, bias, out_dtype):
     return dequantized_gemm(quantize(x2, op.act), qw, bias).to(out_dtype)
 
 
-# (N, K) -> None where torch._scaled_mm took the blockwise layout at that weight shape, else the library's reason
-# for refusing it (decided at the first call, an eager one: the engine warms a graph's forward up before it
-# captures it)
+# (N, K) -> None where torch._scaled_mm took the blockwise layout at that weight shape, else why not: the library's
+# refusal, or its products off the dequantised GEMM's (wrong_products); decided at the first eager call (the engine
+# warms a graph's forward up before it captures it)
 _SCALED_MM_REFUSED: dict[tuple[int, int], str | None] = {}
 SCALED_MM_ROWS = 16  # the library call's rows are padded to a multiple of this: its outer-dim-major activation
 #                      scales then have 16-byte aligned columns whatever the batch
