@@ -43,7 +43,8 @@ evidence-lr() {
 tests() {
   timeout 540 python -m pytest -q -rf --tb=line -p no:cacheprovider -m "gpu_smoke or gpu" \
     tests/ops/test_linear_fp8_gpu.py tests/models/test_deepseek_v4_gpu.py tests/consistency/test_hybrid_check_gpu.py \
-    -k "baseline_runs_the_librarys or request_alone or graph_equals or engine_equals or baseline_trainer or planted or hybrid" \
+    -k "baseline_runs_the_librarys or request_alone or graph_equals or engine_equals or baseline_trainer or planted \
+        or hybrid" \
     2>&1 | tail -40 | tee "$OUT/tests.txt"
 }
 family() {

@@ -252,7 +252,8 @@ def fp8_library_cuda(op: OpSpec, x, x2, qw, bias, out_dtype):
     qa = quantize_fp8(x2, op.act)
     (m, k), n = qa.codes.shape, qw.codes.shape[0]
     wide = scaled_mm_k(k)
-    if _SCALED_MM_REFUSED.get((n, wide)) is None and op.act.block == (1, 128) and qw.block == (128, 128):
+    key = (n, wide)
+    if _SCALED_MM_REFUSED.get(key) is None and op.act.block == (1, 128) and qw.block == (128, 128):
         pad = -m % SCALED_MM_ROWS
         codes = qa.codes
         if pad or wide != k:
@@ -266,13 +267,13 @@ def fp8_library_cuda(op: OpSpec, x, x2, qw, bias, out_dtype):
         except (RuntimeError, NotImplementedError) as e:
             if capturing(x2):
                 raise
-            _SCALED_MM_REFUSED[(n, wide)] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            _SCALED_MM_REFUSED[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         else:
-            if (n, wide) not in _SCALED_MM_REFUSED and not capturing(x2):
+            if key not in _SCALED_MM_REFUSED and not capturing(x2):
                 decided, reason = wrong_products(out, qa, w)
                 if decided:
-                    _SCALED_MM_REFUSED[(n, wide)] = reason
-            if _SCALED_MM_REFUSED.get((n, wide)) is None:
+                    _SCALED_MM_REFUSED[key] = reason
+            if _SCALED_MM_REFUSED.get(key) is None:
                 return out if bias is None else (out.float() + bias.float()).to(out_dtype)
     return dequantized_gemm(widened(qa, qw.codes.shape[1]), qw, bias).to(out_dtype)
 
