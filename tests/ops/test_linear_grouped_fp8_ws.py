@@ -1,9 +1,11 @@
 """onepath/ops/cuda/linear_grouped_fp8_ws.py on the CPU: its tile map (pure torch) and its kernel's sm_90 builds.
 
 The tile map: on random counts with empty groups and groups of 1, 127, 128, 129 rows, every row of every group
-is covered by exactly one tile of that group, the real tiles come first (their count in the map's head) and the
-rest are marked (-1, 0, 0); device counts (their sum unknown on the host, rows past it) give the list's map
-followed by marked entries; max_m_tiles bounds the real tiles of any counts summing to at most M.
+is stored by exactly one tile of that group, every tile starts at a multiple of 4 rows (the FP32 scales' TMA box:
+an unaligned innermost coordinate is an illegal instruction on the GPU), the real tiles come first (their count
+in the map's head) and the rest are marked (-1, 0, 0, 0); device counts (their sum unknown on the host, rows past
+it) give the list's map followed by marked entries; max_m_tiles bounds the real tiles of any counts summing to at
+most M. Negative control: the map without the alignment (tiles from each group's first row) fails the check.
 The builds (linear_fp8_ws's grouped kernel, compiled for sm_90 with ptxas from the launcher's own arguments, CPU
 tensors standing in): the dense kernel's checks (tests/ops/test_linear_fp8_ws.py: the Triton kernel's fp8 wgmma
 chains, FMA promotion, setmaxnreg partitions, three TMA loads a stage, wait1 kept, no spills, shared memory), no
@@ -19,26 +21,33 @@ import re
 import pytest
 import torch
 
-from onepath.ops.cuda.linear_grouped_fp8_ws import max_m_tiles, tile_map
+from onepath.ops.cuda.linear_grouped_fp8_ws import ENTRY, max_m_tiles, tile_map
 
 COUNTS = [0, 1, 127, 0, 128, 129, 300, 0, 5, 0]
 
 
 def _entries(tiles: torch.Tensor):
-    return int(tiles[0]), tiles[1:].view(-1, 3)
+    return int(tiles[0]), tiles[1:].view(-1, ENTRY)
 
 
-def _covered(counts: list[int], tiles: torch.Tensor, block_m: int):
-    """(row -> group of the tile covering it, -1 if none; times each row is covered) from the real tiles."""
+def _stored(counts: list[int], tiles: torch.Tensor, block_m: int):
+    """(row -> group of the tile storing it, -1 if none; times each row is stored) from the real tiles: a tile
+    stores its rows inside its group's [begin, end)."""
     real, entries = _entries(tiles)
     total = sum(counts)
     group_of, times = torch.full((total,), -1), torch.zeros(total, dtype=torch.long)
-    for g, first, end in entries[:real].tolist():
-        assert 0 <= first < end <= total, (g, first, end)
-        rows = torch.arange(first, min(first + block_m, end))
+    for g, first, begin, end in entries[:real].tolist():
+        assert 0 <= first < end <= total and begin - 4 < first and begin < end, (g, first, begin, end)
+        rows = torch.arange(max(first, begin), min(first + block_m, end))
         group_of[rows] = g
         times[rows] += 1
     return group_of, times
+
+
+def _misaligned(tiles: torch.Tensor) -> list[int]:
+    """The real tiles' first rows whose scales' box would start inside a 16-byte unit."""
+    real, entries = _entries(tiles)
+    return [first for first in entries[:real, 1].tolist() if first * 4 % 16]
 
 
 @pytest.mark.parametrize("block_m", [128, 64])
@@ -47,15 +56,29 @@ def test_every_row_of_every_group_is_covered_once_by_a_tile_of_its_group(seed, b
     gen = torch.Generator().manual_seed(seed)
     counts = COUNTS if seed == 0 else [int(c) if c % 3 else 0 for c in torch.randint(0, 400, (17,), generator=gen)]
     tiles = tile_map(counts, sum(counts), block_m, "cpu")
-    group_of, times = _covered(counts, tiles, block_m)
-    assert torch.equal(times, torch.ones_like(times)), "rows covered other than once"
+    group_of, times = _stored(counts, tiles, block_m)
+    assert torch.equal(times, torch.ones_like(times)), "rows stored other than once"
     assert torch.equal(group_of, torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)))
+    assert not _misaligned(tiles)
     real, entries = _entries(tiles)
-    assert real == entries.shape[0] == sum(-(-c // block_m) for c in counts)
-    # each tile starts block_m rows after the last in its group, at the group's first row otherwise
     starts = torch.tensor([0, *counts]).cumsum(0)
-    for (g, first, end), prev in zip(entries.tolist(), [None, *entries.tolist()]):
-        assert end == starts[g + 1] and (first == starts[g] or (prev[0] == g and first == prev[1] + block_m))
+    assert real == entries.shape[0] == sum(-(-(c + int(starts[g]) % 4) // block_m) for g, c in enumerate(counts) if c)
+    # each tile starts block_m rows after the last in its group, at the group's first row rounded down to 4 otherwise
+    for (g, first, begin, end), prev in zip(entries.tolist(), [None, *entries.tolist()]):
+        assert (begin, end) == (starts[g], starts[g + 1])
+        assert first == starts[g] - starts[g] % 4 or (prev[0] == g and first == prev[1] + block_m)
+
+
+def test_negative_control_tiles_from_each_groups_first_row_are_misaligned():
+    """The map as it was (a group's tiles from its first row) on the counts that faulted on the GPU: the group of
+    127 rows starts at row 1, so its scales' box would start 4 bytes into a 16-byte unit."""
+    counts = [0, 1, 127, 128, 129, 300, 0]
+    starts = torch.tensor([0, *counts]).cumsum(0)
+    entries = [[g, int(starts[g]) + 128 * t, int(starts[g]), int(starts[g + 1])]
+               for g, c in enumerate(counts) for t in range(-(-c // 128))]
+    old = torch.tensor([len(entries), *sum(entries, [])], dtype=torch.int32)
+    assert _misaligned(old) == [1, 385, 513, 641]
+    assert not _misaligned(tile_map(counts, sum(counts), 128, "cpu"))
 
 
 def test_device_counts_give_the_lists_map_then_marked_entries():
@@ -67,7 +90,7 @@ def test_device_counts_give_the_lists_map_then_marked_entries():
     real, entries = _entries(on_device)
     assert entries.shape[0] == max_m_tiles(m, len(COUNTS), 128) > real
     assert torch.equal(on_device[:listed.shape[0]], listed)
-    assert torch.equal(entries[real:], torch.tensor([-1, 0, 0]).expand(entries.shape[0] - real, 3))
+    assert torch.equal(entries[real:], torch.tensor([-1, 0, 0, 0]).expand(entries.shape[0] - real, ENTRY))
     assert torch.equal(tile_map(torch.tensor(COUNTS, dtype=torch.int32), m, 128), on_device)
 
 
@@ -79,7 +102,10 @@ def test_empty_groups_and_no_rows():
     assert real == 0 and (entries[:, 0] == -1).all() and (entries[:, 1:] == 0).all()
     counts = [0, 0, 3, 0, 0, 200, 0]
     real, entries = _entries(tile_map(counts, 203, 128, "cpu"))
-    assert entries.tolist() == [[2, 0, 3], [5, 3, 203], [5, 131, 203]] and real == 3
+    assert entries.tolist() == [[2, 0, 0, 3], [5, 0, 3, 203], [5, 128, 3, 203]] and real == 3
+    # a group starting at a multiple of 4 keeps its first row
+    real, entries = _entries(tile_map([4, 130], 134, 128, "cpu"))
+    assert entries.tolist() == [[0, 0, 0, 4], [1, 4, 4, 134], [1, 132, 4, 134]] and real == 3
 
 
 def test_max_m_tiles_bounds_any_counts():
@@ -90,7 +116,8 @@ def test_max_m_tiles_bounds_any_counts():
         counts = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.randint(0, m + 1, (1,), generator=gen)]))
         counts = counts.clamp(min=0)
         for block_m in (64, 128):
-            real = int(((counts + block_m - 1) // block_m).sum())
+            starts = counts.cumsum(0) - counts
+            real = int(torch.where(counts > 0, (counts + starts % 4 + block_m - 1) // block_m, 0).sum())
             assert real <= max_m_tiles(m, groups, block_m), (counts.tolist(), m)
             assert int(tile_map(counts, m, block_m)[0]) == real
 

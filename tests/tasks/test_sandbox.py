@@ -137,9 +137,10 @@ def test_network_connections_fail(sandbox):
     server.listen()
     server.settimeout(0.5)
     port = server.getsockname()[1]
-    code = ("import socket\nfor family, addr in ((socket.AF_INET, ('127.0.0.1', %d)), (socket.AF_INET, ('1.1.1.1', 53))):"
-            "\n    s = socket.socket(family)\n    s.settimeout(1)\n    try:\n        s.connect(addr)\n        print('connected')"
-            "\n    except OSError as e:\n        print('refused', type(e).__name__)" % port)
+    program = ("import socket\nfor family, addr in ((socket.AF_INET, ('127.0.0.1', %d)), (socket.AF_INET, (%r, %d))):"
+               "\n    s = socket.socket(family)\n    s.settimeout(1)\n    try:\n        s.connect(addr)\n        print('connected')"
+               "\n    except OSError as e:\n        print('refused', type(e).__name__)")
+    code = program % (port, "1.1.1.1", 53)
     try:
         result = sandbox.run(code)
         assert result.status == "ok" and "connected" not in result.stdout, result.stdout
@@ -147,7 +148,7 @@ def test_network_connections_fail(sandbox):
         with pytest.raises(socket.timeout):
             server.accept()
         # the negative control: the same program outside the sandbox connects
-        plain = subprocess.run([sys.executable, "-c", code.replace("1.1.1.1", "127.0.0.1").replace(", 53", f", {port}")],
+        plain = subprocess.run([sys.executable, "-c", program % (port, "127.0.0.1", port)],
                                capture_output=True, text=True, timeout=10)
         assert plain.stdout.count("connected") == 2, (plain.stdout, plain.stderr)
     finally:

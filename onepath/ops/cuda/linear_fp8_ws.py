@@ -86,20 +86,22 @@ def _num_m_tiles(tiles_ptr, M, BM: gl.constexpr, GROUPED: gl.constexpr):
 @gluon.jit
 def _tile(tile_id, num_pid_m, num_pid_n, tiles_ptr, M, BM: gl.constexpr, GROUP_M: gl.constexpr,
           GROUPED: gl.constexpr):
-    """(group, first row, end row, pid_n) of output tile tile_id. Grouped, M tile pid_m is the tile map's entry
-    (linear_grouped_fp8_ws.tile_map: int32 count, then (group, first row, group's end row) per tile); its rows
-    from the end row on are the next group's, computed and never stored."""
+    """(group, first row, the rows it stores [begin, end), pid_n) of output tile tile_id. Grouped, M tile pid_m is
+    the tile map's entry (linear_grouped_fp8_ws.tile_map: int32 count, then (group, first row, group's first row,
+    group's end row) per tile); its rows outside the group are the neighbours', computed and never stored."""
     pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
     if GROUPED:
-        entry = tiles_ptr + 1 + 3 * pid_m
+        entry = tiles_ptr + 1 + 4 * pid_m
         group = gl.load(entry)
         first = gl.load(entry + 1)
-        end = gl.load(entry + 2)
+        begin = gl.load(entry + 2)
+        end = gl.load(entry + 3)
     else:
         group = 0
         first = pid_m * BM
+        begin = 0
         end = M
-    return group, first, end, pid_n
+    return group, first, begin, end, pid_n
 
 
 @gluon.jit
@@ -114,7 +116,7 @@ def _load_partition(a_desc, w_desc, sa_desc, a_bufs, w_bufs, sa_bufs, ready, emp
     k_tiles = gl.cdiv(K, BK)
     it = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        group, first, _, pid_n = _tile(tile_id, num_pid_m, num_pid_n, tiles_ptr, M, BM, GROUP_M, GROUPED)
+        group, first, _, _, pid_n = _tile(tile_id, num_pid_m, num_pid_n, tiles_ptr, M, BM, GROUP_M, GROUPED)
         # grouped: W viewed [G * N, K], the group's rows from group * N (columns past N: the next group's rows)
         w_row = group * N + pid_n * BN if GROUPED else pid_n * BN
         for kb in range(k_tiles):
@@ -125,7 +127,8 @@ def _load_partition(a_desc, w_desc, sa_desc, a_bufs, w_bufs, sa_bufs, ready, emp
                             + sa_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(a_desc, [first, kb * BK], ready.index(s), a_bufs.index(s))
             tma.async_copy_global_to_shared(w_desc, [w_row, kb * BK], ready.index(s), w_bufs.index(s))
-            # the A rows' scales of the block, a [1, BM] column of sa by column (rows past M: TMA's zeros)
+            # the A rows' scales of the block, a [1, BM] column of sa by column (rows past M: TMA's zeros); its
+            # innermost coordinate `first` 16 bytes into the column (a multiple of 4 rows), or TMA faults
             tma.async_copy_global_to_shared(sa_desc, [kb, first], ready.index(s), sa_bufs.index(s))
             it += 1
 
@@ -232,12 +235,12 @@ def _release(empty, it):
 
 
 @gluon.jit
-def _store(piece, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, col0, row_end, N, HAS_BIAS: gl.constexpr,
-           GROUPED: gl.constexpr):
+def _store(piece, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, col0, row_begin, row_end, N,
+           HAS_BIAS: gl.constexpr, GROUPED: gl.constexpr):
     """piece (+ bias in FP32), one rounding to the output dtype, stored at (row0, col0) through c_smem: by TMA
     (rows past M and columns past N are clipped), or (grouped) read back in a coalesced layout and stored by
-    gl.store masked to the rows before row_end and the columns before N (a TMA store would write the next
-    group's rows)."""
+    gl.store masked to the rows in [row_begin, row_end) and the columns before N (a TMA store would write the
+    neighbouring groups' rows)."""
     if HAS_BIAS:
         cols = col0 + gl.arange(0, piece.shape[1], layout=gl.SliceLayout(0, piece.type.layout))
         piece += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 0)
@@ -252,7 +255,7 @@ def _store(piece, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, col0, ro
         rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
         cols = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
         offsets = gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
-        mask = gl.expand_dims(rows < row_end, 1) & gl.expand_dims(cols < N, 0)
+        mask = gl.expand_dims((rows >= row_begin) & (rows < row_end), 1) & gl.expand_dims(cols < N, 0)
         gl.store(out_ptr + offsets, values, mask=mask)
     else:
         tma.store_wait(0)  # the previous store out of c_smem has read it
@@ -262,16 +265,18 @@ def _store(piece, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, col0, ro
 
 
 @gluon.jit
-def _epilogue(acc, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n, row_end, N, HAS_BIAS: gl.constexpr,
-              GROUPED: gl.constexpr):
+def _epilogue(acc, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n, row_begin, row_end, N,
+              HAS_BIAS: gl.constexpr, GROUPED: gl.constexpr):
     EPI_N: gl.constexpr = c_smem.shape[1]
     if EPI_N == acc.shape[1]:
-        _store(acc, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n, row_end, N, HAS_BIAS, GROUPED)
+        _store(acc, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n, row_begin, row_end, N, HAS_BIAS,
+               GROUPED)
     else:  # 4-byte outputs: two 64-column pieces, half the staging memory
         lo, hi = acc.reshape([acc.shape[0], 2, EPI_N]).permute(0, 2, 1).split()
-        _store(lo, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n, row_end, N, HAS_BIAS, GROUPED)
-        _store(hi, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n + EPI_N, row_end, N, HAS_BIAS,
+        _store(lo, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n, row_begin, row_end, N, HAS_BIAS,
                GROUPED)
+        _store(hi, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n + EPI_N, row_begin, row_end, N,
+               HAS_BIAS, GROUPED)
 
 
 @gluon.jit
@@ -299,7 +304,8 @@ def _mma_partition(a_bufs, w_bufs, sa_bufs, ready, empty, turn, c_smem, out_desc
     zero = gl.zeros((WG_M, MMA_N), gl.float32, layout)
     it = 0  # K blocks this program has consumed: the ring position, as the producer counts them
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        group, first, row_end, pid_n = _tile(tile_id, num_pid_m, num_pid_n, tiles_ptr, M, BM, GROUP_M, GROUPED)
+        group, first, row_begin, row_end, pid_n = _tile(tile_id, num_pid_m, num_pid_n, tiles_ptr, M, BM, GROUP_M,
+                                                        GROUPED)
         row0 = first + A_PART * WG_M
         off_n = pid_n * BN + W_PART * MMA_N
         # the group's weight scales [ceil(N / W_BLOCK_N), K blocks]
@@ -356,10 +362,11 @@ def _mma_partition(a_bufs, w_bufs, sa_bufs, ready, empty, turn, c_smem, out_desc
                     _release(empty, it)
                     acc1 = _promote(partial, scale1, acc1)
                 it += 1
-        _epilogue(acc0, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n, row_end, N, HAS_BIAS, GROUPED)
+        _epilogue(acc0, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n, row_begin, row_end, N, HAS_BIAS,
+                  GROUPED)
         if TWO:
-            _epilogue(acc1, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n + MMA_N, row_end, N, HAS_BIAS,
-                      GROUPED)
+            _epilogue(acc1, c_smem, out_desc, out_ptr, stride_om, bias_ptr, row0, off_n + MMA_N, row_begin, row_end, N,
+                      HAS_BIAS, GROUPED)
     if not GROUPED:
         tma.store_wait(0)
 
