@@ -9,8 +9,12 @@
 #   evidence-lr  the four runs at lr 1e-4 from the same warm start (what makes the mismatch grow)
 #   tests        the GPU tests not yet passed: DeepSeek-V4's graph / engine-trainer cases, the hybrid, the
 #                baseline's library FP8 GEMM at K 2816 (~6 min)
+#   grouped-ws   the warp-specialized grouped FP8 kernel's GPU tests, with the tile map's aligned first rows (its
+#                first launch faulted at an unaligned TMA coordinate); compute-sanitizer on its first case if
+#                they fail
 #   family       bench/family_run.py for DeepSeek-V4 then Nemotron-H (8 layers on an H100)
 #   moe-bench    bench/kernels_moe.py at 256 and 8192 tokens (a quiet GPU: nothing beside it)
+#   serve        bench/serve.py: 256 streams through the server against the engine alone (issue 35's target)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source lab/gpu_call.sh
@@ -46,6 +50,19 @@ tests() {
     -k "baseline_runs_the_librarys or request_alone or graph_equals or engine_equals or baseline_trainer or planted \
         or hybrid" \
     2>&1 | tail -40 | tee "$OUT/tests.txt"
+}
+grouped-ws() {
+  timeout 400 python -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/ops/test_linear_grouped_fp8_gpu.py \
+    -k warp_specialized 2>&1 | tail -40 | tee "$OUT/grouped-ws.txt"
+  if ! grep -q " passed" "$OUT/grouped-ws.txt" || grep -q "failed\|error" "$OUT/grouped-ws.txt"; then
+    (unset PYTORCH_CUDA_ALLOC_CONF; timeout 150 compute-sanitizer --tool memcheck python -m pytest -q -x -m gpu \
+      -p no:cacheprovider tests/ops/test_linear_grouped_fp8_gpu.py -k "warp_specialized and awkward_bf16" 2>&1 \
+      | head -60 > "$OUT/grouped-ws-sanitizer.txt")
+  fi
+}
+serve() {
+  timeout 400 python bench/serve.py --model qwen3-0.6b --device cuda --requests 256 --prompt-len 512 \
+    --max-tokens 512 --out "$OUT/serve-qwen3-0.6b.json" 2>&1 | tail -6
 }
 family() {
   for preset in deepseek-v4-flash-4l "nemotron-3-nano-13l --layers 8"; do

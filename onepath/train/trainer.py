@@ -498,11 +498,14 @@ class GRPOTrainer:
             lengths = responses.mask.sum(1)  # policy tokens only: env tokens are outside the mask
             with self.timer("reward"):
                 rewards = self.score(rows, texts, lengths.tolist(), n, given=given)
+            grouped = rewards.view(-1, n)
+            spread = (grouped != grouped[:, :1]).any(1)
+            # groups whose rewards are all equal: GRPO gives them no advantage, so no gradient
+            metrics["critic/uniform_groups_frac"] = 1.0 - float(spread.float().mean())
             rounds.append(metrics)
             if not t.filter_groups:
                 return responses, rewards, metrics
-            grouped = rewards.view(-1, n)
-            keep = [g for g in range(len(rows)) if bool((grouped[g] != grouped[g, 0]).any())]
+            keep = [g for g in range(len(rows)) if bool(spread[g])]
             keep = keep[:t.prompts_per_step - kept_groups]
             generated += len(rows)
             if keep:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from tests.interpret import check_recorder, interpreted_checks, patch_gemm_interpreter, print_checks
 
-CHECKS = ["discretise_is_softplus_and_limits", "ssd_values_match_a_float64_loop", "ssd_every_phase_gives_the_same_bits",
+CHECKS = ["discretise_is_softplus_and_limits", "ssd_values_match_a_float64_loop", "ssd_bfloat16_values_near_a_float64_loop",
+          "ssd_every_phase_gives_the_same_bits",
           "ssd_a_sequence_has_its_bits_beside_others", "ssd_bfloat16_every_phase", "ssd_a_reused_slot_starts_afresh",
           "ssd_control_stock_paths_move_bits", "ssd_control_the_replay_reads_the_slot", "conv1d_values",
           "conv1d_every_phase_gives_the_same_bits", "conv1d_control_the_state_is_read", "gated_rmsnorm_values",
@@ -92,6 +93,22 @@ def _run_checks() -> dict:
         ok = torch.allclose(after.double(), want_state, rtol=1e-5, atol=1e-5)
         record("ssd_values_match_a_float64_loop", ok, f"{s} T={t}: state after, max |d| "
                f"{(after.double() - want_state).abs().max()}")
+
+    # BF16 inputs: the FP32 dot operands go in as hi + lo, so y and the state keep near FP32's precision against the
+    # float64 loop on the same (BF16) inputs; control: one rounding to BF16 (split=False, mamba-ssm's way) is far worse
+    for s, t in ((shapes(), 3 * Q + 5), (shapes(h=2, p=70, g=1, n=20), 2 * Q + 3)):
+        p, inputs = params(s), tokens(s, t, torch.bfloat16)
+        want, want_state = loop(inputs, p)
+        errors = {}
+        for split in (True, False):
+            st = state(s, torch.bfloat16)
+            y = kssd.ssd(*inputs, *p, SeqSpans((0, t), (0,), (1,)), st, Q, limit, torch.float32, split=split)
+            after = SSD.state_after(st, 1, t, p[0])
+            errors[split] = (float((y.double() - want).abs().max() / want.abs().max()),
+                             float((after.double() - want_state).abs().max() / want_state.abs().max()))
+        ok = max(errors[True]) < 2e-5 and errors[False][0] > 20 * errors[True][0]
+        record("ssd_bfloat16_values_near_a_float64_loop", ok, f"{s} T={t}: relative max error (y, state) split "
+               f"{errors[True]}, one rounding {errors[False]}")
 
     cuts = {Q - 1: [0, 2, 3, Q - 1], Q + 1: [0, Q - 1, Q + 1], 3 * Q + 5: [0, 3, 5, 13, 14, 2 * Q, 3 * Q + 5]}
 
@@ -225,7 +242,8 @@ if __name__ == "__main__":
 
 def test_mixer_kernels_build_for_sm90():
     """What the launchers pick at Nemotron-3-Nano's mixer shape builds for the H200 (sm_90, no GPU needed), within
-    its shared memory: the scan on tensor cores for BF16 inputs, on FMAs for FP32 (IEEE dots, no TF32); the conv,
+    its shared memory: the scan on tensor cores for BF16 inputs (the FP32 operands' hi and lo dots both kept), on
+    FMAs for FP32 (IEEE dots, no TF32); the conv,
     the gated norm, dt's discretisation and the open chunk's store."""
     from onepath.ops.cuda import conv1d, rmsnorm, ssd
     from tests.interpret import SM90_SHARED_BYTES, build_sm90
@@ -240,12 +258,17 @@ def test_mixer_kernels_build_for_sm90():
         sig = dict(x_ptr=f"*{dtype}", dt_ptr="*fp32", B_ptr=f"*{dtype}", C_ptr=f"*{dtype}", A_log_ptr="*fp32",
                    D_ptr="*fp32", y_ptr="*fp32", cu_ptr="*i64", start_ptr="*i64", slot_ptr="*i64", ssm_ptr=f"*{state}",
                    sx_ptr=f"*{dtype}", sdt_ptr="*fp32", sB_ptr=f"*{dtype}", **{n: "i32" for n in ints})
-        consts = dict(HAS_STATE=has_state, BLOCK_L=ssd.BLOCK_L, BLOCK_Q=block_q, BLOCK_P=block_p, BLOCK_N=block_n)
+        consts = dict(HAS_STATE=has_state, BLOCK_L=ssd.BLOCK_L, BLOCK_Q=block_q, BLOCK_P=block_p, BLOCK_N=block_n,
+                      SPLIT=dtype == "bf16")
         built = build_sm90(ssd._ssd_scan_kernel, sig, consts, (), Launch)
         ptx = built.asm["ptx"]
         assert built.metadata.shared <= SM90_SHARED_BYTES, (dtype, built.metadata.shared)
         on_tensor_cores = "mma.sync" in ptx or "wgmma" in ptx
         assert on_tensor_cores == (dtype == "bf16"), dtype
+        if dtype == "bf16":  # the split's hi and lo dots are both there: more MMAs than one rounding's build
+            single = build_sm90(ssd._ssd_scan_kernel, sig, dict(consts, SPLIT=False), (), Launch).asm["ptx"]
+            mmas = lambda text: text.count("mma.sync") + text.count("wgmma.mma_async")
+            assert mmas(ptx) > mmas(single) > 0, (mmas(ptx), mmas(single))
     keep_ints = ("x_t", "x_h", "b_t", "b_g", "sx_slot", "sx_q", "sx_h", "sdt_slot", "sdt_q", "sb_slot", "sb_q", "sb_g",
                  "H", "P", "G", "N", "Q")
     build_sm90(ssd._keep_open_chunk_kernel, dict(

@@ -39,6 +39,7 @@ def test_control_without_filtering_the_same_rollout_has_constant_groups(tmp_path
     t = trainer(tmp_path)
     _, rewards, metrics = t.sample_batch(1)
     assert constant_groups(rewards) > 0 and "train/num_gen_batches" not in metrics
+    assert metrics["critic/uniform_groups_frac"] == constant_groups(rewards) / 4
 
 
 def test_the_cap_on_rollouts_trains_on_what_was_kept_or_else_on_the_last_rollout(tmp_path):

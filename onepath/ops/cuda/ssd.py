@@ -17,6 +17,12 @@ shapes (BLOCK_L rows, all Q columns, BLOCK_P, N) and every dot's K order are con
 of its block in every phase, and rows of the block that are not this pass's (C loaded as zeros) only fill MMA rows
 whose results are not stored. Decode is the same program on the one row block that holds its token: it replays the
 chunk, never a one-step recurrence. Dots take their operands in x's dtype (tensor cores for BF16), FP32 accumulate.
+x, B and C are inputs in that dtype; W, S_c and x * weights are FP32 values, and rounding them to BF16 once (as
+mamba-ssm's kernels do) keeps 8 of their 24 significant bits: the likely cause of gate C7's mamba.ssm gradients on
+the GPU falling 2.6x further from float64 than the FP32 stock path's (not yet rerun there). So with 16-bit inputs
+each such operand goes in as hi + lo (hi its BF16 rounding, lo the remainder's): two dots, hi's then lo's, summed in
+FP32, about 16 bits kept (tests/ops/test_ssd_interpret.py: the error against a float64 loop, the single rounding's
+as the control).
 
 The discretised dt (softplus with threshold 20, then the limits) comes from `_discretise_kernel`, stored FP32; the
 open chunk's x, dt and B go to the slot after the scan (`_keep_open_chunk_kernel`: a later launch, since the scan
@@ -65,6 +71,35 @@ def _discretise_kernel(dt_ptr, bias_ptr, out_ptr, dt_stride, H, lo, hi, BLOCK: t
     tl.store(out_ptr + row * H + offs, tl.minimum(tl.maximum(_softplus(v), lo), hi), mask=mask)
 
 
+@triton.jit
+def _hi_lo(v, dtype: tl.constexpr):
+    """FP32 v as two values of the 16-bit dtype: hi = v rounded, lo = (v - hi) rounded; hi + lo keeps about 16 of
+    v's 24 significant bits (BF16's 8 twice), hi alone 8."""
+    hi = v.to(dtype)
+    return hi, (v - hi.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _dot_split_left(f, e, SPLIT: tl.constexpr):
+    """f @ e, f an FP32 value and e 16-bit inputs (exact in their dtype), FP32 accumulate. SPLIT: f as hi + lo
+    (_hi_lo), two tensor-core dots added, hi's first; else one dot of f rounded to e's dtype."""
+    if SPLIT:
+        hi, lo = _hi_lo(f, e.dtype)
+        return tl.dot(hi, e, input_precision="ieee") + tl.dot(lo, e, input_precision="ieee")
+    else:
+        return tl.dot(f.to(e.dtype), e, input_precision="ieee")
+
+
+@triton.jit
+def _dot_split_right(e, f, SPLIT: tl.constexpr):
+    """e @ f, as _dot_split_left with the FP32 operand on the right."""
+    if SPLIT:
+        hi, lo = _hi_lo(f, e.dtype)
+        return tl.dot(e, hi, input_precision="ieee") + tl.dot(e, lo, input_precision="ieee")
+    else:
+        return tl.dot(e, f.to(e.dtype), input_precision="ieee")
+
+
 @triton.jit(do_not_specialize=["x_t", "x_h", "b_t", "b_g", "c_t", "c_g", "y_t", "y_h", "ssm_slot", "ssm_h", "ssm_p",
                                "sx_slot", "sx_q", "sx_h", "sdt_slot", "sdt_q", "sb_slot", "sb_q", "sb_g"],
             do_not_specialize_on_alignment=SPAN_POINTERS)
@@ -74,7 +109,7 @@ def _ssd_scan_kernel(x_ptr, dt_ptr, B_ptr, C_ptr, A_log_ptr, D_ptr, y_ptr, cu_pt
                      ssm_slot, ssm_h, ssm_p, sx_slot, sx_q, sx_h, sdt_slot, sdt_q, sb_slot, sb_q, sb_g,
                      H, P, N, Q, HEADS_PER_GROUP,
                      HAS_STATE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
+                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     g = h // HEADS_PER_GROUP
@@ -132,8 +167,8 @@ def _ssd_scan_kernel(x_ptr, dt_ptr, B_ptr, C_ptr, A_log_ptr, D_ptr, y_ptr, cu_pt
             causal = (q[None, :] <= l[:, None]) & qm[None, :]
             decay = tl.exp(tl.where(causal, cum_l[:, None] - cum[None, :], 0.0))
             w = tl.where(causal, (cb * decay) * dtc[None, :], 0.0)
-            inner = tl.dot(w.to(dtype), xc, input_precision="ieee")
-            carried = tl.exp(cum_l)[:, None] * tl.dot(cr, tl.trans(S).to(dtype), input_precision="ieee")
+            inner = _dot_split_left(w, xc, SPLIT)
+            carried = tl.exp(cum_l)[:, None] * _dot_split_right(cr, tl.trans(S), SPLIT)
             xr = tl.load(x_ptr + lrows[:, None] * x_t + h * x_h + p[None, :], mask=lnew[:, None] & pm[None, :],
                          other=0.0).to(tl.float32)
             tl.store(y_ptr + lrows[:, None] * y_t + h * y_h + p[None, :], (inner + carried) + Dh * xr,
@@ -141,7 +176,7 @@ def _ssd_scan_kernel(x_ptr, dt_ptr, B_ptr, C_ptr, A_log_ptr, D_ptr, y_ptr, cu_pt
         if base + Q <= end:
             cum_end = tl.sum(tl.where(q == Q - 1, cum, 0.0), axis=0)
             weights = tl.where(qm, tl.exp(tl.where(qm, cum_end - cum, 0.0)) * dtc, 0.0)
-            u = tl.dot(tl.trans((xc.to(tl.float32) * weights[:, None]).to(dtype)), bc, input_precision="ieee")
+            u = _dot_split_left(tl.trans(xc.to(tl.float32) * weights[:, None]), bc, SPLIT)
             S = (tl.exp(cum_end) * S + u).to(ssm_ptr.dtype.element_ty).to(tl.float32)
     if HAS_STATE:
         # the boundary state moved (a chunk closed), or a fresh sequence replaces the slot's old one
@@ -197,9 +232,12 @@ def inner_unit(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def ssd(x, dt, B, C, A_log, D, dt_bias, spans: SeqSpans, state, chunk: int, dt_limit, state_dtype) -> torch.Tensor:
+def ssd(x, dt, B, C, A_log, D, dt_bias, spans: SeqSpans, state, chunk: int, dt_limit, state_dtype,
+        split: bool = True) -> torch.Tensor:
     """ops/ssd.py's interface (x [T, H, P], dt [T, H] before dt_bias, B, C [T, G, N]; state an SSDState or None)
-    -> y [T, H, P] FP32; the state's boundary states and open chunks advanced past this pass."""
+    -> y [T, H, P] FP32; the state's boundary states and open chunks advanced past this pass. split (16-bit
+    inputs): the FP32 dot operands as hi + lo (the shipped arithmetic); False rounds them to the inputs' dtype
+    once, as mamba-ssm's kernels do (the tests' control of the precision it buys)."""
     t, h, p = x.shape
     g, n = B.shape[1], B.shape[2]
     y = torch.empty((t, h, p), dtype=torch.float32, device=x.device)
@@ -225,7 +263,7 @@ def ssd(x, dt, B, C, A_log, D, dt_bias, spans: SeqSpans, state, chunk: int, dt_l
                            spans_t.slots, ssm, sx, sdt, sB, x.stride(0), x.stride(1), B.stride(0), B.stride(1),
                            C.stride(0), C.stride(1), y.stride(0), y.stride(1), *strides, h, p, n, chunk, h // g,
                            HAS_STATE=has_state, BLOCK_L=BLOCK_L, BLOCK_Q=block_q, BLOCK_P=block_p, BLOCK_N=block_n,
-                           num_warps=NUM_WARPS, enable_fp_fusion=False)
+                           SPLIT=split and x.element_size() == 2, num_warps=NUM_WARPS, enable_fp_fusion=False)
     if has_state:
         _keep_open_chunk_kernel[(t,)](x, dtd, B, spans_t.row_seq, spans_t.cu_seqlens, spans_t.starts, spans_t.slots,
                                       sx, sdt, sB, x.stride(0), x.stride(1), B.stride(0), B.stride(1), *strides[3:],
