@@ -11,6 +11,7 @@ request samples max_tokens tokens (ignore_eos), so both sides run the same token
 run in this process as `onepath serve` runs them; the clients run in a second process (raw HTTP/1.1, one
 connection per stream, SSE parsed, tokens counted from each chunk's token_ids), so their parsing does not
 take the server's CPU. Each side runs once untimed first (kernels compiled, CUDA graphs captured).
+The engine thread and the HTTP thread share the GIL: --gil-switch-ms bounds how long one waits for the other.
 """
 from __future__ import annotations
 
@@ -132,6 +133,9 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batched-tokens", type=int, default=4096, help="max_num_batched_tokens")
+    p.add_argument("--gil-switch-ms", type=float, default=None,
+                   help="sys.setswitchinterval in ms for this process (default Python's, 5): how long the engine "
+                   "thread may wait for the GIL while the HTTP thread holds it")
     p.add_argument("--out", default=None, help="JSON result (default bench/results/serve/serve-MODEL-DEVICE.json)")
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -140,6 +144,8 @@ def main() -> int:
         return 0
     require_device(args.device)
     torch.set_num_threads(1)
+    if args.gil_switch_ms is not None:
+        sys.setswitchinterval(args.gil_switch_ms / 1000)
     tokenizer = synthetic_tokenizer(model_config(args.model).vocab_size)
     ids = prompts(args, model_config(args.model).vocab_size)
     engine = build_engine(args, tokenizer)

@@ -7,14 +7,21 @@
 #   wall         consistent then baseline, 20 steps each, one after the other, from evidence's warm start: the
 #                wall time comparison the issue asks for (needs evidence's runs/ on the same warm machine)
 #   evidence-lr  the four runs at lr 1e-4 from the same warm start (what makes the mismatch grow)
-#   tests        the GPU tests not yet passed: DeepSeek-V4's graph / engine-trainer cases, the hybrid, the
-#                baseline's library FP8 GEMM at K 2816 (~6 min)
+#   tests        the GPU tests not yet passed: DeepSeek-V4's graph / engine-trainer cases, the baseline's library
+#                FP8 GEMM at K 2816 (~6 min)
+#   hybrid       the SSD kernels' GPU tests (the split dots changed their bits), the Nemotron-H model's, and the
+#                sliced hybrid's gates (C7 with the split); then bench/kernels_ssd.py (the split's cost)
 #   grouped-ws   the warp-specialized grouped FP8 kernel's GPU tests, with the tile map's aligned first rows (its
 #                first launch faulted at an unaligned TMA coordinate); compute-sanitizer on its first case if
 #                they fail
+#   dsv4-bench   DeepSeek-V4's index_topk (k = 2048) against torch.topk (issue 34's 5.9 us), then its rollout
+#                benchmark, consistent / baseline (issue 34's 0.913)
 #   family       bench/family_run.py for DeepSeek-V4 then Nemotron-H (8 layers on an H100)
 #   moe-bench    bench/kernels_moe.py at 256 and 8192 tokens (a quiet GPU: nothing beside it)
-#   serve        bench/serve.py: 256 streams through the server against the engine alone (issue 35's target)
+#   agentic      issue 35 on the GPU: the server's and the long episodes' GPU tests, bench/long_episode.py (4 x 32,768-token episodes, diff = 0, peak memory),
+#                then the code task's GRPO run (onepath/configs/code.yaml, consistent) and its metrics
+#   serve        bench/serve.py: 256 streams through the server against the engine alone (issue 35's target), at
+#                Python's GIL switch interval and at 0.5 ms
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source lab/gpu_call.sh
@@ -46,9 +53,8 @@ evidence-lr() {
 }
 tests() {
   timeout 540 python -m pytest -q -rf --tb=line -p no:cacheprovider -m "gpu_smoke or gpu" \
-    tests/ops/test_linear_fp8_gpu.py tests/models/test_deepseek_v4_gpu.py tests/consistency/test_hybrid_check_gpu.py \
-    -k "baseline_runs_the_librarys or request_alone or graph_equals or engine_equals or baseline_trainer or planted \
-        or hybrid" \
+    tests/ops/test_linear_fp8_gpu.py tests/models/test_deepseek_v4_gpu.py \
+    -k "baseline_runs_the_librarys or request_alone or graph_equals or engine_equals or baseline_trainer or planted" \
     2>&1 | tail -40 | tee "$OUT/tests.txt"
 }
 grouped-ws() {
@@ -60,9 +66,31 @@ grouped-ws() {
       | head -60 > "$OUT/grouped-ws-sanitizer.txt")
   fi
 }
+hybrid() {
+  timeout 360 python -m pytest -q -rf --tb=short -p no:cacheprovider -m "gpu_smoke or gpu" tests/ops/test_ssd_gpu.py \
+    tests/models/test_nemotron_h_gpu.py tests/consistency/test_hybrid_check_gpu.py 2>&1 | tail -40 | tee "$OUT/hybrid.txt"
+  timeout 200 python bench/kernels_ssd.py --out "$OUT/kernels-ssd.json" 2>&1 | tail -30
+}
+agentic() {
+  timeout 200 python -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/serve/test_app_gpu.py \
+    tests/*/test_long_episode_gpu.py 2>&1 | tail -20 | tee "$OUT/agentic-tests.txt"
+  timeout 300 python bench/long_episode.py --out "$OUT/long-episode-qwen3-0.6b.json" 2>&1 | tail -12
+  timeout 250 python -m onepath train --config onepath/configs/code.yaml --device cuda --mode consistent --quiet \
+    --out /tmp/code-gpu 2>&1 | tail -12
+  cp /tmp/code-gpu/consistent/metrics.jsonl "$OUT/code-gpu-metrics.jsonl" 2>/dev/null
+}
 serve() {
-  timeout 400 python bench/serve.py --model qwen3-0.6b --device cuda --requests 256 --prompt-len 512 \
-    --max-tokens 512 --out "$OUT/serve-qwen3-0.6b.json" 2>&1 | tail -6
+  for ms in 5 0.5; do
+    timeout 280 python bench/serve.py --model qwen3-0.6b --device cuda --requests 256 --prompt-len 512 \
+      --max-tokens 512 --gil-switch-ms $ms --out "$OUT/serve-qwen3-0.6b-switch$ms.json" 2>&1 | tail -4
+  done
+}
+dsv4-bench() {
+  for shape in "--rows 64 --length 32768" "--rows 256 --length 8192" "--rows 1 --length 32768"; do
+    # shellcheck disable=SC2086
+    timeout 60 python -m onepath.bench.deepseek_v4 topk $shape 2>&1 | tail -12 | tee -a "$OUT/topk.txt"
+  done
+  timeout 420 python -m onepath.bench.deepseek_v4 rollout --out "$OUT/rollout-flash-4l.json" 2>&1 | tail -12
 }
 family() {
   for preset in deepseek-v4-flash-4l "nemotron-3-nano-13l --layers 8"; do

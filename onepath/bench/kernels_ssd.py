@@ -13,7 +13,9 @@ in the chunk (the replay's cost follows j, not the context: the state at the chu
   replay_bytes    what the replay must read at least: the boundary state and the open chunk's x, dt and B
 prefill: T tokens in sequences of --prefill-length from position 0 (the trainer's forward, a prompt's prefill).
   us, tflops (the chunked formula's dot FLOPs: C B^T per head, W x, C S^T, and the chunk's state update),
-  gb_s (x, dt, B, C read, y written, FP32), fraction_of_bound = max(bytes / HBM peak, flops / tensor peak) / us.
+  gb_s (x, dt, B, C read, y written, FP32), fraction_of_bound = max(bytes / HBM peak, flops / tensor peak) / us;
+  one_rounding_us (CUDA, BF16): the kernel with its FP32 dot operands rounded to BF16 once (split=False), what the
+  shipped hi + lo split costs.
 Timing on CUDA: triton.testing.do_bench's median (L2 flushed), or CUDA-graph replays with --graph (decode);
 on the CPU the median of --reps calls. Peaks by device name (bench/roofline.py).
 """
@@ -31,7 +33,7 @@ from onepath.bench.results import KERNEL_TIMING, environment, kernel_us, save_js
 from onepath.bench.roofline import hbm_peak, tensor_peak
 from onepath.numerics.spec import ExecutionSpec
 from onepath.ops.spans import SeqSpans
-from onepath.ops.ssd import SSDState, ssd
+from onepath.ops.ssd import NO_LIMIT, SSDState, ssd
 
 NEMOTRON_3_NANO = dict(heads=64, head_dim=64, groups=8, state=128, chunk=128)
 TINY = dict(heads=4, head_dim=8, groups=2, state=8, chunk=16)
@@ -127,11 +129,17 @@ def prefill(args, s: dict, dtype: torch.dtype, gen: torch.Generator) -> list[dic
         flops = prefill_flops(s, t, seqs * -(-length // q))
         moved = sum(x.numel() * x.element_size() for x in inputs) + t * s["heads"] * s["head_dim"] * 4
         bound_us = max(moved / hbm, flops / tensor) * 1e6
-        rows.append(dict(sequences=seqs, length=length, tokens=t, us=us, tflops=flops / us * 1e-6,
-                         gb_s=moved / us * 1e-3, hbm_bound_us=moved / hbm * 1e6, tensor_bound_us=flops / tensor * 1e6,
-                         fraction_of_bound=bound_us / us))
+        row = dict(sequences=seqs, length=length, tokens=t, us=us, tflops=flops / us * 1e-6, gb_s=moved / us * 1e-3,
+                   hbm_bound_us=moved / hbm * 1e6, tensor_bound_us=flops / tensor * 1e6, fraction_of_bound=bound_us / us)
+        split = ""
+        if args.device == "cuda" and dtype.itemsize == 2:  # what the split dots cost: the kernel with one rounding
+            from onepath.ops.cuda.ssd import ssd as kernel
+            row["one_rounding_us"] = time_us(lambda: kernel(*inputs, a_log, d, dt_bias, spans, None, q, NO_LIMIT,
+                                                            torch.float32, split=False))
+            split = f", one rounding {row['one_rounding_us']:.1f} us"
+        rows.append(row)
         print(f"prefill {seqs:4d} x {length:5d}: {us:10.1f} us, {flops / us * 1e-6:7.2f} TFLOP/s, "
-              f"{moved / us * 1e-3:7.1f} GB/s, {bound_us / us:.3f} of the bound", flush=True)
+              f"{moved / us * 1e-3:7.1f} GB/s, {bound_us / us:.3f} of the bound{split}", flush=True)
     return rows
 
 
