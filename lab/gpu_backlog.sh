@@ -11,6 +11,8 @@
 #                FP8 GEMM at K 2816 (~6 min)
 #   hybrid       the SSD kernels' GPU tests (the split dots changed their bits), the Nemotron-H model's, and the
 #                sliced hybrid's gates (C7 with the split); then bench/kernels_ssd.py (the split's cost)
+#   moe-calibrate  evidence-moe.yaml's warm start (600 steps, uncalibrated): val/score after it and one RL step, at
+#                300 and 600 warm-start steps (the issue wants 0.2-0.5), consistent mode
 #   grouped-ws   the warp-specialized grouped FP8 kernel's GPU tests, with the tile map's aligned first rows (its
 #                first launch faulted at an unaligned TMA coordinate); compute-sanitizer on its first case if
 #                they fail
@@ -56,6 +58,13 @@ tests() {
     tests/ops/test_linear_fp8_gpu.py tests/models/test_deepseek_v4_gpu.py \
     -k "baseline_runs_the_librarys or request_alone or graph_equals or engine_equals or baseline_trainer or planted" \
     2>&1 | tail -40 | tee "$OUT/tests.txt"
+}
+moe-calibrate() {
+  for steps in 300 600; do
+    timeout 280 python -m onepath train --config onepath/configs/evidence-moe.yaml --out "/tmp/moe-ws$steps" \
+      --warm_start.steps $steps --train.steps 1 --train.val_every 1 --mode consistent --quiet 2>&1 | tail -6
+    cp "/tmp/moe-ws$steps/consistent/metrics.jsonl" "$OUT/moe-ws$steps-metrics.jsonl" 2>/dev/null
+  done
 }
 grouped-ws() {
   timeout 400 python -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/ops/test_linear_grouped_fp8_gpu.py \

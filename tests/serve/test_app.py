@@ -10,12 +10,14 @@ import urllib.request
 
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from onepath.chat.encoder import ChatEncoder
 from onepath.chat.tools import Toolbox, calculator
 from onepath.engine.sampling_params import SamplingParams
 from onepath.serve.app import assistant_message
 from onepath.serve.text import IncrementalText, streamable_content
+from tests.chat_families import FAMILIES
 from tests.chat_families import tokenizer as bpe_tokenizer
 from tests.serving import MODEL, chat_engine, get, post, qwen3_template, serving
 
@@ -137,15 +139,32 @@ def test_tool_calls_come_back_parsed_and_streamed_content_is_a_prefix_of_the_mes
     assert streamable_content('  {"name": "f"', "llama3") == "" and streamable_content("Sure.", "llama3") == "Sure."
 
 
-def test_incremental_text_is_the_whole_decode():
-    tok = bpe_tokenizer("qwen3")
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "deepseek_v3", "wordpiece"])
+def test_incremental_text_is_the_whole_decode(family):
+    """Byte-level BPE families (multi-byte characters cut across tokens) and a WordPiece decoder (its first word
+    has no space before it), special tokens kept or skipped, a skipped id, deltas of 1, 3 and 7 tokens."""
+    if family == "wordpiece":
+        tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(600)}, unk_token="w0"))
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece(prefix="##")
+        head = tok.encode("w5 w17 w0 w599").ids
+    else:
+        tok = bpe_tokenizer(family)
+        head = tok.encode("Ünïcödé → 6 * 7 = 42 ✓ {\"a\": 1} 天气").ids
     g = torch.Generator().manual_seed(2)
-    ids = tok.encode("Ünïcödé → 6 * 7 = 42 ✓ {\"a\": 1} 天气").ids + torch.randint(0, 500, (40,), generator=g).tolist()
-    for step in (1, 3, 7):
-        text = IncrementalText(tok, False)
-        pieces = "".join(text.add(ids[i:i + step]) for i in range(0, len(ids), step))
-        full = tok.decode(ids, skip_special_tokens=False)
-        assert full.startswith(pieces) and full.rstrip("\ufffd") == pieces.rstrip("\ufffd")
+    special = tok.get_vocab_size() - 1 if family == "wordpiece" else tok.token_to_id(FAMILIES[family]["special"][1])
+    ids = head + torch.randint(0, 500, (40,), generator=g).tolist() + [special] + head[:5]
+    for skip_special in (False, True):
+        for skip in ((), (head[1],)):
+            kept = [t for t in ids if t not in skip]
+            full = tok.decode(kept, skip_special_tokens=skip_special)
+            for step in (1, 3, 7):
+                text = IncrementalText(tok, skip_special, skip)
+                pieces = "".join(text.add(ids[i:i + step]) for i in range(0, len(ids), step))
+                assert text.ids == kept and text.text == pieces
+                assert full.startswith(pieces) and full.rstrip("\ufffd") == pieces.rstrip("\ufffd"), \
+                    (family, skip_special, skip, step)
+            # control: each token decoded alone and joined is not the whole decode (cut characters, lost spaces)
+            assert "".join(tok.decode([t], skip_special_tokens=skip_special) for t in kept) != full
 
 
 def test_temperature_zero_is_greedy():
