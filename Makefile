@@ -4,7 +4,8 @@ BIN := $(VENV)/bin
 BASE := $(VENV)/.installed
 TEST := $(VENV)/.installed-test
 
-# the tests that guard the contract, for the edit loop (under 3 minutes on 2 cores); CI runs `make test`, all of them
+# the tests that guard the contract, for the edit loop (no interpreted kernels, SASS checks, multi-process runs or
+# benches); CI runs `make test`, all of them
 FAST := -m "not gpu and not slow" --ignore-glob='*_interpret.py' --ignore=tests/ops/test_attention_sass.py \
 	--ignore=tests/train/test_distributed.py --ignore=tests/bench
 
