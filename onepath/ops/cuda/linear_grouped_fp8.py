@@ -47,10 +47,8 @@ from onepath.ops.host import to_device
 # (a decode step's ~16 rows an expert), the Triton kernel's 64-row tiles. Not yet timed against each other.
 GROUPED_WS_CONFIG = WS_CONFIG
 GROUPED_WS_MIN_ROWS_PER_GROUP = 128
-# Off until the kernel passes its GPU tests: its first launch on an H100 stopped on an illegal instruction
-# (bench/results/tests/gpu-tests.log; compute-sanitizer puts it at the producer's TMA copy of the A scales' box,
-# bench/results/moe/grouped-ws-sanitizer-h100.txt: a tile starting at an unaligned row, which the tile map no
-# longer gives, not yet run on a GPU); pick_grouped_kernel then keeps the Triton kernel everywhere,
+# Off until the kernel passes its GPU tests (its first launch's fault and its fix: docs/ops/linear.md, the
+# warp-specialized grouped kernel); pick_grouped_kernel then keeps the Triton kernel everywhere,
 # and a WSConfig passed as `config` still forces the warp-specialized one (the GPU tests, the bench's
 # grouped_fp8_ws column).
 GROUPED_WS_BY_DEFAULT = False

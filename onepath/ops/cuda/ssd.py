@@ -18,11 +18,9 @@ of its block in every phase, and rows of the block that are not this pass's (C l
 whose results are not stored. Decode is the same program on the one row block that holds its token: it replays the
 chunk, never a one-step recurrence. Dots take their operands in x's dtype (tensor cores for BF16), FP32 accumulate.
 x, B and C are inputs in that dtype; W, S_c and x * weights are FP32 values, and rounding them to BF16 once (as
-mamba-ssm's kernels do) keeps 8 of their 24 significant bits: the likely cause of gate C7's mamba.ssm gradients on
-the GPU falling 2.6x further from float64 than the FP32 stock path's (not yet rerun there). So with 16-bit inputs
-each such operand goes in as hi + lo (hi its BF16 rounding, lo the remainder's): two dots, hi's then lo's, summed in
-FP32, about 16 bits kept (tests/ops/test_ssd_interpret.py: the error against a float64 loop, the single rounding's
-as the control).
+mamba-ssm's kernels do) keeps 8 of their 24 significant bits. So with 16-bit inputs each such operand goes in as
+hi + lo (hi its BF16 rounding, lo the remainder's): two dots, hi's then lo's, summed in FP32, about 16 bits kept
+(docs/ops/ssd.md: why, and what it buys against a float64 loop).
 
 The discretised dt (softplus with threshold 20, then the limits) comes from `_discretise_kernel`, stored FP32; the
 open chunk's x, dt and B go to the slot after the scan (`_keep_open_chunk_kernel`: a later launch, since the scan
