@@ -97,7 +97,7 @@ serve() {
 dsv4-bench() {
   for shape in "--rows 64 --length 32768" "--rows 256 --length 8192" "--rows 1 --length 32768"; do
     # shellcheck disable=SC2086
-    timeout 60 python -m onepath.bench.deepseek_v4 topk $shape 2>&1 | tail -12 | tee -a "$OUT/topk.txt"
+    timeout 90 python -m onepath.bench.deepseek_v4 topk $shape --sweep 2>&1 | tail -16 | tee -a "$OUT/topk.txt"
   done
   timeout 420 python -m onepath.bench.deepseek_v4 rollout --out "$OUT/rollout-flash-4l.json" 2>&1 | tail -12
 }

@@ -58,17 +58,28 @@ def cache_bytes(config: DeepseekV4Config, block_size: int = BLOCK_SIZE, context:
     return out
 
 
+TOPK_SWEEP = [(1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]  # (block, num_warps) of the CUDA kernel
+
+
 def topk_timings(rows: int = 64, length: int = 32768, k: int = 2048, device: str = "cuda", repeats: int = 50,
-                 seed: int = 0) -> dict:
+                 seed: int = 0, sweep: bool = False) -> dict:
     """Microseconds per call of ops.index_topk (consistent: the deterministic 64-bit-key top-k with the selection
     sorted by descending position) and of torch.topk(scores, k) on the same FP32 scores [rows, length], every entry
-    valid; the first calls (compilation) untimed."""
+    valid; the first calls (compilation) untimed. sweep (CUDA): the kernel at each TOPK_SWEEP launch shape too,
+    each checked equal to the shipped one's output."""
     gen = torch.Generator(device=device).manual_seed(seed)
     scores = torch.relu(torch.randn(rows, length, device=device, generator=gen))  # ReLU scores: ties at 0
     valid = torch.ones(rows, length, dtype=torch.bool, device=device)
     ops = Ops(ExecutionSpec.default("consistent", device))
     calls = {"consistent_index_topk": lambda: ops.index_topk(scores, valid, k),
              "torch_topk": lambda: torch.topk(scores, k, dim=-1)}
+    if sweep and device == "cuda":
+        from onepath.ops.cuda.topk import index_topk as kernel
+        shipped = ops.index_topk(scores, valid, k)
+        for block, warps in TOPK_SWEEP:
+            if not torch.equal(kernel(scores, valid, k, block, warps), shipped):
+                raise RuntimeError(f"index_topk with block {block}, {warps} warps selected other positions")
+            calls[f"kernel_block{block}_warps{warps}"] = lambda b=block, w=warps: kernel(scores, valid, k, b, w)
     out = {"rows": rows, "length": length, "k": k, "device": device, "repeats": repeats}
     for name, call in calls.items():
         call()
@@ -96,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     topk.add_argument("--k", type=int, default=2048)
     topk.add_argument("--repeats", type=int, default=50)
     topk.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    topk.add_argument("--sweep", action="store_true", help="CUDA: also the kernel at each (block, warps) of TOPK_SWEEP")
     sub.add_parser("rollout", help="bench/rollout.py on deepseek-v4-flash-4l, FP8 W8A8 + FP8 KV + the FP8 "
                                    "indexer (options pass through)", add_help=False)
     args, rest = p.parse_known_args(argv)
@@ -110,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "cache":
         result = cache_bytes(flash_config(num_hidden_layers=args.layers), args.block_size, args.context)
     else:
-        result = topk_timings(args.rows, args.length, args.k, args.device, args.repeats)
+        result = topk_timings(args.rows, args.length, args.k, args.device, args.repeats, sweep=args.sweep)
     print(json.dumps(result, indent=2))
     return 0
 

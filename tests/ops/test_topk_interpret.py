@@ -1,13 +1,14 @@
 """onepath.ops.cuda.topk (index_topk) under Triton's CPU interpreter: the k best valid entries by the 64-bit key,
 descending position, -1 last: the CPU path's (ops/topk.keyed_index_topk) positions exactly, on rows that cross
 blocks, with planted ties (ReLU zeros, -0.0 beside +0.0, equal values across blocks), invalid entries, k above the
-valid count and rows with none; a row alone equals it in a batch. Control: torch.topk picks other tied entries."""
+valid count and rows with none; a row alone equals it in a batch; other launch shapes (block, warps) select the
+same. Control: torch.topk picks other tied entries."""
 from __future__ import annotations
 
 from tests.interpret import check_recorder, interpreted_checks, print_checks
 
-CHECKS = ["equals_keyed_topk", "planted_ties_to_the_larger_position", "fewer_valid_than_k", "rows_alone_equal_batch",
-          "library_topk_differs_on_ties", "no_entries_yet"]
+CHECKS = ["equals_keyed_topk", "planted_ties_to_the_larger_position", "any_block_same_positions", "fewer_valid_than_k",
+          "rows_alone_equal_batch", "library_topk_differs_on_ties", "no_entries_yet"]
 
 
 def _run_checks() -> dict:
@@ -33,6 +34,10 @@ def _run_checks() -> dict:
         got, want = topk.index_topk(ties, torch.ones_like(ties, dtype=torch.bool), k), T.keyed_index_topk(
             ties, torch.ones_like(ties, dtype=torch.bool), k)
         record("planted_ties_to_the_larger_position", torch.equal(got, want), f"k={k}")
+        # the launch shape (block, warps) moves the time only: the bench's sweep picks among them
+        for block, warps in ((256, 2), (2048, 8)):
+            other = topk.index_topk(ties, torch.ones_like(ties, dtype=torch.bool), k, block, warps)
+            record("any_block_same_positions", torch.equal(other, want), f"k={k} block {block} warps {warps}")
     library = T.library_index_topk(ties, torch.ones_like(ties, dtype=torch.bool), 400)
     record("library_topk_differs_on_ties", not torch.equal(library, T.keyed_index_topk(
         ties, torch.ones_like(ties, dtype=torch.bool), 400)), "torch.topk agreed with the key on planted ties")

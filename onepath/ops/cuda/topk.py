@@ -78,8 +78,11 @@ def _index_topk_kernel(s_ptr, v_ptr, o_ptr, L, K, s_stride, v_stride, o_stride,
         tl.store(o_row + offs, tl.full([BLOCK], -1, tl.int64), mask=(offs >= written) & (offs < K))
 
 
-def index_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [..., L] FP32, valid [..., L] bool -> [..., k] int64 positions, descending, -1 where none."""
+def index_topk(scores: torch.Tensor, valid: torch.Tensor, k: int, block: int = BLOCK,
+               num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """scores [..., L] FP32, valid [..., L] bool -> [..., k] int64 positions, descending, -1 where none. block and
+    num_warps move the time, never the result: the selection is exact integer logic in any block (the bench's
+    sweep, python -m onepath.bench.deepseek_v4 topk --sweep)."""
     length, rows = scores.shape[-1], math.prod(scores.shape[:-1])
     # (rows, not -1: a context with no compressed entry yet has length 0)
     s = scores.reshape(rows, length).float().contiguous()
@@ -87,5 +90,5 @@ def index_topk(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tenso
     out = torch.empty(s.shape[0], k, dtype=torch.int64, device=scores.device)
     if s.shape[0] and k:
         _index_topk_kernel[(s.shape[0],)](s, v, out, length, k, s.stride(0), v.stride(0), out.stride(0),
-                                          BLOCK=BLOCK, RADIX=RADIX, num_warps=NUM_WARPS)
+                                          BLOCK=block, RADIX=RADIX, num_warps=num_warps)
     return out.view(*scores.shape[:-1], k)
