@@ -78,7 +78,7 @@ grouped-ws() {
 hybrid() {
   timeout 360 python -m pytest -q -rf --tb=short -p no:cacheprovider -m "gpu_smoke or gpu" tests/ops/test_ssd_gpu.py \
     tests/models/test_nemotron_h_gpu.py tests/consistency/test_hybrid_check_gpu.py 2>&1 | tail -40 | tee "$OUT/hybrid.txt"
-  timeout 200 python bench/kernels_ssd.py --out "$OUT/kernels-ssd.json" 2>&1 | tail -30
+  timeout 240 python bench/kernels_ssd.py --warps 8 --out "$OUT/kernels-ssd.json" 2>&1 | tail -30
 }
 agentic() {
   timeout 200 python -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/serve/test_app_gpu.py \

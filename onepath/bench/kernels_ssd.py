@@ -15,7 +15,7 @@ prefill: T tokens in sequences of --prefill-length from position 0 (the trainer'
   us, tflops (the chunked formula's dot FLOPs: C B^T per head, W x, C S^T, and the chunk's state update),
   gb_s (x, dt, B, C read, y written, FP32), fraction_of_bound = max(bytes / HBM peak, flops / tensor peak) / us;
   one_rounding_us (CUDA, BF16): the kernel with its FP32 dot operands rounded to BF16 once (split=False), what the
-  shipped hi + lo split costs.
+  shipped hi + lo split costs; warpsW_us (--warps W ...): the kernel launched with W warps.
 Timing on CUDA: triton.testing.do_bench's median (L2 flushed), or CUDA-graph replays with --graph (decode);
 on the CPU the median of --reps calls. Peaks by device name (bench/roofline.py).
 """
@@ -137,6 +137,10 @@ def prefill(args, s: dict, dtype: torch.dtype, gen: torch.Generator) -> list[dic
             row["one_rounding_us"] = time_us(lambda: kernel(*inputs, a_log, d, dt_bias, spans, None, q, NO_LIMIT,
                                                             torch.float32, split=False))
             split = f", one rounding {row['one_rounding_us']:.1f} us"
+            for warps in args.warps:  # the scan's launch at other warp counts (its spills: lab/ssd_split.py)
+                row[f"warps{warps}_us"] = time_us(lambda w=warps: kernel(*inputs, a_log, d, dt_bias, spans, None, q,
+                                                                         NO_LIMIT, torch.float32, num_warps=w))
+                split += f", {warps} warps {row[f'warps{warps}_us']:.1f} us"
         rows.append(row)
         print(f"prefill {seqs:4d} x {length:5d}: {us:10.1f} us, {flops / us * 1e-6:7.2f} TFLOP/s, "
               f"{moved / us * 1e-3:7.1f} GB/s, {bound_us / us:.3f} of the bound{split}", flush=True)
@@ -167,6 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill", type=lambda v: tuple(map(int, v.split("x"))), nargs="+", default=None,
                    metavar="SEQSxLEN", help=f"prefill batches (default {' '.join(f'{a}x{b}' for a, b in PREFILL)})")
     p.add_argument("--graph", action="store_true", help="CUDA: time CUDA-graph replays (no launch cost)")
+    p.add_argument("--warps", type=int, nargs="*", default=[], help="CUDA: prefill also at these warp counts")
     p.add_argument("--rep-ms", type=int, default=200)
     p.add_argument("--reps", type=int, default=5, help="CPU: calls timed")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/ssd/kernels-ssd-DEVICE.json)")

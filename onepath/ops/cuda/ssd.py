@@ -231,11 +231,13 @@ def inner_unit(x: torch.Tensor) -> torch.Tensor:
 
 
 def ssd(x, dt, B, C, A_log, D, dt_bias, spans: SeqSpans, state, chunk: int, dt_limit, state_dtype,
-        split: bool = True) -> torch.Tensor:
+        split: bool = True, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """ops/ssd.py's interface (x [T, H, P], dt [T, H] before dt_bias, B, C [T, G, N]; state an SSDState or None)
     -> y [T, H, P] FP32; the state's boundary states and open chunks advanced past this pass. split (16-bit
     inputs): the FP32 dot operands as hi + lo (the shipped arithmetic); False rounds them to the inputs' dtype
-    once, as mamba-ssm's kernels do (the tests' control of the precision it buys)."""
+    once, as mamba-ssm's kernels do (the tests' control of the precision it buys). num_warps: the scan's launch
+    (a fixed choice: its cumsum's tree follows the layout, so every phase must launch it alike; the bench's
+    sweep, bench/kernels_ssd.py --warps)."""
     t, h, p = x.shape
     g, n = B.shape[1], B.shape[2]
     y = torch.empty((t, h, p), dtype=torch.float32, device=x.device)
@@ -261,7 +263,7 @@ def ssd(x, dt, B, C, A_log, D, dt_bias, spans: SeqSpans, state, chunk: int, dt_l
                            spans_t.slots, ssm, sx, sdt, sB, x.stride(0), x.stride(1), B.stride(0), B.stride(1),
                            C.stride(0), C.stride(1), y.stride(0), y.stride(1), *strides, h, p, n, chunk, h // g,
                            HAS_STATE=has_state, BLOCK_L=BLOCK_L, BLOCK_Q=block_q, BLOCK_P=block_p, BLOCK_N=block_n,
-                           SPLIT=split and x.element_size() == 2, num_warps=NUM_WARPS, enable_fp_fusion=False)
+                           SPLIT=split and x.element_size() == 2, num_warps=num_warps, enable_fp_fusion=False)
     if has_state:
         _keep_open_chunk_kernel[(t,)](x, dtd, B, spans_t.row_seq, spans_t.cu_seqlens, spans_t.starts, spans_t.slots,
                                       sx, sdt, sB, x.stride(0), x.stride(1), B.stride(0), B.stride(1), *strides[3:],
