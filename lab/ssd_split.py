@@ -63,8 +63,8 @@ def builds() -> None:
             num_warps, num_stages, enable_fp_fusion = warps, 3, False
         for split in (True, False):
             built = build_sm90(ssd._ssd_scan_kernel, sig, dict(HAS_STATE=True, BLOCK_L=ssd.BLOCK_L, BLOCK_Q=block_q,
-                                                               BLOCK_P=block_p, BLOCK_N=block_n, SPLIT=split), (),
-                               Launch)
+                                                               BLOCK_P=block_p, BLOCK_N=block_n, BLOCK_S=ssd.BLOCK_S,
+                                                               SPLIT=split), (), Launch)
             text, usage = sass(built.asm["cubin"])
             regs, stack = re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1)
             spills = len(re.findall(r"\b(STL|LDL)\b", text))

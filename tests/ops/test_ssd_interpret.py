@@ -1,5 +1,6 @@
 """The Mamba-2 mixer's Triton kernels (ops/cuda/ssd.py, conv1d.py, rmsnorm.gated_rmsnorm) under Triton's CPU
-interpreter, on tiny shapes that cross the scan's chunks (Q = 8 < BLOCK_Q), the row blocks and the head_dim blocks.
+interpreter, on tiny shapes that cross the scan's chunks (Q = 8 < BLOCK_Q), the row blocks and the head_dim blocks,
+and a chunk of 40 that crosses the scan's column blocks.
 
 The scan: a token's output and the state after it are the kernel's same bits in a whole prefill, a chunked prefill
 cut off the chunks, decode (one token a pass, replaying the open chunk from the slot), the trainer's forward (no
@@ -14,7 +15,7 @@ from __future__ import annotations
 from tests.interpret import check_recorder, interpreted_checks, patch_gemm_interpreter, print_checks
 
 CHECKS = ["discretise_is_softplus_and_limits", "ssd_values_match_a_float64_loop", "ssd_bfloat16_values_near_a_float64_loop",
-          "ssd_every_phase_gives_the_same_bits",
+          "ssd_every_phase_gives_the_same_bits", "ssd_column_blocks_every_phase",
           "ssd_a_sequence_has_its_bits_beside_others", "ssd_bfloat16_every_phase", "ssd_a_reused_slot_starts_afresh",
           "ssd_control_stock_paths_move_bits", "ssd_control_the_replay_reads_the_slot", "conv1d_values",
           "conv1d_every_phase_gives_the_same_bits", "conv1d_control_the_state_is_read", "gated_rmsnorm_values",
@@ -134,6 +135,22 @@ def _run_checks() -> dict:
         for state_dtype in (torch.float32, torch.bfloat16):
             for name, ok, what in every_phase(shapes(), t, torch.bfloat16, state_dtype):
                 record("ssd_bfloat16_every_phase", ok, f"T={t} state {state_dtype} {name}: {what} differs")
+
+    # a chunk of 40: two blocks of the scan's columns (BLOCK_S 32, the second partial), three row blocks, the
+    # chunk padded to 64; every phase the trainer's bits, values against the float64 loop, FP32 and BF16
+    wide, t = 40, 87
+    s = shapes(h=2, p=6, g=1, n=8)
+    for dtype in (torch.float32, torch.bfloat16):
+        p, inputs = params(s), tokens(s, t, dtype)
+        trainer = kssd.ssd(*inputs, *p, SeqSpans((0, t), (0,)), None, wide, limit, torch.float32)
+        want, _ = loop(inputs, p)
+        ok = torch.allclose(trainer.double(), want, rtol=2e-5, atol=2e-5)
+        record("ssd_column_blocks_every_phase", ok, f"{dtype}: max |d| {(trainer.double() - want).abs().max()}")
+        for name, cut in (("whole", [0, t]), ("chunked", [0, 5, 33, 40, 41, 70, t]), ("decode", list(range(t + 1)))):
+            st = SSD.SSDState.empty(2, s["h"], s["p"], s["g"], s["n"], wide, dtype, torch.float32)
+            out = torch.cat([kssd.ssd(*(v[a:e] for v in inputs), *p, SeqSpans((0, e - a), (a,), (1,)), st, wide,
+                                      limit, torch.float32) for a, e in zip(cut, cut[1:])])
+            record("ssd_column_blocks_every_phase", torch.equal(out, trainer), f"{dtype} {name} differs")
 
     # three sequences in one pass, each in another phase: a fresh prompt, a chunk from mid-chunk, one decode token
     s = shapes()
@@ -259,7 +276,7 @@ def test_mixer_kernels_build_for_sm90():
                    D_ptr="*fp32", y_ptr="*fp32", cu_ptr="*i64", start_ptr="*i64", slot_ptr="*i64", ssm_ptr=f"*{state}",
                    sx_ptr=f"*{dtype}", sdt_ptr="*fp32", sB_ptr=f"*{dtype}", **{n: "i32" for n in ints})
         consts = dict(HAS_STATE=has_state, BLOCK_L=ssd.BLOCK_L, BLOCK_Q=block_q, BLOCK_P=block_p, BLOCK_N=block_n,
-                      SPLIT=dtype == "bf16")
+                      BLOCK_S=ssd.BLOCK_S, SPLIT=dtype == "bf16")
         built = build_sm90(ssd._ssd_scan_kernel, sig, consts, (), Launch)
         ptx = built.asm["ptx"]
         assert built.metadata.shared <= SM90_SHARED_BYTES, (dtype, built.metadata.shared)

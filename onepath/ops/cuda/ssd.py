@@ -3,19 +3,23 @@ phase (docs/ops/ssd.md).
 
 A program walks its sequence's chunks in order, absolute positions [c*Q, (c+1)*Q) whatever the pass, with the state
 S_c at the chunk's start in registers (from the slot when the pass starts past position 0). For each chunk it loads
-the chunk's Q columns (x, dt, B: the open chunk's earlier tokens from the slot, the pass's from its inputs, zeros
-past them), a = dt * A, cum = cumsum(a) over the chunk (element l of a prefix scan combines a_0..a_l alone, so
-the values past a row never reach it), and then, for each block of BLOCK_L rows that holds a new token:
+the chunk's dt (the open chunk's earlier tokens from the slot, the pass's from its input, zeros past them),
+a = dt * A, cum = cumsum(a) over the chunk (element l of a prefix scan combines a_0..a_l alone, so the values past a
+row never reach it), and then, for each block of BLOCK_L rows that holds a new token, over the chunk's columns in
+blocks of BLOCK_S from the first up to the block's last row (x, dt, B loaded per column block, as dt above):
 
-    CB   = C_rows @ B^T                                            [BLOCK_L, Q], K = N
-    W    = where(s <= l, (CB * exp(cum_l - cum_s)) * dt_s, 0)
-    y    = (W @ x  +  exp(cum_l) * (C_rows @ S_c^T))  +  D * x_l   [BLOCK_L, P], K = Q and N
+    CB_s   = C_rows @ B_s^T                                          [BLOCK_L, BLOCK_S], K = N
+    W_s    = where(s <= l, (CB_s * exp(cum_l - cum_s)) * dt_s, 0)
+    inner  = sum over the column blocks, in order, of W_s @ x_s      [BLOCK_L, P], K = BLOCK_S
+    y      = (inner  +  exp(cum_l) * (C_rows @ S_c^T))  +  D * x_l  K = N
 
-and, where the pass closes the chunk, S_{c+1} = round_state(exp(cum_{Q-1}) * S_c + (x * (exp(cum_{Q-1} - cum_s)
-* dt_s))^T @ B). A row's value therefore depends on its chunk's inputs, S_c and its row of C alone: the tile
-shapes (BLOCK_L rows, all Q columns, BLOCK_P, N) and every dot's K order are constants, a row sits at row l % BLOCK_L
-of its block in every phase, and rows of the block that are not this pass's (C loaded as zeros) only fill MMA rows
-whose results are not stored. Decode is the same program on the one row block that holds its token: it replays the
+and, where the pass closes the chunk, S_{c+1} = round_state(exp(cum_{Q-1}) * S_c + sum over the column blocks of
+(x_s * (exp(cum_{Q-1} - cum_s) * dt_s))^T @ B_s). Only the state and the chunk's cum and dt stay live across a
+chunk: kept whole, x and B (each in the dots' layouts too) spilled registers at Nemotron-3-Nano's shape
+(docs/ops/ssd.md). A row's value depends on its chunk's inputs, S_c and its row of C alone: the tile shapes
+(BLOCK_L rows, BLOCK_S columns, BLOCK_P, N), the column blocks a row block sums and their order, and every dot's
+K order are constants, a row sits at row l % BLOCK_L of its block in every phase, and rows of the block that are
+not this pass's (C loaded as zeros) only fill MMA rows whose results are not stored. Decode is the same program on the one row block that holds its token: it replays the
 chunk, never a one-step recurrence. Dots take their operands in x's dtype (tensor cores for BF16), FP32 accumulate.
 x, B and C are inputs in that dtype; W, S_c and x * weights are FP32 values, and rounding them to BF16 once (as
 mamba-ssm's kernels do) keeps 8 of their 24 significant bits. So with 16-bit inputs each such operand goes in as
@@ -39,7 +43,8 @@ from onepath.ops.cuda import SPAN_POINTERS
 from onepath.ops.spans import SeqSpans
 
 BLOCK_L = 16   # a chunk's rows per step: fixed, so a row's tiles never change with the phase (tl.dot needs >= 16)
-BLOCK_P = 64   # head_dim columns per program at most
+BLOCK_P = 32   # head_dim columns per program at most: at 64 the state and its update spilled (lab/ssd_split.py)
+BLOCK_S = 32   # a chunk's columns per step: x and B are loaded a block of columns at a time, not kept for the chunk
 BLOCK_ROW = 1024
 NUM_WARPS = 4
 
@@ -98,6 +103,46 @@ def _dot_split_right(e, f, SPLIT: tl.constexpr):
         return tl.dot(e, f.to(e.dtype), input_precision="ieee")
 
 
+@triton.jit
+def _chunk_dt(s, base, start, end, row0, slot, h, Q, dt_ptr, sdt_ptr, sdt_slot, sdt_q, H, HAS_STATE: tl.constexpr):
+    """dt of the chunk's columns s (offsets in the chunk at `base`): this pass's tokens from its input, the open
+    chunk's earlier ones from the slot, zeros past the pass (and past Q)."""
+    pos = base + s
+    dts = tl.load(dt_ptr + (row0 + pos - start) * H + h, mask=(pos >= start) & (pos < end) & (s < Q), other=0.0)
+    if HAS_STATE:
+        old = (pos < start) & (s < Q)  # the open chunk's earlier tokens, kept in the slot
+        dts = tl.where(old, tl.load(sdt_ptr + slot * sdt_slot + s * sdt_q + h, mask=old, other=0.0), dts)
+    return dts
+
+
+@triton.jit
+def _chunk_columns(s, base, start, end, row0, slot, h, g, p, nn, pm, nm, Q, x_ptr, dt_ptr, B_ptr, sx_ptr, sdt_ptr,
+                   sB_ptr, x_t, x_h, b_t, b_g, sx_slot, sx_q, sx_h, sdt_slot, sdt_q, sb_slot, sb_q, sb_g, H,
+                   HAS_STATE: tl.constexpr):
+    """x [S, P], dt [S] and B [S, N] of the chunk's columns s, as _chunk_dt takes dt."""
+    dtype = x_ptr.dtype.element_ty
+    pos = base + s
+    new = (pos >= start) & (pos < end) & (s < Q)
+    rows = row0 + pos - start
+    xs = tl.load(x_ptr + rows[:, None] * x_t + h * x_h + p[None, :], mask=new[:, None] & pm[None, :], other=0.0)
+    bs = tl.load(B_ptr + rows[:, None] * b_t + g * b_g + nn[None, :], mask=new[:, None] & nm[None, :], other=0.0)
+    if HAS_STATE:
+        old = (pos < start) & (s < Q)
+        xo = tl.load(sx_ptr + slot * sx_slot + s[:, None] * sx_q + h * sx_h + p[None, :],
+                     mask=old[:, None] & pm[None, :], other=0.0)
+        bo = tl.load(sB_ptr + slot * sb_slot + s[:, None] * sb_q + g * sb_g + nn[None, :],
+                     mask=old[:, None] & nm[None, :], other=0.0)
+        xs = tl.where(old[:, None], xo.to(dtype), xs)
+        bs = tl.where(old[:, None], bo.to(dtype), bs)
+    return xs, _chunk_dt(s, base, start, end, row0, slot, h, Q, dt_ptr, sdt_ptr, sdt_slot, sdt_q, H, HAS_STATE), bs
+
+
+@triton.jit
+def _pick(values, at, idx):
+    """values[at] for each at, values indexed by idx: exact (one term of each sum is not zero)."""
+    return tl.sum(tl.where(idx[None, :] == at[:, None], values[None, :], 0.0), axis=1)
+
+
 @triton.jit(do_not_specialize=["x_t", "x_h", "b_t", "b_g", "c_t", "c_g", "y_t", "y_h", "ssm_slot", "ssm_h", "ssm_p",
                                "sx_slot", "sx_q", "sx_h", "sdt_slot", "sdt_q", "sb_slot", "sb_q", "sb_g"],
             do_not_specialize_on_alignment=SPAN_POINTERS)
@@ -107,7 +152,7 @@ def _ssd_scan_kernel(x_ptr, dt_ptr, B_ptr, C_ptr, A_log_ptr, D_ptr, y_ptr, cu_pt
                      ssm_slot, ssm_h, ssm_p, sx_slot, sx_q, sx_h, sdt_slot, sdt_q, sb_slot, sb_q, sb_g,
                      H, P, N, Q, HEADS_PER_GROUP,
                      HAS_STATE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     g = h // HEADS_PER_GROUP
@@ -119,11 +164,11 @@ def _ssd_scan_kernel(x_ptr, dt_ptr, B_ptr, C_ptr, A_log_ptr, D_ptr, y_ptr, cu_pt
     A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     Dh = tl.load(D_ptr + h).to(tl.float32)
     q = tl.arange(0, BLOCK_Q)
+    cols = tl.arange(0, BLOCK_S)
     rows_in = tl.arange(0, BLOCK_L)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     nn = tl.arange(0, BLOCK_N)
     pm, nm, qm = p < P, nn < N, q < Q
-    dtype = x_ptr.dtype.element_ty
 
     S = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     if HAS_STATE:
@@ -134,22 +179,9 @@ def _ssd_scan_kernel(x_ptr, dt_ptr, B_ptr, C_ptr, A_log_ptr, D_ptr, y_ptr, cu_pt
     c_stop = tl.where(n > 0, (end + Q - 1) // Q, c_first)
     for c in range(c_first, c_stop):
         base = c * Q
-        pos = base + q
-        new = (pos >= start) & (pos < end) & qm
-        rows = row0 + pos - start
-        xc = tl.load(x_ptr + rows[:, None] * x_t + h * x_h + p[None, :], mask=new[:, None] & pm[None, :], other=0.0)
-        dtc = tl.load(dt_ptr + rows * H + h, mask=new, other=0.0)
-        bc = tl.load(B_ptr + rows[:, None] * b_t + g * b_g + nn[None, :], mask=new[:, None] & nm[None, :], other=0.0)
-        if HAS_STATE:
-            old = (pos < start) & qm  # the open chunk's earlier tokens, kept in the slot
-            xo = tl.load(sx_ptr + slot * sx_slot + q[:, None] * sx_q + h * sx_h + p[None, :],
-                         mask=old[:, None] & pm[None, :], other=0.0)
-            dto = tl.load(sdt_ptr + slot * sdt_slot + q * sdt_q + h, mask=old, other=0.0)
-            bo = tl.load(sB_ptr + slot * sb_slot + q[:, None] * sb_q + g * sb_g + nn[None, :],
-                         mask=old[:, None] & nm[None, :], other=0.0)
-            xc = tl.where(old[:, None], xo.to(dtype), xc)
-            dtc = tl.where(old, dto, dtc)
-            bc = tl.where(old[:, None], bo.to(dtype), bc)
+        # the chunk's dt (this pass's and the slot's), for its prefix sums: a [Q] vector, the one thing of the
+        # chunk kept across its row blocks; x and B are loaded per block of BLOCK_S columns where used
+        dtc = _chunk_dt(q, base, start, end, row0, slot, h, Q, dt_ptr, sdt_ptr, sdt_slot, sdt_q, H, HAS_STATE)
         cum = tl.cumsum(dtc * A, axis=0)
         lo = tl.maximum(start, base) - base
         hi = tl.minimum(end, base + Q) - base
@@ -160,12 +192,19 @@ def _ssd_scan_kernel(x_ptr, dt_ptr, B_ptr, C_ptr, A_log_ptr, D_ptr, y_ptr, cu_pt
             lrows = row0 + lpos - start
             cr = tl.load(C_ptr + lrows[:, None] * c_t + g * c_g + nn[None, :], mask=lnew[:, None] & nm[None, :],
                          other=0.0)
-            cb = tl.dot(cr, tl.trans(bc), input_precision="ieee")
-            cum_l = tl.sum(tl.where(q[None, :] == l[:, None], cum[None, :], 0.0), axis=1)  # exact: one term
-            causal = (q[None, :] <= l[:, None]) & qm[None, :]
-            decay = tl.exp(tl.where(causal, cum_l[:, None] - cum[None, :], 0.0))
-            w = tl.where(causal, (cb * decay) * dtc[None, :], 0.0)
-            inner = _dot_split_left(w, xc, SPLIT)
+            cum_l = _pick(cum, l, q)
+            inner = tl.zeros([BLOCK_L, BLOCK_P], dtype=tl.float32)
+            # the column blocks up to the block's last row (the rest are causal zeros), ascending: a fixed order
+            for sb in range(0, (tl.minimum(rb * BLOCK_L + BLOCK_L, Q) + BLOCK_S - 1) // BLOCK_S):
+                s = sb * BLOCK_S + cols
+                xs, dts, bs = _chunk_columns(s, base, start, end, row0, slot, h, g, p, nn, pm, nm, Q, x_ptr, dt_ptr,
+                                             B_ptr, sx_ptr, sdt_ptr, sB_ptr, x_t, x_h, b_t, b_g, sx_slot, sx_q, sx_h,
+                                             sdt_slot, sdt_q, sb_slot, sb_q, sb_g, H, HAS_STATE)
+                cb = tl.dot(cr, tl.trans(bs), input_precision="ieee")
+                causal = (s[None, :] <= l[:, None]) & (s < Q)[None, :]
+                decay = tl.exp(tl.where(causal, cum_l[:, None] - _pick(cum, s, q)[None, :], 0.0))
+                w = tl.where(causal, (cb * decay) * dts[None, :], 0.0)
+                inner += _dot_split_left(w, xs, SPLIT)
             carried = tl.exp(cum_l)[:, None] * _dot_split_right(cr, tl.trans(S), SPLIT)
             xr = tl.load(x_ptr + lrows[:, None] * x_t + h * x_h + p[None, :], mask=lnew[:, None] & pm[None, :],
                          other=0.0).to(tl.float32)
@@ -173,8 +212,14 @@ def _ssd_scan_kernel(x_ptr, dt_ptr, B_ptr, C_ptr, A_log_ptr, D_ptr, y_ptr, cu_pt
                      mask=lnew[:, None] & pm[None, :])
         if base + Q <= end:
             cum_end = tl.sum(tl.where(q == Q - 1, cum, 0.0), axis=0)
-            weights = tl.where(qm, tl.exp(tl.where(qm, cum_end - cum, 0.0)) * dtc, 0.0)
-            u = _dot_split_left(tl.trans(xc.to(tl.float32) * weights[:, None]), bc, SPLIT)
+            u = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+            for sb in range(0, (Q + BLOCK_S - 1) // BLOCK_S):
+                s = sb * BLOCK_S + cols
+                xs, dts, bs = _chunk_columns(s, base, start, end, row0, slot, h, g, p, nn, pm, nm, Q, x_ptr, dt_ptr,
+                                             B_ptr, sx_ptr, sdt_ptr, sB_ptr, x_t, x_h, b_t, b_g, sx_slot, sx_q, sx_h,
+                                             sdt_slot, sdt_q, sb_slot, sb_q, sb_g, H, HAS_STATE)
+                weights = tl.where(s < Q, tl.exp(tl.where(s < Q, cum_end - _pick(cum, s, q), 0.0)) * dts, 0.0)
+                u += _dot_split_left(tl.trans(xs.to(tl.float32) * weights[:, None]), bs, SPLIT)
             S = (tl.exp(cum_end) * S + u).to(ssm_ptr.dtype.element_ty).to(tl.float32)
     if HAS_STATE:
         # the boundary state moved (a chunk closed), or a fresh sequence replaces the slot's old one
@@ -263,7 +308,8 @@ def ssd(x, dt, B, C, A_log, D, dt_bias, spans: SeqSpans, state, chunk: int, dt_l
                            spans_t.slots, ssm, sx, sdt, sB, x.stride(0), x.stride(1), B.stride(0), B.stride(1),
                            C.stride(0), C.stride(1), y.stride(0), y.stride(1), *strides, h, p, n, chunk, h // g,
                            HAS_STATE=has_state, BLOCK_L=BLOCK_L, BLOCK_Q=block_q, BLOCK_P=block_p, BLOCK_N=block_n,
-                           SPLIT=split and x.element_size() == 2, num_warps=num_warps, enable_fp_fusion=False)
+                           BLOCK_S=min(BLOCK_S, block_q), SPLIT=split and x.element_size() == 2, num_warps=num_warps,
+                           enable_fp_fusion=False)
     if has_state:
         _keep_open_chunk_kernel[(t,)](x, dtd, B, spans_t.row_seq, spans_t.cu_seqlens, spans_t.starts, spans_t.slots,
                                       sx, sdt, sB, x.stride(0), x.stride(1), B.stride(0), B.stride(1), *strides[3:],
