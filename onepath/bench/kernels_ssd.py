@@ -130,7 +130,8 @@ def prefill(args, s: dict, dtype: torch.dtype, gen: torch.Generator) -> list[dic
         moved = sum(x.numel() * x.element_size() for x in inputs) + t * s["heads"] * s["head_dim"] * 4
         bound_us = max(moved / hbm, flops / tensor) * 1e6
         row = dict(sequences=seqs, length=length, tokens=t, us=us, tflops=flops / us * 1e-6, gb_s=moved / us * 1e-3,
-                   hbm_bound_us=moved / hbm * 1e6, tensor_bound_us=flops / tensor * 1e6, fraction_of_bound=bound_us / us)
+                   hbm_bound_us=moved / hbm * 1e6, tensor_bound_us=flops / tensor * 1e6,
+                   fraction_of_bound=bound_us / us)
         split = ""
         if args.device == "cuda" and dtype.itemsize == 2:  # what the split dots cost: the kernel with one rounding
             from onepath.ops.cuda.ssd import ssd as kernel

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from tests.interpret import check_recorder, interpreted_checks, patch_gemm_interpreter, print_checks
 
-CHECKS = ["discretise_is_softplus_and_limits", "ssd_values_match_a_float64_loop", "ssd_bfloat16_values_near_a_float64_loop",
-          "ssd_every_phase_gives_the_same_bits", "ssd_column_blocks_every_phase",
-          "ssd_a_sequence_has_its_bits_beside_others", "ssd_bfloat16_every_phase", "ssd_a_reused_slot_starts_afresh",
+CHECKS = ["discretise_is_softplus_and_limits", "ssd_values_match_a_float64_loop",
+          "ssd_bfloat16_values_near_a_float64_loop", "ssd_every_phase_gives_the_same_bits",
+          "ssd_column_blocks_every_phase", "ssd_a_sequence_has_its_bits_beside_others", "ssd_bfloat16_every_phase", "ssd_a_reused_slot_starts_afresh",
           "ssd_control_stock_paths_move_bits", "ssd_control_the_replay_reads_the_slot", "conv1d_values",
           "conv1d_every_phase_gives_the_same_bits", "conv1d_control_the_state_is_read", "gated_rmsnorm_values",
           "gated_rmsnorm_rows_alone_equal_rows_in_batch"]

@@ -19,8 +19,9 @@ chunk: kept whole, x and B (each in the dots' layouts too) spilled registers at 
 (docs/ops/ssd.md). A row's value depends on its chunk's inputs, S_c and its row of C alone: the tile shapes
 (BLOCK_L rows, BLOCK_S columns, BLOCK_P, N), the column blocks a row block sums and their order, and every dot's
 K order are constants, a row sits at row l % BLOCK_L of its block in every phase, and rows of the block that are
-not this pass's (C loaded as zeros) only fill MMA rows whose results are not stored. Decode is the same program on the one row block that holds its token: it replays the
-chunk, never a one-step recurrence. Dots take their operands in x's dtype (tensor cores for BF16), FP32 accumulate.
+not this pass's (C loaded as zeros) only fill MMA rows whose results are not stored. Decode is the same program on
+the one row block that holds its token: it replays the chunk, never a one-step recurrence. Dots take their operands
+in x's dtype (tensor cores for BF16), FP32 accumulate.
 x, B and C are inputs in that dtype; W, S_c and x * weights are FP32 values, and rounding them to BF16 once (as
 mamba-ssm's kernels do) keeps 8 of their 24 significant bits. So with 16-bit inputs each such operand goes in as
 hi + lo (hi its BF16 rounding, lo the remainder's): two dots, hi's then lo's, summed in FP32, about 16 bits kept
