@@ -9,8 +9,9 @@
 #   evidence-lr  the four runs at lr 1e-4 from the same warm start (what makes the mismatch grow)
 #   tests        the GPU tests not yet passed: DeepSeek-V4's graph / engine-trainer cases, the baseline's library
 #                FP8 GEMM at K 2816 (~6 min)
-#   hybrid       the SSD kernels' GPU tests (the split dots changed their bits), the Nemotron-H model's, and the
-#                sliced hybrid's gates (C7 with the split); then bench/kernels_ssd.py (the split's cost)
+#   hybrid       the SSD kernels' GPU tests (the split dots and the column blocks changed their bits), the
+#                Nemotron-H model's, and the sliced hybrid's gates (C7 with the split); then bench/kernels_ssd.py
+#                (the split's cost, 8 warps beside 4)
 #   moe-calibrate  evidence-moe.yaml's warm start (600 steps, uncalibrated): val/score after it and one RL step, at
 #                300 and 600 warm-start steps (the issue wants 0.2-0.5), consistent mode
 #   grouped-ws   the warp-specialized grouped FP8 kernel's GPU tests, with the tile map's aligned first rows (its
@@ -20,8 +21,9 @@
 #                benchmark, consistent / baseline (issue 34's 0.913)
 #   family       bench/family_run.py for DeepSeek-V4 then Nemotron-H (8 layers on an H100)
 #   moe-bench    bench/kernels_moe.py at 256 and 8192 tokens (a quiet GPU: nothing beside it)
-#   agentic      issue 35 on the GPU: the server's and the long episodes' GPU tests, bench/long_episode.py (4 x 32,768-token episodes, diff = 0, peak memory),
-#                then the code task's GRPO run (onepath/configs/code.yaml, consistent) and its metrics
+#   agentic      issue 35 on the GPU: the server's and the long episodes' GPU tests, bench/long_episode.py
+#                (4 x 32,768-token episodes, diff = 0, peak memory), then the code task's GRPO run
+#                (onepath/configs/code.yaml, consistent) and its metrics
 #   serve        bench/serve.py: 256 streams through the server against the engine alone (issue 35's target), at
 #                Python's GIL switch interval and at 0.5 ms
 set -uo pipefail
