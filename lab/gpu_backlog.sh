@@ -65,7 +65,7 @@ moe-calibrate() {
   for steps in 300 600; do
     timeout 280 python -m onepath train --config onepath/configs/evidence-moe.yaml --out "/tmp/moe-ws$steps" \
       --warm_start.steps $steps --train.steps 1 --train.val_every 1 --mode consistent --quiet 2>&1 | tail -6
-    cp "/tmp/moe-ws$steps/consistent/metrics.jsonl" "$OUT/moe-ws$steps-metrics.jsonl" 2>/dev/null
+    cp "/tmp/moe-ws$steps/metrics.jsonl" "$OUT/moe-ws$steps-metrics.jsonl" 2>/dev/null
   done
 }
 grouped-ws() {
@@ -88,7 +88,7 @@ agentic() {
   timeout 300 python bench/long_episode.py --out "$OUT/long-episode-qwen3-0.6b.json" 2>&1 | tail -12
   timeout 250 python -m onepath train --config onepath/configs/code.yaml --device cuda --mode consistent --quiet \
     --out /tmp/code-gpu 2>&1 | tail -12
-  cp /tmp/code-gpu/consistent/metrics.jsonl "$OUT/code-gpu-metrics.jsonl" 2>/dev/null
+  cp /tmp/code-gpu/metrics.jsonl "$OUT/code-gpu-metrics.jsonl" 2>/dev/null
 }
 serve() {
   for ms in 5 0.5; do
