@@ -16,12 +16,11 @@ MARKERS = {"hermes": ("<tool_call>",), "deepseek": (DS_CALLS_BEGIN, DS_CALL_BEGI
 class IncrementalText:
     """The text of a growing list of token ids, handed out in pieces whose concatenation is the decode of
     the whole (a piece waits while its last bytes are an incomplete UTF-8 character). skip: token ids left
-    out of the text (a chat turn's end-of-turn token). The pieces come from tokenizers' DecodeStream (one call
-    into the tokenizer a token, its own window of earlier tokens: a stream serves a token in a few microseconds,
-    where decoding a window twice took several times that)."""
+    out of the text (a chat turn's end-of-turn token). The pieces come from tokenizers' DecodeStream: one call
+    into the tokenizer a token, over its own window of earlier tokens (docs/serve.md: its cost)."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool, skip: tuple[int, ...] = ()):
-        self.tokenizer, self.skip_special, self.skip = tokenizer, skip_special_tokens, set(skip)
+        self.tokenizer, self.skip = tokenizer, set(skip)
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []
         self.text = ""

@@ -505,7 +505,7 @@ class GRPOTrainer:
             rounds.append(metrics)
             if not t.filter_groups:
                 return responses, rewards, metrics
-            keep = [g for g in range(len(rows)) if bool(spread[g])]
+            keep = spread.nonzero().flatten().tolist()
             keep = keep[:t.prompts_per_step - kept_groups]
             generated += len(rows)
             if keep:
