@@ -10,8 +10,9 @@
 #   tests        the GPU tests not yet passed: DeepSeek-V4's graph / engine-trainer cases, the baseline's library
 #                FP8 GEMM at K 2816 (~6 min)
 #   hybrid       the SSD kernels' GPU tests (the split dots and the column blocks changed their bits), the
-#                Nemotron-H model's, and the sliced hybrid's gates (C7 with the split); then bench/kernels_ssd.py
-#                (the split's cost, 8 warps beside 4)
+#                Nemotron-H model's, and the sliced hybrid's gates (C7 with the split)
+#   ssd-bench    bench/kernels_ssd.py (the split's cost, 8 warps beside 4; a quiet GPU)
+#   checks       grouped-ws, hybrid, tests and agentic-tests at once (correctness only, no timings: ~9 min)
 #   moe-calibrate  evidence-moe.yaml's warm start (600 steps, uncalibrated): val/score after it and one RL step, at
 #                300 and 600 warm-start steps (the issue wants 0.2-0.5), consistent mode
 #   grouped-ws   the warp-specialized grouped FP8 kernel's GPU tests, with the tile map's aligned first rows (its
@@ -21,7 +22,8 @@
 #                benchmark, consistent / baseline (issue 34's 0.913)
 #   family       bench/family_run.py for DeepSeek-V4 then Nemotron-H (8 layers on an H100)
 #   moe-bench    bench/kernels_moe.py at 256 and 8192 tokens (a quiet GPU: nothing beside it)
-#   agentic      issue 35 on the GPU: the server's and the long episodes' GPU tests, bench/long_episode.py
+#   agentic-tests  the server's and the long episodes' GPU tests
+#   agentic      issue 35 on the GPU: agentic-tests, bench/long_episode.py
 #                (4 x 32,768-token episodes, diff = 0, peak memory), then the code task's GRPO run
 #                (onepath/configs/code.yaml, consistent) and its metrics
 #   serve        bench/serve.py: 256 streams through the server against the engine alone (issue 35's target), at
@@ -80,11 +82,22 @@ grouped-ws() {
 hybrid() {
   timeout 360 python -m pytest -q -rf --tb=short -p no:cacheprovider -m "gpu_smoke or gpu" tests/ops/test_ssd_gpu.py \
     tests/models/test_nemotron_h_gpu.py tests/consistency/test_hybrid_check_gpu.py 2>&1 | tail -40 | tee "$OUT/hybrid.txt"
+}
+ssd-bench() {
   timeout 240 python bench/kernels_ssd.py --warps 8 --out "$OUT/kernels-ssd.json" 2>&1 | tail -30
 }
-agentic() {
+agentic-tests() {
   timeout 200 python -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/serve/test_app_gpu.py \
     tests/*/test_long_episode_gpu.py 2>&1 | tail -20 | tee "$OUT/agentic-tests.txt"
+}
+checks() {  # each job's output lands in its own $OUT file; the console gets their tails after all end
+  local job pids=()
+  for job in grouped-ws hybrid tests agentic-tests; do "$job" > "$OUT/console-$job.txt" 2>&1 & pids+=($!); done
+  wait "${pids[@]}"
+  for job in grouped-ws hybrid tests agentic-tests; do echo "-- $job"; tail -8 "$OUT/console-$job.txt"; done
+}
+agentic() {
+  agentic-tests
   timeout 300 python bench/long_episode.py --out "$OUT/long-episode-qwen3-0.6b.json" 2>&1 | tail -12
   timeout 250 python -m onepath train --config onepath/configs/code.yaml --device cuda --mode consistent --quiet \
     --out /tmp/code-gpu 2>&1 | tail -12
