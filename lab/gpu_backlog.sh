@@ -6,7 +6,8 @@
 #   evidence     the four dense >= 150-step runs (two at once) and the figure: $OUT/evidence.tgz (~8 min)
 #   wall         consistent then baseline, 20 steps each, one after the other, from evidence's warm start: the
 #                wall time comparison the issue asks for (needs evidence's runs/ on the same warm machine)
-#   evidence-lr  the four runs at lr 1e-4 from the same warm start (what makes the mismatch grow)
+#   evidence-lr  the four runs at lr 1e-4 (what makes the mismatch grow), from evidence's warm start where the
+#                machine has it
 #   tests        the GPU tests not yet passed: DeepSeek-V4's graph / engine-trainer cases, the baseline's library
 #                FP8 GEMM at K 2816 (~6 min)
 #   hybrid       the SSD kernels' GPU tests (the split dots and the column blocks changed their bits), the
@@ -32,12 +33,18 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source lab/gpu_call.sh
 E=runs/evidence-dense
-evidence() {
-  local files=("$E/*/metrics.jsonl" "$E/*/spec.json" "$E/*/summary.json" "$E/*.log" "$E/report.png" "$E/evidence.json")
-  keep evidence "${files[@]}"
-  EVIDENCE_CONCURRENT=2 EVIDENCE_ARGS="--train.save_every 25" timeout 560 \
-    bash bench/evidence.sh onepath/configs/evidence-dense.yaml "$E" 2>&1 | grep -v "it/s" | tail -30
-  snap evidence "${files[@]}"
+evidence() { runs "$E" ""; }
+evidence-lr() {  # from evidence's warm start where this machine has it, else from its own
+  local L=runs/evidence-dense-lr1e-4
+  [[ -d $E/warm_start && ! -d $L ]] && mkdir -p "$L" && cp -r "$E/data" "$E/warm_start" "$L/"
+  runs "$L" "--train.lr 1e-4"
+}
+runs() {  # DIR EXTRA: the four runs of evidence-dense.yaml with EXTRA settings, two at once, the figure
+  local files=("$1/*/metrics.jsonl" "$1/*/spec.json" "$1/*/summary.json" "$1/*.log" "$1/report.png" "$1/evidence.json")
+  keep "$(basename "$1")" "${files[@]}"
+  EVIDENCE_CONCURRENT=2 EVIDENCE_ARGS="$2 --train.save_every 25" timeout 560 \
+    bash bench/evidence.sh onepath/configs/evidence-dense.yaml "$1" 2>&1 | grep -v "it/s" | tail -30
+  snap "$(basename "$1")" "${files[@]}"
 }
 wall() {
   for mode in consistent baseline; do
@@ -47,15 +54,6 @@ wall() {
       --out "/tmp/wall-$mode" 2>&1 | tail -4
     cp "/tmp/wall-$mode/metrics.jsonl" "$OUT/wall-$mode-metrics.jsonl"
   done
-}
-evidence-lr() {
-  local L=runs/evidence-dense-lr1e-4
-  mkdir -p "$L" && cp -r "$E/data" "$E/warm_start" "$L/"
-  local files=("$L/*/metrics.jsonl" "$L/*/summary.json" "$L/*.log" "$L/report.png" "$L/evidence.json")
-  keep evidence-lr "${files[@]}"
-  EVIDENCE_CONCURRENT=2 EVIDENCE_ARGS="--train.lr 1e-4 --train.save_every 25" timeout 560 \
-    bash bench/evidence.sh onepath/configs/evidence-dense.yaml "$L" 2>&1 | grep -v "it/s" | tail -30
-  snap evidence-lr "${files[@]}"
 }
 tests() {
   timeout 540 python -m pytest -q -rf --tb=line -p no:cacheprovider -m "gpu_smoke or gpu" \
