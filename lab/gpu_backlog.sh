@@ -39,10 +39,14 @@ evidence-lr() {  # from evidence's warm start where this machine has it, else fr
   [[ -d $E/warm_start && ! -d $L ]] && mkdir -p "$L" && cp -r "$E/data" "$E/warm_start" "$L/"
   runs "$L" "--train.lr 1e-4"
 }
-runs() {  # DIR EXTRA: the four runs of evidence-dense.yaml with EXTRA settings, two at once, the figure
+runs() {  # DIR EXTRA: the four runs of evidence-dense.yaml with EXTRA settings, the figure; two at once on an
+  # 80 GB card, all four on a larger one (four held 14.6-24.7 GiB each: bench/results/evidence/README.md)
   local files=("$1/*/metrics.jsonl" "$1/*/spec.json" "$1/*/summary.json" "$1/*.log" "$1/report.png" "$1/evidence.json")
+  local mib at_once=2
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  (( ${mib:-0} > 120000 )) && at_once=4
   keep "$(basename "$1")" "${files[@]}"
-  EVIDENCE_CONCURRENT=2 EVIDENCE_ARGS="$2 --train.save_every 25" timeout 560 \
+  EVIDENCE_CONCURRENT=$at_once EVIDENCE_ARGS="$2 --train.save_every 25" timeout 560 \
     bash bench/evidence.sh onepath/configs/evidence-dense.yaml "$1" 2>&1 | grep -v "it/s" | tail -30
   snap "$(basename "$1")" "${files[@]}"
 }
