@@ -259,7 +259,7 @@ def fp8_library_cuda(op: OpSpec, x, x2, qw, bias, out_dtype):
         if pad or wide != k:
             codes = qa.codes.new_zeros(m + pad, wide)
             codes[:m, :k] = qa.codes
-        scales = qa.scales.new_ones(wide // 128, m + pad).t()  # outer-dim major, written once
+        scales = qa.scales.new_ones(-(-wide // 128), m + pad).t()  # outer-dim major, written once
         scales[:m, :qa.scales.shape[1]] = qa.scales
         try:
             w = widened(qw, wide)

@@ -189,7 +189,7 @@ def test_baselines_library_fp8_call_pads_rows_and_keeps_the_librarys_refusal(mon
     outer-dim major, 128x128 weight scales whose columns start 16-byte aligned: K/128 a multiple of 4, where the
     H100's library gave wrong products otherwise) and multiplies the dequantised operands: every batch size's rows
     come back unpadded and equal to the unwidened product, K = 384 widened to 512 (the weight as given, or prepared
-    widened once); a refusal, or products off the dequantised GEMM's at a shape's first call, is kept with its reason
+    widened once); K = 1000 (a partial scale block) refused by the library; a refusal, or products off the dequantised GEMM's at a shape's first call, is kept with its reason
     and the dequantised GEMM answers instead."""
     import sys
     import types
@@ -207,6 +207,8 @@ def test_baselines_library_fp8_call_pads_rows_and_keeps_the_librarys_refusal(mon
 
     def scaled_mm(a, b, scale_a, scale_b, out_dtype):
         m, k = a.shape
+        if k % 128:  # as the library: its scale blocks are whole 128-wide blocks of K
+            raise RuntimeError(f"Invalid scaling configuration: K {k}")
         assert m % LQ.SCALED_MM_ROWS == 0 and scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m)
         assert scale_b.shape == (k // 128, b.shape[1] // 128) and scale_b.stride() == (1, k // 128)
         assert (k // 128) % 4 == 0, f"K {k}: the weight scales' columns would not start 16-byte aligned"
@@ -234,6 +236,14 @@ def test_baselines_library_fp8_call_pads_rows_and_keeps_the_librarys_refusal(mon
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     # m = 1, 37, 48 padded to whole multiples of SCALED_MM_ROWS, K = 384 widened to 512
     assert calls == [(m, 512) for m in (16, 16, 48, 48, 48, 48)] * 2
+
+    # a K that is not a multiple of 128 (the last scale block partial) is the library's to refuse: the dequantised GEMM
+    qw4 = quantize(torch.randn(64, 1000, generator=gen), op.weight)
+    for m in (1, 37):
+        x = torch.randn(m, 1000, generator=gen)
+        got = LQ.fp8_library_cuda(op, x, x, qw4, None, torch.float32)
+        assert torch.equal(got, LQ.dequantized_gemm(quantize(x, op.act), qw4).float())
+    assert LQ._SCALED_MM_REFUSED[(64, 1000)] == "RuntimeError: Invalid scaling configuration: K 1000"
 
     # a shape whose first product the library gets wrong is refused by the first call's check: the dequantised GEMM
     monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: scaled_mm(*args, **kwargs) * 1.5)
