@@ -150,7 +150,6 @@ def test_a_captured_decode_step_replays_the_eager_bits_gpu():
         passes(sp, inputs, p, [0, s], st, slot=i)
         causal_conv1d(sp, inputs[0][:s].reshape(s, -1), conv_w, conv_b, SeqSpans.of((0, s), (s,), (i,), "cuda"),
                       ring)
-    eager_st, eager_ring = SSDState(*(v.clone() for v in (st.ssm, st.x, st.dt, st.B))), ring.clone()
     positions, slots = torch.zeros(b, dtype=torch.long, device="cuda"), torch.arange(b, device="cuda")
     bufs = [torch.zeros_like(v[:b]) for v in seqs[0]]
 
@@ -163,7 +162,8 @@ def test_a_captured_decode_step_replays_the_eager_bits_gpu():
         positions[i] = s
         for k in range(4):
             bufs[k][i] = seqs[i][k][s]
-    step(st, ring, SeqSpans.decode(positions, slots))  # compile outside the capture
+    step(st, ring, SeqSpans.decode(positions, slots))  # compile outside the capture (it runs step 0: token s)
+    eager_st, eager_ring = SSDState(*(v.clone() for v in (st.ssm, st.x, st.dt, st.B))), ring.clone()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = step(st, ring, SeqSpans.decode(positions, slots))

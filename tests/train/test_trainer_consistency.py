@@ -36,11 +36,11 @@ def engine_vs_trainer(engine_model, policy, update: bool, sampling=PARAMS, promp
         outs = engine.generate(step_prompts, params, request_ids=[step * 100 + i for i in range(len(step_prompts))])
         r = Responses.build([o.prompt_token_ids for o in outs], [o.token_ids for o in outs], params,
                             [o.logprobs for o in outs])
-        lp, _ = actor.logprobs(r)
-        diffs.append(rollout_diff(r.rollout_logprobs, lp.detach(), r.mask))
+        lp, _ = actor.logprobs(r)  # on the policy's device; the rollout's tensors on the CPU
+        diffs.append(rollout_diff(r.rollout_logprobs, lp.detach().cpu(), r.mask))
         if update:
-            advantages = torch.randn(len(outs), generator=gen)
-            loss, _ = policy_loss(lp, lp.detach(), advantages, r.mask, 0.2)
+            advantages = torch.randn(len(outs), generator=gen).to(lp.device)
+            loss, _ = policy_loss(lp, lp.detach(), advantages, r.mask.to(lp.device), 0.2)
             before = {n: p.detach().clone() for n, p in policy.named_parameters()} if after_update else None
             actor.update(loss)
             if after_update:
