@@ -60,15 +60,25 @@ if __name__ == "__main__":
     print_checks(_run_checks)
 
 
+def test_launch_shapes_cover_every_length():
+    """Each row length gets the first shipped shape whose longest row covers it; the last covers any."""
+    from onepath.ops.cuda import topk
+
+    assert [topk.launch_shape(n) for n in (0, 1, 1024, 1025, 2048, 8192, 16384, 16385, 1 << 20)] == [
+        (1024, 4), (1024, 4), (1024, 4), (2048, 8), (2048, 8), (4096, 8), (4096, 8), (8192, 16), (8192, 16)]
+
+
 def test_kernel_builds_for_sm90():
-    """The kernel as the GPU compiles it (the interpreter runs code the compiler refuses, a constexpr assigned in a
-    static loop for one): it builds for sm_90 within shared memory, and keeps its 64-bit position stores."""
+    """The kernel as the GPU compiles it at each shipped launch shape (the interpreter runs code the compiler
+    refuses, a constexpr assigned in a static loop for one): it builds for sm_90 within shared memory, and keeps
+    its 64-bit position stores."""
     from onepath.ops.cuda import topk
     from tests.interpret import SM90_SHARED_BYTES, build_sm90
 
     sig = dict(s_ptr="*fp32", v_ptr="*i8", o_ptr="*i64", L="i32", K="i32", s_stride="i32", v_stride="i32",
                o_stride="i32")
-    config = type("Launch", (), dict(num_warps=topk.NUM_WARPS, num_stages=1))
-    built = build_sm90(topk._index_topk_kernel, sig, dict(BLOCK=topk.BLOCK, RADIX=topk.RADIX),
-                       ("s_ptr", "v_ptr", "o_ptr"), config)
-    assert built.metadata.shared <= SM90_SHARED_BYTES and "st.global" in built.asm["ptx"]
+    for _, block, warps in topk.LAUNCH_SHAPES:
+        config = type("Launch", (), dict(num_warps=warps, num_stages=1))
+        built = build_sm90(topk._index_topk_kernel, sig, dict(BLOCK=block, RADIX=topk.RADIX),
+                           ("s_ptr", "v_ptr", "o_ptr"), config)
+        assert built.metadata.shared <= SM90_SHARED_BYTES and "st.global" in built.asm["ptx"], (block, warps)

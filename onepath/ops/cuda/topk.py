@@ -18,9 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024     # entries a pass reads at a time
 RADIX = 8        # bits of the key resolved per pass: 4 passes over 32 bits
-NUM_WARPS = 4
+# (longest row, entries a pass reads at a time, warps): the first whose row length covers the call's. A row is one
+# program, its passes a loop over blocks: wider blocks with more warps take fewer steps on long rows (measured at
+# 8192 and 32768 entries, k = 2048: bench/results/deepseek_v4/topk-sweep-h200.json); a row shorter than a block
+# reads it masked
+LAUNCH_SHAPES = ((1024, 1024, 4), (2048, 2048, 8), (16384, 4096, 8), (None, 8192, 16))
+
+
+def launch_shape(length: int) -> tuple[int, int]:
+    """(block, num_warps) of the kernel for rows of `length` entries (LAUNCH_SHAPES)."""
+    return next((block, warps) for longest, block, warps in LAUNCH_SHAPES if longest is None or length <= longest)
 
 
 @triton.jit
@@ -78,12 +86,14 @@ def _index_topk_kernel(s_ptr, v_ptr, o_ptr, L, K, s_stride, v_stride, o_stride,
         tl.store(o_row + offs, tl.full([BLOCK], -1, tl.int64), mask=(offs >= written) & (offs < K))
 
 
-def index_topk(scores: torch.Tensor, valid: torch.Tensor, k: int, block: int = BLOCK,
-               num_warps: int = NUM_WARPS) -> torch.Tensor:
+def index_topk(scores: torch.Tensor, valid: torch.Tensor, k: int, block: int | None = None,
+               num_warps: int | None = None) -> torch.Tensor:
     """scores [..., L] FP32, valid [..., L] bool -> [..., k] int64 positions, descending, -1 where none. block and
-    num_warps move the time, never the result: the selection is exact integer logic in any block (the bench's
-    sweep, python -m onepath.bench.deepseek_v4 topk --sweep)."""
+    num_warps (default: launch_shape(L)) move the time, never the result: the selection is exact integer logic in
+    any block (the bench's sweep, python -m onepath.bench.deepseek_v4 topk --sweep)."""
     length, rows = scores.shape[-1], math.prod(scores.shape[:-1])
+    shape = launch_shape(length)
+    block, num_warps = block or shape[0], num_warps or shape[1]
     # (rows, not -1: a context with no compressed entry yet has length 0)
     s = scores.reshape(rows, length).float().contiguous()
     v = valid.reshape(rows, length).to(torch.int8).contiguous()
