@@ -12,6 +12,9 @@
 #                FP8 GEMM at K 2816 (~6 min)
 #   hybrid       the SSD kernels' GPU tests (the split dots and the column blocks changed their bits), the
 #                Nemotron-H model's, and the sliced hybrid's gates (C7 with the split)
+#   reruns       the GPU tests session 27's call failed and the CPU mended (the captured SSD decode step, DeepSeek-V4's
+#                engine = trainer / baseline / planted ties, the library FP8 GEMM), then C7 over 8 CUDA draws (is
+#                mamba.ssm's 2.15x the stock path's error the draw or the CUDA path?) (~5 min)
 #   ssd-bench    bench/kernels_ssd.py (the split's cost, 8 warps beside 4; a quiet GPU)
 #   checks       grouped-ws, hybrid, tests and agentic-tests at once (correctness only, no timings: ~9 min)
 #   moe-calibrate  evidence-moe.yaml's warm start (600 steps, uncalibrated): val/score after it and one RL step, at
@@ -84,6 +87,12 @@ grouped-ws() {
 hybrid() {
   timeout 360 python -m pytest -q -rf --tb=short -p no:cacheprovider -m "gpu_smoke or gpu" tests/ops/test_ssd_gpu.py \
     tests/models/test_nemotron_h_gpu.py tests/consistency/test_hybrid_check_gpu.py 2>&1 | tail -40 | tee "$OUT/hybrid.txt"
+}
+reruns() {
+  timeout 300 python -m pytest -q -rf --tb=short -p no:cacheprovider -m "gpu_smoke or gpu" tests/ops/test_ssd_gpu.py \
+    tests/models/test_deepseek_v4_gpu.py tests/ops/test_linear_fp8_gpu.py -k "captured_decode_step or engine_equals \
+    or baseline_trainer or planted or baseline_runs_the_librarys" 2>&1 | tail -30 | tee "$OUT/reruns.txt"
+  timeout 200 python lab/c7_bf16_draws.py 8 cuda 2>&1 | tail -16 | tee "$OUT/c7-cuda-draws.log"
 }
 ssd-bench() {
   timeout 240 python bench/kernels_ssd.py --warps 8 --out "$OUT/kernels-ssd.json" 2>&1 | tail -30
