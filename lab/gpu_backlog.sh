@@ -22,7 +22,8 @@
 #   grouped-ws   the warp-specialized grouped FP8 kernel's GPU tests, with the tile map's aligned first rows (its
 #                first launch faulted at an unaligned TMA coordinate); compute-sanitizer on its first case if
 #                they fail
-#   dsv4-bench   DeepSeek-V4's index_topk (k = 2048) against torch.topk (issue 34's 5.9 us), then its rollout
+#   dsv4-bench   DeepSeek-V4's index_topk (k = 2048) against torch.topk (issue 34's 5.9 us), lab/topk_split.py's
+#                rows cut over many programs beside it, eager and in CUDA graphs, then its rollout
 #                benchmark, consistent / baseline (issue 34's 0.913)
 #   family       bench/family_run.py for DeepSeek-V4 then Nemotron-H (8 layers on an H100)
 #   moe-bench    bench/kernels_moe.py at 256 and 8192 tokens (a quiet GPU: nothing beside it)
@@ -125,7 +126,8 @@ dsv4-bench() {
     # shellcheck disable=SC2086
     timeout 90 python -m onepath.bench.deepseek_v4 topk $shape --sweep 2>&1 | tail -16 | tee -a "$OUT/topk.txt"
   done
-  timeout 420 python -m onepath.bench.deepseek_v4 rollout --out "$OUT/rollout-flash-4l.json" 2>&1 | tail -12
+  timeout 120 python lab/topk_split.py 2>&1 | tail -4 | tee "$OUT/topk-split.txt"
+  timeout 400 python -m onepath.bench.deepseek_v4 rollout --out "$OUT/rollout-flash-4l.json" 2>&1 | tail -12
 }
 family() {
   for preset in deepseek-v4-flash-4l "nemotron-3-nano-13l --layers 8"; do
