@@ -295,6 +295,7 @@ class TrainSection(_Section):
     overlong_penalty_factor: float = 1.0
     seed: int = 0
     val_every: int = 5            # score the held-out split every N steps and at the last; 0 = off
+    val_before_train: bool = False  # also score it once before the first update, logged as step 0 (verl's name)
     val_temperature: float | None = None  # null = rollout.temperature; 0 = greedy
     log_every: int = 1
     save_every: int = 0           # checkpoint run_dir/step_N (weights + trainer state) every N steps; 0 = last only

@@ -42,7 +42,7 @@ LEFTOVER = re.compile(r"\.+(step_\d+|metrics\.jsonl)\..*(tmp|old)-")
 # summation order). train.micro_batch_tokens is not among them: it changes that order within a rank.
 MAY_CHANGE = frozenset({
     "out", "mode", "train.steps", "train.save_every", "train.keep_last", "train.log_every",
-    "train.val_every", "train.val_temperature", "data.val_path", "train.recompute",
+    "train.val_every", "train.val_temperature", "train.val_before_train", "data.val_path", "train.recompute",
     "logger.wandb", "logger.project", "logger.name",
     "rollout.max_num_seqs", "rollout.max_num_batched_tokens", "rollout.num_blocks", "rollout.prefill_chunk_size",
     "rollout.gpu_memory_utilization", "rollout.cuda_graphs", "parallel.rollout", "parallel.trainer", "parallel.tp",

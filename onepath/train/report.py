@@ -167,7 +167,8 @@ def _load(runs) -> list[tuple[str, Path, list[dict]]]:
         if not history:
             raise ValueError(f"{run / 'metrics.jsonl'} has no steps yet: report after the first step is logged")
         for m in history:
-            missing = [key for key in REQUIRED if key not in m]
+            # step 0 (train.val_before_train) is a validation alone
+            missing = [key for key in ((VAL_SCORE,) if m.get("step") == 0 else REQUIRED) if key not in m]
             if missing:
                 raise ValueError(f"{run / 'metrics.jsonl'} step {m.get('step')} lacks {', '.join(missing)}: "
                                  "was it written by `onepath train`?")

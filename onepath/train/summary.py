@@ -27,11 +27,14 @@ def wall_time(history: list[dict]) -> dict | None:
 
 
 def mode_summary(history: list[dict]) -> dict:
-    """Diff figures are over the steps that measured them (train.old_logprob every_n / skip measure fewer)."""
+    """Diff figures are over the steps that measured them (train.old_logprob every_n / skip measure fewer). A
+    step-0 record (train.val_before_train: a validation alone) counts in the val scores and the wall time only."""
+    scores = [m["val/score"] for m in history if "val/score" in m]
+    wall = wall_time(history)
+    history = [m for m in history if m.get("step") != 0]
     rewards = [m["critic/score/mean"] for m in history]
     verified = [m for m in history if all(k in m for k in DIFF_KEYS)]
     exact = [all(m[k] == 0.0 for k in DIFF_KEYS) for m in verified]
-    scores = [m["val/score"] for m in history if "val/score" in m]
     head, tail = rewards[:5], rewards[-5:]
     return {
         "steps": len(history),
@@ -43,7 +46,7 @@ def mode_summary(history: list[dict]) -> dict:
         "reward_last5": sum(tail) / max(len(tail), 1),
         "rollout_tokens_per_s": sum(m["perf/rollout_tokens_per_s"] for m in history) / max(len(history), 1),
         "val_score_last": scores[-1] if scores else None,
-        "wall": wall_time(history),
+        "wall": wall,
     }
 
 

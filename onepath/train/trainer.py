@@ -623,7 +623,8 @@ class GRPOTrainer:
         return logprobs, entropies, pg, routing
 
     def validate(self, step: int) -> dict:
-        """val/score: the mean reward of one sample per held-out row, under the weights this step trained."""
+        """val/score: the mean reward of one sample per held-out row, under the weights this step trained (step 0:
+        the weights the run starts from)."""
         r, t, rows = self.cfg.rollout, self.cfg.train, self.setup.test_rows
         start = time.perf_counter()
         temperature = r.temperature if t.val_temperature is None else t.val_temperature
@@ -687,12 +688,17 @@ class GRPOTrainer:
                      f"(engine; the trainer's {self.trainer_spec.hash()}, trainer_quant {self.cfg.trainer_quant})")
             tqdm.write(f"[{self.spec.mode}] ExecutionSpec {self.spec.hash()} {sides}")
             checkpoint.remove_leftovers(self.run_dir)
-            kept = checkpoint.rewind_metrics(self.run_dir, self.start)
-            history = [{k: v for k, v in r.items() if k != "step"} for r in kept]
+            # a fresh run keeps no row, not even a step-0 validation its killed first try logged
+            kept = checkpoint.rewind_metrics(self.run_dir, self.start or -1)
+            history = [{k: v for k, v in r.items() if k != "step"} for r in kept if r.get("step") != 0]
         t = self.cfg.train
         logger = MetricsLogger(self.run_dir, console=progress, purge_step=self.start + 1 if self.start else None,
                                wandb=self.wandb_settings(), console_every=t.log_every) if first else nullcontext()
         with logger, self.closing():
+            if t.val_before_train and self.start == 0 and self.setup.test_rows:
+                metrics = self.validate(0)  # the weights the run starts from; in metrics.jsonl, not in history
+                if first:
+                    logger.log(0, metrics)
             for step in tqdm(range(self.start + 1, t.steps + 1), desc=self.spec.mode, disable=not progress, leave=False,
                              initial=self.start, total=t.steps):
                 metrics = self.step(step)

@@ -1,6 +1,7 @@
 """train.old_logprob (verify | every_n | skip): in consistent mode all three train the same weights
 bit for bit, the payoff of diff = 0; in baseline mode they differ (negative control).
-train.val_every: evaluation on the held-out split leaves the training trajectory untouched.
+train.val_every (and train.val_before_train): evaluation on the held-out split leaves the training trajectory
+untouched.
 GSM8K- and DAPO-style rows load from JSONL and parquet and run GRPO steps with math_answer."""
 from pathlib import Path
 
@@ -71,6 +72,32 @@ def test_evaluation_leaves_the_training_trajectory_untouched(tmp_path, reward, m
     assert all("val/score" not in m for m in plain_history)
     records = read_metrics(tmp_path / "val")
     assert [0 <= r["val/score"] <= 1 and r["val/response_length/mean"] > 0 for r in records] == [True] * 3
+
+
+def test_validation_before_training_is_step_0_and_leaves_the_trajectory_untouched(tmp_path, reward):
+    """train.val_before_train: one validation of the starting weights, logged as step 0 in metrics.jsonl (not in
+    the run's history); the weights and training records are those of a run without it; the report, the summary
+    and a resume take the step-0 record as a validation alone, and the resume logs it once."""
+    from onepath.train.report import report_figure, report_summary
+
+    plain, plain_history = train(tmp_path, "consistent", "plain", "--train.reward", reward)
+    before, history = train(tmp_path, "consistent", "before", "--train.reward", reward, "--train.val_before_train",
+                            "true")
+    assert same_weights(plain, before)
+    assert [training(m) for m in history] == [training(m) for m in plain_history]
+    run = tmp_path / "before"
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [0, 1, 2, 3] and "critic/score/mean" not in records[0]
+    assert 0 <= records[0]["val/score"] <= 1 and all("val/score" not in r for r in records[1:])
+    (summary,) = report_summary([run]).values()
+    assert summary["steps"] == 3 and summary["val_score_last"] == records[0]["val/score"]
+    val = next(ax for ax in report_figure([run]).axes if ax.get_label() == "val")
+    assert list(val.lines[0].get_xdata()) == [0]
+    # a resume to step 4 keeps step 0 as it was and does not validate before its first step again
+    more = config(tmp_path, "--train.reward", reward, "--train.val_before_train", "true", "--train.steps", "4")
+    resumed = GRPOTrainer(more, "consistent", prepare(more, tmp_path, progress=False), run, resume=True)
+    assert len(resumed.run(progress=False)) == 4
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3, 4] and read_metrics(run)[0] == records[0]
 
 
 def test_evaluation_steps_request_ids_and_temperature(tmp_path, monkeypatch):
