@@ -103,10 +103,10 @@ agentic-tests() {
     tests/*/test_long_episode_gpu.py 2>&1 | tail -20 | tee "$OUT/agentic-tests.txt"
 }
 checks() {  # each job's output lands in its own $OUT file; the console gets their tails after all end
-  local job pids=()
-  for job in grouped-ws hybrid tests agentic-tests; do "$job" > "$OUT/console-$job.txt" 2>&1 & pids+=($!); done
+  local job pids=() jobs=(grouped-ws hybrid tests agentic-tests)
+  for job in "${jobs[@]}"; do "$job" > "$OUT/console-$job.txt" 2>&1 & pids+=($!); done
   wait "${pids[@]}"
-  for job in grouped-ws hybrid tests agentic-tests; do echo "-- $job"; tail -8 "$OUT/console-$job.txt"; done
+  for job in "${jobs[@]}"; do echo "-- $job"; tail -8 "$OUT/console-$job.txt"; done
 }
 agentic() {
   agentic-tests

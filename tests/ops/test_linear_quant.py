@@ -189,8 +189,8 @@ def test_baselines_library_fp8_call_pads_rows_and_keeps_the_librarys_refusal(mon
     outer-dim major, 128x128 weight scales whose columns start 16-byte aligned: K/128 a multiple of 4, where the
     H100's library gave wrong products otherwise) and multiplies the dequantised operands: every batch size's rows
     come back unpadded and equal to the unwidened product, K = 384 widened to 512 (the weight as given, or prepared
-    widened once); K = 1000 (a partial scale block) refused by the library; a refusal, or products off the dequantised GEMM's at a shape's first call, is kept with its reason
-    and the dequantised GEMM answers instead."""
+    widened once); K = 1000 (a partial scale block) refused by the library; a refusal, or products off the
+    dequantised GEMM's at a shape's first call, is kept with its reason and the dequantised GEMM answers instead."""
     import sys
     import types
 
