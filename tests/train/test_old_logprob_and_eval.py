@@ -85,6 +85,9 @@ def test_validation_before_training_is_step_0_and_leaves_the_trajectory_untouche
                             "true")
     assert same_weights(plain, before)
     assert [training(m) for m in history] == [training(m) for m in plain_history]
+    # control: the comparison sees a run that did move (another sampling seed)
+    assert not same_weights(plain, train(tmp_path, "consistent", "seed1", "--train.reward", reward, "--train.seed",
+                                         "1")[0])
     run = tmp_path / "before"
     records = read_metrics(run)
     assert [r["step"] for r in records] == [0, 1, 2, 3] and "critic/score/mean" not in records[0]
