@@ -272,7 +272,8 @@ def settings_of(args) -> list[tuple[int, bool]]:
 
 
 def train(actor: Actor, r, episodes, args) -> dict:
-    """Forward + backward of one GRPO loss at each setting, then one AdamW step on the last one's gradients."""
+    """Forward + backward of one GRPO loss at each setting, then one AdamW step on the last one's gradients (the last
+    setting that did not run out of memory)."""
     device = actor.model.device
     mask, old = r.mask.to(device), r.rollout_logprobs.to(device)
     # no task for a random policy: the mean of its token ids is a score that differs within the group
@@ -309,6 +310,10 @@ def train(actor: Actor, r, episodes, args) -> dict:
     if reference is None:
         raise RuntimeError("every micro-batch setting ran out of memory: give --micro-batch-tokens one episode "
                            f"(--tokens {args.tokens}) or lower --gpu-memory-utilization")
+    if "error" in rows[-1]:  # the failed setting's backward cleared the gradients: the last good one's again
+        good = next(row for row in reversed(rows) if "error" not in row)
+        actor.recompute = good["recompute"]
+        actor.backward(r, loss_fn, good["micro_batch_tokens"] or None, forward=partial(masked_logprobs, actor))
     before = [p.detach().clone() for p in actor.model.parameters()]
     start = time.perf_counter()
     grad_norm = actor.step()

@@ -107,6 +107,18 @@ def test_a_setting_out_of_memory_is_reported_and_the_others_still_run(monkeypatc
 
     monkeypatch.setattr(actor, "backward", whole_batch_too_big)
     trainer = long_episode.train(actor, r, episodes, args)
-    assert [s.get("error") for s in trainer["settings"]] == [
-        None, "out of memory: CUDA out of memory. Tried to allocate 9.00 GiB", None]
+    oom = "out of memory: CUDA out of memory. Tried to allocate 9.00 GiB"
+    assert [s.get("error") for s in trainer["settings"]] == [None, oom, None]
     assert trainer["weights_changed_frac"] > 0.5
+
+    # the last settings out of memory too (an H100's first 32K run): the step still takes a good setting's
+    # gradients, not the cleared ones the failed backward left
+    def only_micro_batches_with_recompute(r, loss_fn, micro_batch_tokens=None, **kwargs):
+        if micro_batch_tokens is None or not actor.recompute:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return backward(r, loss_fn, micro_batch_tokens, **kwargs)
+
+    monkeypatch.setattr(actor, "backward", only_micro_batches_with_recompute)
+    trainer = long_episode.train(actor, r, episodes, args)
+    assert [s.get("error") for s in trainer["settings"]] == [None, oom, oom]
+    assert trainer["grad_norm"] > 0 and trainer["weights_changed_frac"] > 0.5

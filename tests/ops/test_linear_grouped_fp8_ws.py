@@ -129,14 +129,15 @@ def test_pick_takes_the_warp_specialized_kernel_from_128_rows_a_group_on_hopper(
     assert gm.pick_grouped_kernel(128 * 128, 128, 2048, torch.bfloat16, cpu) is None  # not Hopper
     monkeypatch.setattr(gm, "is_hopper", lambda device: True)
     monkeypatch.setattr(gm, "interpreting", lambda: False)
-    assert not gm.GROUPED_WS_BY_DEFAULT  # off until it passes on a GPU
-    assert gm.pick_grouped_kernel(128 * 128, 128, 2048, torch.bfloat16, cpu) is None
-    monkeypatch.setattr(gm, "GROUPED_WS_BY_DEFAULT", True)
+    assert gm.GROUPED_WS_BY_DEFAULT  # on since it passed and was timed on a GPU
     assert gm.pick_grouped_kernel(128 * 128, 128, 2048, torch.bfloat16, cpu) == gm.GROUPED_WS_CONFIG
     assert gm.pick_grouped_kernel(8192 * 8, 128, 768, torch.float32, cpu) == gm.GROUPED_WS_CONFIG
     assert gm.pick_grouped_kernel(256 * 8, 128, 2048, torch.bfloat16, cpu) is None  # decode: the Triton tiles
     assert gm.pick_grouped_kernel(128 * 128, 128, 200, torch.bfloat16, cpu) is None  # K rows not 16-byte multiples
     monkeypatch.setattr(gm, "interpreting", lambda: True)
+    assert gm.pick_grouped_kernel(128 * 128, 128, 2048, torch.bfloat16, cpu) is None
+    monkeypatch.setattr(gm, "interpreting", lambda: False)
+    monkeypatch.setattr(gm, "GROUPED_WS_BY_DEFAULT", False)
     assert gm.pick_grouped_kernel(128 * 128, 128, 2048, torch.bfloat16, cpu) is None
 
 

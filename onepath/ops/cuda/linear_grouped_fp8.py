@@ -44,14 +44,12 @@ from onepath.ops.host import to_device
 
 # The warp-specialized kernel's grouped layout: the dense training layout (128x128, 5 stages, persistent, wait1),
 # taken once the groups average GROUPED_WS_MIN_ROWS_PER_GROUP rows, enough to fill its 128-row M tiles; below
-# (a decode step's ~16 rows an expert), the Triton kernel's 64-row tiles. Not yet timed against each other.
+# (a decode step's ~16 rows an expert), the Triton kernel's 64-row tiles, faster there (the timings:
+# docs/ops/linear.md, the warp-specialized grouped kernel). Both give the same bits.
 GROUPED_WS_CONFIG = WS_CONFIG
 GROUPED_WS_MIN_ROWS_PER_GROUP = 128
-# Off until the kernel passes its GPU tests (its first launch's fault and its fix: docs/ops/linear.md, the
-# warp-specialized grouped kernel); pick_grouped_kernel then keeps the Triton kernel everywhere,
-# and a WSConfig passed as `config` still forces the warp-specialized one (the GPU tests, the bench's
-# grouped_fp8_ws column).
-GROUPED_WS_BY_DEFAULT = False
+# False keeps the Triton kernel everywhere (a WSConfig passed as `config` still forces the warp-specialized one).
+GROUPED_WS_BY_DEFAULT = True
 
 
 def pick_grouped_fp8_config(counts: list[int], n: int, num_sms: int) -> TileConfig:
@@ -66,7 +64,7 @@ def pick_grouped_fp8_config(counts: list[int], n: int, num_sms: int) -> TileConf
 def pick_grouped_kernel(m: int, groups: int, k: int, out_dtype: torch.dtype, device: torch.device) -> WSConfig | None:
     """GROUPED_WS_CONFIG where the warp-specialized kernel runs without a copy (on Hopper, not interpreted, the
     codes' rows 16-byte multiples) and the rows average GROUPED_WS_MIN_ROWS_PER_GROUP a group; else None (the
-    Triton kernel); None everywhere while GROUPED_WS_BY_DEFAULT is off. M and G only, never the sizes: a CUDA
+    Triton kernel); None everywhere with GROUPED_WS_BY_DEFAULT off. M and G only, never the sizes: a CUDA
     graph's launch stays valid under any routing."""
     if (GROUPED_WS_BY_DEFAULT and k % TMA_ALIGN == 0 and out_dtype in OUT_DTYPES
             and m >= GROUPED_WS_MIN_ROWS_PER_GROUP * groups and not interpreting() and is_hopper(device)):
