@@ -2,37 +2,25 @@
 # The GPU work still open (issues 31-35), one job per name, each made to end inside one device call's ten minutes
 # and to leave its results in $OUT as it goes (a machine taken back mid-call keeps what was copied):
 #   bash lab/gpu_backlog.sh JOB [JOB...]        (with .whl carried: lab/gpu_call.sh installs it)
-# Jobs, in the order they are owed:
-#   evidence     the four dense >= 150-step runs (two at once) and the figure: $OUT/evidence.tgz (~8 min)
-#   wall         consistent then baseline, 20 steps each, one after the other, from evidence's warm start: the
-#                wall time comparison the issue asks for (needs evidence's runs/ on the same warm machine)
-#   evidence-lr  the four runs at lr 1e-4 (what makes the mismatch grow), from evidence's warm start where the
-#                machine has it
-#   tests        the GPU tests not yet passed: DeepSeek-V4's graph / engine-trainer cases, the baseline's library
-#                FP8 GEMM at K 2816 (~6 min)
-#   hybrid       the SSD kernels' GPU tests (the split dots and the column blocks changed their bits), the
-#                Nemotron-H model's, and the sliced hybrid's gates (C7 with the split)
-#   reruns       the GPU tests session 27's call failed and the CPU mended (the captured SSD decode step, DeepSeek-V4's
-#                engine = trainer / baseline / planted ties, the library FP8 GEMM), then C7 over 8 CUDA draws (is
-#                mamba.ssm's 2.15x the stock path's error the draw or the CUDA path?) (~5 min)
-#   ssd-bench    bench/kernels_ssd.py (the split's cost, 8 warps beside 4; a quiet GPU)
-#   checks       grouped-ws, hybrid, tests and agentic-tests at once (correctness only, no timings: ~9 min)
-#   moe-calibrate  evidence-moe.yaml's warm start (600 steps, uncalibrated): val/score after it and one RL step, at
-#                300 and 600 warm-start steps (the issue wants 0.2-0.5), consistent mode
-#   grouped-ws   the warp-specialized grouped FP8 kernel's GPU tests, with the tile map's aligned first rows (its
-#                first launch faulted at an unaligned TMA coordinate); compute-sanitizer on its first case if
-#                they fail
-#   dsv4-bench   DeepSeek-V4's index_topk (k = 2048) against torch.topk (issue 34's 5.9 us), lab/topk_split.py's
-#                rows cut over many programs beside it, eager and in CUDA graphs, then its rollout
-#                benchmark, consistent / baseline (issue 34's 0.913)
-#   family       bench/family_run.py for DeepSeek-V4 then Nemotron-H (8 layers on an H100)
-#   moe-bench    bench/kernels_moe.py at 256 and 8192 tokens (a quiet GPU: nothing beside it)
-#   agentic-tests  the server's and the long episodes' GPU tests
-#   agentic      issue 35 on the GPU: agentic-tests, bench/long_episode.py
-#                (4 x 32,768-token episodes, diff = 0, peak memory), then the code task's GRPO run
-#                (onepath/configs/code.yaml, consistent) and its metrics
+# Jobs, in the order they are owed (session 28 ran evidence, reruns, moe-bench, dsv4-bench, ssd-bench, the 32K
+# episodes' consistent half and the MoE warm start at 300 steps: bench/results/tests/gpu-tests.log):
+#   wall         consistent then baseline, 20 steps each, one after the other, from evidence's warm start (its own
+#                where the machine lacks it): the wall time comparison the issue asks for (~4 min)
+#   dsv4-rollout DeepSeek-V4's rollout benchmark, consistent / baseline (issue 34's 0.913; it failed to build its
+#                engine on the H100 in session 28)
+#   long-episode bench/long_episode.py: 4 x 32,768-token episodes, consistent and baseline, diff = 0 before and
+#                after the update, peak memory per micro-batch setting (~8 min)
+#   family       bench/family_run.py for DeepSeek-V4 then Nemotron-H (8 layers on an H100): the 30-step runs
 #   serve        bench/serve.py: 256 streams through the server against the engine alone (issue 35's target), at
 #                Python's GIL switch interval and at 0.5 ms
+#   code         the code task's GRPO run on the GPU (onepath/configs/code.yaml, consistent) and its metrics
+#   evidence-moe the four MoE runs (evidence-moe.yaml, warm start 300 steps), two at once (~10 min: may need two
+#                calls; a second call resumes from the runs' checkpoints on the same warm machine)
+#   evidence-lr  the four dense runs at lr 1e-4 (what makes the mismatch grow), from evidence's warm start where the
+#                machine has it
+#   evidence     the four dense >= 150-step runs (two at once) and the figure (~8 min)
+#   checks, grouped-ws, hybrid, tests, reruns, agentic-tests: GPU test groups (correctness only)
+#   ssd-bench, moe-bench, dsv4-bench, moe-calibrate: the kernel timings and the MoE warm start's calibration
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source lab/gpu_call.sh
@@ -43,18 +31,21 @@ evidence-lr() {  # from evidence's warm start where this machine has it, else fr
   [[ -d $E/warm_start && ! -d $L ]] && mkdir -p "$L" && cp -r "$E/data" "$E/warm_start" "$L/"
   runs "$L" "--train.lr 1e-4"
 }
-runs() {  # DIR EXTRA: the four runs of evidence-dense.yaml with EXTRA settings, the figure; two at once on an
-  # 80 GB card, all four on a larger one (four held 14.6-24.7 GiB each: bench/results/evidence/README.md)
+runs() {  # DIR EXTRA [CONFIG]: the four runs of CONFIG (evidence-dense.yaml) with EXTRA settings, the figure; two at
+  # once on an 80 GB card, all four on a larger one (four dense runs held 14.6-24.7 GiB each:
+  # bench/results/evidence/README.md)
   local files=("$1/*/metrics.jsonl" "$1/*/spec.json" "$1/*/summary.json" "$1/*.log" "$1/report.png" "$1/evidence.json")
   local mib at_once=2
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   (( ${mib:-0} > 120000 )) && at_once=4
   keep "$(basename "$1")" "${files[@]}"
   EVIDENCE_CONCURRENT=$at_once EVIDENCE_ARGS="$2 --train.save_every 25" timeout 560 \
-    bash bench/evidence.sh onepath/configs/evidence-dense.yaml "$1" 2>&1 | grep -v "it/s" | tail -30
+    bash bench/evidence.sh "${3:-onepath/configs/evidence-dense.yaml}" "$1" 2>&1 | grep -v "it/s" | tail -30
   snap "$(basename "$1")" "${files[@]}"
 }
-wall() {
+wall() {  # from evidence's warm start where this machine has it, else its own (the same config, ~35 s)
+  [[ -d $E/warm_start ]] || python -m onepath train --config onepath/configs/evidence-dense.yaml --out "$E" \
+    --train.steps 0 --quiet 2>&1 | tail -2
   for mode in consistent baseline; do
     local extra=(); [[ $mode == baseline ]] && extra=(--trainer_quant none)
     python -m onepath train --config onepath/configs/evidence-dense.yaml --model.path "$E/warm_start" \
@@ -108,13 +99,18 @@ checks() {  # each job's output lands in its own $OUT file; the console gets the
   wait "${pids[@]}"
   for job in "${jobs[@]}"; do echo "-- $job"; tail -8 "$OUT/console-$job.txt"; done
 }
-agentic() {
-  agentic-tests
-  timeout 300 python bench/long_episode.py --out "$OUT/long-episode-qwen3-0.6b.json" 2>&1 | tail -12
-  timeout 250 python -m onepath train --config onepath/configs/code.yaml --device cuda --mode consistent --quiet \
+long-episode() {
+  timeout 560 python bench/long_episode.py --out "$OUT/long-episode-qwen3-0.6b.json" 2>&1 | tail -12
+}
+code() {
+  timeout 400 python -m onepath train --config onepath/configs/code.yaml --device cuda --mode consistent --quiet \
     --out /tmp/code-gpu 2>&1 | tail -12
   cp /tmp/code-gpu/metrics.jsonl "$OUT/code-gpu-metrics.jsonl" 2>/dev/null
 }
+dsv4-rollout() {
+  timeout 540 python -m onepath.bench.deepseek_v4 rollout --out "$OUT/rollout-flash-4l.json" 2>&1 | tail -14
+}
+evidence-moe() { runs runs/evidence-moe "" onepath/configs/evidence-moe.yaml; }
 serve() {
   for ms in 5 0.5; do
     timeout 280 python bench/serve.py --model qwen3-0.6b --device cuda --requests 256 --prompt-len 512 \
