@@ -3,21 +3,26 @@ given to the engine directly (LLMEngine.generate); tokens/s of both and their ra
 
     python bench/serve.py --model tiny --device cpu --requests 32 --prompt-len 32 --max-tokens 64
     python bench/serve.py --model qwen3-0.6b --device cuda --requests 256 --prompt-len 512 --max-tokens 512 \
-        --out bench/results/serve/serve-qwen3-0.6b-h200.json
+        --out bench/results/serve/serve-qwen3-0.6b-process-h200.json
 
 The model is a random one of a bench shape (onepath/bench/workloads.py) with a synthetic tokenizer of its
 vocabulary (one word per token id: the server decodes every streamed token as it would a real one). Every
-request samples max_tokens tokens (ignore_eos), so both sides run the same tokens. The server and its engine
-run in this process as `onepath serve` runs them; the clients run in a second process (raw HTTP/1.1, one
-connection per stream, SSE parsed, tokens counted from each chunk's token_ids), so their parsing does not
-take the server's CPU. Each side runs once untimed first (kernels compiled, CUDA graphs captured).
-The engine thread and the HTTP thread share the GIL: --gil-switch-ms bounds how long one waits for the other.
+request samples max_tokens tokens (ignore_eos), so both sides run the same tokens. The engine runs in this
+process; the HTTP front end in a process of its own (--front-end process, serve/frontend.py) or in a thread of
+this one (--front-end thread: the two share the GIL, and --gil-switch-ms bounds how long one waits for the
+other). The clients run in a further process (raw HTTP/1.1, one connection per stream, SSE parsed, tokens
+counted from each chunk's token_ids), so their parsing does not take the server's CPU. Each side runs once
+untimed first (kernels compiled, CUDA graphs captured), then --repeat times, the two alternating (the engine
+alone runs inside EngineLoop.held()). Beside tokens/s, each side's CPU seconds: this process's (the engine's,
+all its threads), the front end process's and the clients' (from /proc on Linux), which say what the engine's
+process pays per token whatever else loads the machine.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -40,6 +45,7 @@ from onepath.numerics.spec import ExecutionSpec  # noqa: E402
 from onepath.ops import Ops  # noqa: E402
 from onepath.serve.app import HTTPServer, ServedModel, build_app  # noqa: E402
 from onepath.serve.engine_loop import EngineLoop  # noqa: E402
+from onepath.serve.frontend import FrontEnd  # noqa: E402
 
 NAME = "bench"
 
@@ -71,19 +77,33 @@ def prompts(args, vocab: int) -> list[list[int]]:
 
 def direct(engine: LLMEngine, ids: list[list[int]], args) -> dict:
     params = [SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=i) for i in range(len(ids))]
-    start = time.perf_counter()
+    start, cpu, steps = time.perf_counter(), time.process_time(), engine.stats.steps
     outputs = engine.generate(ids, params)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(len(o.token_ids) for o in outputs)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "errors": sum(o.error is not None for o in outputs)}
+            "errors": sum(o.error is not None for o in outputs), "engine_steps": engine.stats.steps - steps,
+            "engine_process_cpu_s": cpu}
 
 
-def through_server(url: str, ids: list[list[int]], args) -> dict:
+def through_server(url: str, ids: list[list[int]], args, engine: LLMEngine, front_end_pid: int | None) -> dict:
     """The clients' process: every request streamed at once; tokens counted from the chunks."""
     job = json.dumps({"url": url, "prompts": ids, "max_tokens": args.max_tokens})
+    cpu, front, steps = time.process_time(), cpu_seconds(front_end_pid), engine.stats.steps
     out = subprocess.run([sys.executable, __file__, "--client"], input=job, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
+    result = {**json.loads(out.stdout), "engine_steps": engine.stats.steps - steps,
+              "engine_process_cpu_s": time.process_time() - cpu}
+    if front_end_pid is not None:
+        result["front_end_process_cpu_s"] = cpu_seconds(front_end_pid) - front
+    return result
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """A process's user + system CPU seconds so far (Linux /proc)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def stream(host: str, port: int, body: dict) -> tuple[int, str | None]:
@@ -115,13 +135,13 @@ async def clients(job: dict) -> dict:
     host, port = job["url"].removeprefix("http://").rsplit(":", 1)
     bodies = [{"model": NAME, "prompt": p, "max_tokens": job["max_tokens"], "ignore_eos": True, "seed": i,
                "stream": True} for i, p in enumerate(job["prompts"])]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     results = await asyncio.gather(*(stream(host, int(port), b) for b in bodies))
     seconds = time.perf_counter() - start
     tokens = sum(t for t, _ in results)
     errors = [e for _, e in results if e is not None]
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "errors": len(errors),
-            "first_error": errors[0] if errors else None}
+            "first_error": errors[0] if errors else None, "clients_cpu_s": time.process_time() - cpu}
 
 
 def main() -> int:
@@ -133,10 +153,15 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batched-tokens", type=int, default=4096, help="max_num_batched_tokens")
+    p.add_argument("--front-end", default="process", choices=("process", "thread"),
+                   help="the HTTP server in a process of its own (as `onepath serve`), or in a thread of the engine's")
     p.add_argument("--gil-switch-ms", type=float, default=None,
                    help="sys.setswitchinterval in ms for this process (default Python's, 5): how long the engine "
                    "thread may wait for the GIL while the HTTP thread holds it")
-    p.add_argument("--out", default=None, help="JSON result (default bench/results/serve/serve-MODEL-DEVICE.json)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="timed runs of each side, alternating; the JSON keeps the run of median ratio, and every ratio")
+    p.add_argument("--out", default=None,
+                   help="JSON result (default bench/results/serve/serve-MODEL-FRONT_END-DEVICE.json)")
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.client:
@@ -149,27 +174,46 @@ def main() -> int:
     tokenizer = synthetic_tokenizer(model_config(args.model).vocab_size)
     ids = prompts(args, model_config(args.model).vocab_size)
     engine = build_engine(args, tokenizer)
-    direct(engine, ids, args)  # untimed
-    result = {"direct": direct(engine, ids, args)}
     loop = EngineLoop(engine).start()
-    server = HTTPServer(build_app(ServedModel(NAME, loop, tokenizer)), "127.0.0.1", 0).start()
+    served = ServedModel(NAME, loop, tokenizer)
+    server = FrontEnd(served, "127.0.0.1", 0) if args.front_end == "process" else \
+        HTTPServer(build_app(served), "127.0.0.1", 0)
+    server.start()
+    pid = server.process.pid if args.front_end == "process" else None
+    runs = []
     try:
-        through_server(server.url, ids, args)  # untimed
-        result["server"] = through_server(server.url, ids, args)
+        for i in range(args.repeat + 1):  # the first untimed
+            with loop.held():  # the engine alone, the server idle
+                alone = direct(engine, ids, args)
+            runs.append((alone, through_server(server.url, ids, args, engine, pid)))
     finally:
         server.stop()
         loop.stop()
-    result["server_over_direct"] = result["server"]["tokens_per_s"] / result["direct"]["tokens_per_s"]
+    repeats = [{"server_over_direct": s["tokens_per_s"] / d["tokens_per_s"],
+                "engine_process_cpu_server_over_direct": s["engine_process_cpu_s"] / d["engine_process_cpu_s"]}
+               for d, s in runs[1:]]
+    median = sorted(range(args.repeat), key=lambda i: repeats[i]["server_over_direct"])[args.repeat // 2]
+    result = {"direct": runs[1 + median][0], "server": runs[1 + median][1], **repeats[median]}
+    if args.repeat > 1:
+        result["repeats"] = repeats
     command = "python bench/serve.py " + shlex.join(sys.argv[1:])
     report = {"command": command, "environment": environment(args.device),
               "settings": {k: v for k, v in vars(args).items() if k not in ("out", "client")}, **result}
-    out = Path(args.out or f"bench/results/serve/serve-{args.model}-{args.device}.json")
+    out = Path(args.out or f"bench/results/serve/serve-{args.model}-{args.front_end}-{args.device}.json")
     save_json(report, out)
     for side in ("direct", "server"):
         r = result[side]
         print(f"{side:>7}: {r['tokens']} tokens in {r['seconds']:.2f} s = {r['tokens_per_s']:.0f} tokens/s, "
-              f"{r['errors']} errors")
-    print(f"server / direct = {result['server_over_direct']:.3f} ({args.requests} streams); wrote {out}")
+              f"{r['errors']} errors, {r['engine_steps']} steps; CPU s: engine's process "
+              f"{r['engine_process_cpu_s']:.2f}"
+              + (f", front end's {r['front_end_process_cpu_s']:.2f}" if "front_end_process_cpu_s" in r else "")
+              + (f", clients' {r['clients_cpu_s']:.2f}" if "clients_cpu_s" in r else ""))
+    if args.repeat > 1:
+        print("server / direct tokens/s in each run: "
+              + ", ".join(f"{r['server_over_direct']:.3f}" for r in result["repeats"]) + "; the median's:")
+    print(f"server / direct = {result['server_over_direct']:.3f} tokens/s, "
+          f"{result['engine_process_cpu_server_over_direct']:.3f} engine-process CPU ({args.requests} streams, "
+          f"front end in a {args.front_end}); wrote {out}")
     return 0
 
 

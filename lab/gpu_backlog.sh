@@ -11,8 +11,8 @@
 #   long-episode bench/long_episode.py: 4 x 32,768-token episodes, consistent and baseline, diff = 0 before and
 #                after the update, peak memory per micro-batch setting (~8 min)
 #   family       bench/family_run.py for DeepSeek-V4 then Nemotron-H (8 layers on an H100): the 30-step runs
-#   serve        bench/serve.py: 256 streams through the server against the engine alone (issue 35's target), at
-#                Python's GIL switch interval and at 0.5 ms
+#   serve        bench/serve.py: 256 streams through the server against the engine alone (issue 35's target), the
+#                HTTP front end in its own process and in the engine's thread
 #   code         the code task's GRPO run on the GPU (onepath/configs/code.yaml, consistent) and its metrics
 #   evidence-moe the four MoE runs (evidence-moe.yaml, warm start 300 steps), two at once (~10 min: may need two
 #                calls; a second call resumes from the runs' checkpoints on the same warm machine)
@@ -111,10 +111,10 @@ dsv4-rollout() {
   timeout 540 python -m onepath.bench.deepseek_v4 rollout --out "$OUT/rollout-flash-4l.json" 2>&1 | tail -14
 }
 evidence-moe() { runs runs/evidence-moe "" onepath/configs/evidence-moe.yaml; }
-serve() {
-  for ms in 5 0.5; do
-    timeout 280 python bench/serve.py --model qwen3-0.6b --device cuda --requests 256 --prompt-len 512 \
-      --max-tokens 512 --gil-switch-ms $ms --out "$OUT/serve-qwen3-0.6b-switch$ms.json" 2>&1 | tail -4
+serve() {  # the front end in a process of its own (the default now) and in the engine's thread, alternating runs
+  for fe in process thread; do
+    timeout 270 python bench/serve.py --model qwen3-0.6b --device cuda --requests 256 --prompt-len 512 \
+      --max-tokens 512 --front-end $fe --repeat 3 --out "$OUT/serve-qwen3-0.6b-$fe.json" 2>&1 | tail -6
   done
 }
 dsv4-bench() {

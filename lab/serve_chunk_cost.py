@@ -58,7 +58,7 @@ async def chunks_us(tokenizer) -> tuple[float, float]:
     class Loop:
         weight_version = 0
     served = ServedModel("bench", Loop(), tokenizer)
-    stream = Stream(asyncio.get_running_loop())
+    stream = Stream(None)
 
     async def produce():  # one delta at a time: each becomes its own chunk
         for i in range(N):

@@ -208,8 +208,9 @@ def serve(argv: list[str]) -> int:
     from onepath.serve import require_extra
     require_extra("onepath serve")
     from onepath.models.checkpoint import load_tokenizer_config
-    from onepath.serve.app import HTTPServer, ServedModel, build_app
+    from onepath.serve.app import ServedModel
     from onepath.serve.engine_loop import EngineLoop
+    from onepath.serve.frontend import FrontEnd
     from onepath.train.data import chat_template
 
     cfg, engine, tokenizer = checkpoint_engine(args, overrides, "serve")
@@ -217,7 +218,7 @@ def serve(argv: list[str]) -> int:
     loop = EngineLoop(engine)
     served = ServedModel(args.served_model_name or args.model, loop, tokenizer, template,
                          cfg.data.chat_template_kwargs or {}, cfg.rollout.tool_format, seed=cfg.rollout.seed)
-    server = HTTPServer(build_app(served), args.host, args.port)
+    server = FrontEnd(served, args.host, args.port)  # the HTTP work in a process of its own
     loop.start()
     server.start()
     chat = f"chat template {template.source}" if template is not None else "no chat template (completions only)"
@@ -228,12 +229,15 @@ def serve(argv: list[str]) -> int:
         raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, stop)
     try:
-        server.thread.join()
+        server.wait()
     except KeyboardInterrupt:
         pass
     finally:
         server.stop()
         loop.stop()
+    if server.failure is not None:
+        print(f"onepath serve: error: {server.failure}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -127,3 +127,42 @@ def run_agent(url: str, toolbox: Toolbox, max_turns: int, reward=None, timeout_s
             list(pool.map(episode, todo))
         done += len(todo)
     raise TimeoutError(f"the trainer did not finish in {timeout_s} s")
+
+
+CALCULATOR_PROMPTS = [[{"role": "system", "content": "Use the calculator."},
+                       {"role": "user", "content": f"What is {i}*{i + 3}?"}] for i in range(6)]
+
+
+def calculator_episodes(max_model_len: int = 1024):
+    """(toolbox, params, episode ids, the episodes run_episodes samples in process) for CALCULATOR_PROMPTS, 3 turns
+    at most: what an agent over HTTP must get back, bit for bit."""
+    from onepath.chat.encoder import ChatEncoder
+    from onepath.chat.tools import calculator
+    from onepath.engine.sampling_params import SamplingParams
+    from onepath.train.episodes import run_episodes
+    from onepath.train.tool_env import ToolEnv
+    toolbox = Toolbox([calculator])
+    engine = chat_engine(max_model_len=max_model_len)
+    chat = ChatEncoder(qwen3_template(), engine.tokenizer, tools=toolbox.schemas, stop_token_ids=engine.eos_token_ids)
+    params = SamplingParams(max_tokens=24, seed=0, stop_token_ids=(chat.end_of_turn_id,))
+    ids = [3_000_000 + i for i in range(len(CALCULATOR_PROMPTS))]
+    expected = run_episodes(engine, [chat.prompt_ids(m) for m in CALCULATOR_PROMPTS], ToolEnv(chat, toolbox, "hermes"),
+                            params, 3, episode_ids=ids, conversations=CALCULATOR_PROMPTS)
+    assert any(e.turns > 1 for e in expected)  # the case has multi-turn episodes
+    return toolbox, params, ids, expected
+
+
+def hang_up_mid_stream(url: str, max_tokens: int = 200) -> None:
+    """A streaming completion over a raw socket, closed once tokens flow (a client that goes away)."""
+    import socket
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps({"model": MODEL, "prompt": "abc", "max_tokens": max_tokens, "ignore_eos": True,
+                       "stream": True}).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    seen = b""
+    while b"token_ids" not in seen:  # tokens are streaming
+        seen += sock.recv(4096)
+    sock.close()
+

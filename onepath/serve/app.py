@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API over an EngineLoop (Starlette, served by uvicorn).
+"""The OpenAI-compatible HTTP API over an EngineLoop (Starlette, served by uvicorn in a thread of the engine's
+process, HTTPServer, or in a process of its own, serve/frontend.py).
 
     GET  /v1/models              the served model, its max_model_len and weight version
     POST /v1/completions         a prompt (text or token ids) -> samples
@@ -41,7 +42,8 @@ SEED_RANGE = 1 << 62
 
 @dataclass
 class ServedModel:
-    """What the handlers serve: the engine loop, its tokenizer and chat template, and the defaults."""
+    """What the handlers serve: the engine loop (in a front end process, serve/frontend.EngineClient, which takes
+    the same calls), its tokenizer and chat template, and the defaults."""
     name: str
     loop: EngineLoop
     tokenizer: Tokenizer
@@ -60,7 +62,7 @@ class ServedModel:
 
     @property
     def max_model_len(self) -> int:
-        return self.loop.engine.scheduler_config.max_model_len
+        return self.loop.max_model_len
 
     def encoder(self, tools: list[dict] | None, kwargs: dict) -> ChatEncoder:
         if self.template is None:
@@ -70,7 +72,7 @@ class ServedModel:
         if key not in self.encoders:
             try:
                 self.encoders[key] = ChatEncoder(self.template, self.tokenizer, tools=tools,
-                                                 stop_token_ids=self.loop.engine.eos_token_ids,
+                                                 stop_token_ids=self.loop.eos_token_ids,
                                                  **{**self.template_kwargs, **kwargs})
             except ChatTemplateError as e:
                 raise RequestError(str(e), "messages") from None
@@ -147,7 +149,7 @@ def build_app(served: ServedModel) -> Starlette:
             raise RequestError("an episode continues a chat: use chat/completions under /episodes/{id}/v1")
         ids = prompt_ids(s, req)
         params = s.params(req.sampling, len(ids), (), None, "prompt")
-        streams = s.loop.submit([(ids, params, i) for i in range(req.sampling.n)], asyncio.get_running_loop())
+        streams = s.loop.submit([(ids, params, i) for i in range(req.sampling.n)])
         rid = f"cmpl-{id(streams[0]):x}"
         decoders = [IncrementalText(s.tokenizer, True) for _ in streams]
         if req.sampling.stream:
@@ -186,7 +188,7 @@ def build_app(served: ServedModel) -> Starlette:
             if episode is not None:
                 s.episodes.release(episode)
             raise
-        streams = s.loop.submit([(ids, params, i) for i in sample_ids], asyncio.get_running_loop())
+        streams = s.loop.submit([(ids, params, i) for i in sample_ids])
         rid = f"chatcmpl-{id(streams[0]):x}"
         call_prefix = episode.call_prefix if episode is not None else f"call_{id(streams[0]):x}"
         if req.sampling.stream:
@@ -236,7 +238,7 @@ def check_model(s: ServedModel, name: str) -> None:
 def prompt_ids(s: ServedModel, req: CompletionRequest) -> list[int]:
     if isinstance(req.prompt, str):
         return s.tokenizer.encode(req.prompt).ids
-    vocab = s.loop.engine.model.config.vocab_size
+    vocab = s.loop.vocab_size
     bad = [t for t in req.prompt if not 0 <= t < vocab]
     if bad:
         raise RequestError(f"prompt holds token id {bad[0]}, outside the vocabulary [0, {vocab})", "prompt")
@@ -442,29 +444,19 @@ async def chat_chunks(s: ServedModel, req: ChatRequest, rid: str, ids: list[int]
 
 
 class HTTPServer:
-    """uvicorn serving an app from a background thread, on a socket bound before it starts (port 0: a free
-    port, read back from .port)."""
+    """uvicorn serving an app from a background thread of this process, on a socket bound before it starts (port 0:
+    a free port, read back from .port). serve/frontend.FrontEnd serves it from a process of its own instead."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 8000):
-        import uvicorn
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.sock.bind((host, port))
-        except OSError as e:
-            self.sock.close()
-            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): pick another port (0: any free one)") \
-                from None
+        self.sock = listen(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
-                                                    timeout_graceful_shutdown=1))
+        self.server = uvicorn_server(app)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="onepath-http")
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return url_of(self.host, self.port)
 
     def start(self) -> HTTPServer:
         self.thread.start()
@@ -478,3 +470,26 @@ class HTTPServer:
         self.server.should_exit = True
         self.thread.join()
         self.sock.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (0: a free port), for a server to start on."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): pick another port (0: any free one)") \
+            from None
+    return sock
+
+
+def uvicorn_server(app):
+    import uvicorn
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                         timeout_graceful_shutdown=1))
+
+
+def url_of(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

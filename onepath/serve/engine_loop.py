@@ -1,9 +1,10 @@
 """EngineLoop: the engine in one background thread, fed by requests from any thread (continuous batching).
 
 A request joins the running batch at the next step; after every step the tokens that reached the host
-are handed to their requests' streams (one call into each asyncio loop per step). A request's tokens
-depend on itself alone: its sampling key is (seed, sample id, position) and the consistent kernels give
-a row the same bits in any batch (DESIGN.md), so joining a batch moves nothing.
+are handed to their requests' streams, one call per sink a step: an asyncio loop of this process (the HTTP
+server in a thread), or the link to a front end process (serve/frontend.py), one message with every request's
+new tokens. A request's tokens depend on itself alone: its sampling key is (seed, sample id, position) and the
+consistent kernels give a row the same bits in any batch (DESIGN.md), so joining a batch moves nothing.
 
 held() gives a caller the engine to itself: admission stops, the requests in flight finish on the weights
 they started with, the thread parks, and requests that arrive meanwhile wait. A weight sync done inside
@@ -17,6 +18,7 @@ import threading
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from onepath.engine.llm_engine import LLMEngine, young_collections_only
 from onepath.engine.sampling_params import SamplingParams
@@ -35,12 +37,31 @@ class Delta:
 
 @dataclass(eq=False)
 class Stream:
-    """One request's deltas, delivered into an asyncio queue from the engine thread."""
-    loop: asyncio.AbstractEventLoop
+    """One request's deltas, as its sink hands them over (into `queue`, where an asyncio loop reads them)."""
+    sink: Sink | None
+    key: int = 0           # the request's id where the sink names it (a front end process's)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: Sequence | None = None
     sent: int = 0          # completion tokens handed out so far
     version: int = 0       # the weight version it was admitted under
+
+
+class Sink(Protocol):
+    def put(self, items: list[tuple[Stream, Delta]]) -> None:
+        """One step's deltas for this sink's streams, called from the engine thread."""
+
+
+class LoopSink:
+    """Deltas into their streams' queues on one asyncio loop: one call into the loop a step."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+
+    def put(self, items: list[tuple[Stream, Delta]]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(put_all, items)
+        except RuntimeError:  # that loop is closed: nobody waits for these
+            pass
 
 
 @dataclass(slots=True)
@@ -66,6 +87,7 @@ class EngineLoop:
         self.stopping = False
         self.failure: BaseException | None = None
         self.next_request_id = 0
+        self.sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
         self.thread = threading.Thread(target=self.run, name="onepath-engine", daemon=True)
 
     def start(self) -> EngineLoop:
@@ -82,15 +104,33 @@ class EngineLoop:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
-    def submit(self, requests: list[tuple[list[int], SamplingParams, int]], loop: asyncio.AbstractEventLoop) -> list[Stream]:
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.scheduler_config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.engine.eos_token_ids)
+
+    def submit(self, requests: list[tuple[list[int], SamplingParams, int]], sink: Sink | None = None,
+               keys: list[int] | None = None) -> list[Stream]:
         """Queue (prompt ids, params, sample id) requests, admitted together at the next step (so they share
-        one weight version); their streams, in order."""
+        one weight version); their streams, in order. sink: where their deltas go (default: their queues, on
+        the calling asyncio loop); keys: the sink's ids for them."""
         if self.failure is not None:
             raise RuntimeError(f"the engine thread stopped: {self.failure!r}")
+        if sink is None:
+            loop = asyncio.get_running_loop()
+            sink = self.sinks.get(loop) or self.sinks.setdefault(loop, LoopSink(loop))
         with self.lock:
             batch = []
-            for prompt_ids, params, sample_id in requests:
-                batch.append(Submission(self.next_request_id, prompt_ids, params, sample_id, Stream(loop)))
+            for i, (prompt_ids, params, sample_id) in enumerate(requests):
+                stream = Stream(sink, keys[i] if keys is not None else self.next_request_id)
+                batch.append(Submission(self.next_request_id, prompt_ids, params, sample_id, stream))
                 self.next_request_id += 1
             self.inbox.append(batch)
             self.wake.notify_all()
@@ -208,14 +248,11 @@ class EngineLoop:
         return updates
 
     def deliver(self, updates: list[tuple[Stream, Delta]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        by_sink: dict[Sink, list] = {}
         for stream, delta in updates:
-            by_loop.setdefault(stream.loop, []).append((stream.queue, delta))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(put_all, items)
-            except RuntimeError:  # that loop is closed: nobody waits for these
-                pass
+            by_sink.setdefault(stream.sink, []).append((stream, delta))
+        for sink, items in by_sink.items():
+            sink.put(items)
 
     def fail_all(self, error: str) -> None:
         with self.lock:
@@ -226,6 +263,6 @@ class EngineLoop:
         self.deliver(updates)
 
 
-def put_all(items: list[tuple[asyncio.Queue, Delta]]) -> None:
-    for queue, delta in items:
-        queue.put_nowait(delta)
+def put_all(items: list[tuple[Stream, Delta]]) -> None:
+    for stream, delta in items:
+        stream.queue.put_nowait(delta)

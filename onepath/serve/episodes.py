@@ -16,9 +16,13 @@ busy with another request, or of another step (409).
 A turn's sampling key is (step seed, the trainer's id for (episode, turn), position): the same key
 run_episodes gives the trainer's own tool episodes, so an agent that does what ToolEnv does gets the
 same episode bit for bit.
+
+With the HTTP front end in a process of its own (serve/frontend.py) the episodes live there, beside the
+handlers, and the trainer holds RemoteEpisodes: the same open / wait / close, carried over the front end's link.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -255,6 +259,56 @@ class AgentEpisodes:
         return [Route("/onepath/rollout", rollout, methods=["GET"]),
                 Route("/episodes/{episode}/finish", finish, methods=["POST"]),
                 Route("/episodes/{episode}", record, methods=["GET"])]
+
+
+class RemoteEpisodes:
+    """The trainer's side of AgentEpisodes (open, wait, close) that live in a front end process: each call is a
+    message (send), and wait() returns when the front end answers with the episodes or the error."""
+
+    def __init__(self, send: Callable[[tuple], None]):
+        self.send = send
+        self.cond = threading.Condition()
+        self.answer: list[Episode] | BaseException | None = None
+
+    def open(self, step: int, version: int, tasks: list[tuple[int, dict]], params: SamplingParams) -> None:
+        with self.cond:
+            self.answer = None
+        self.send(("open", step, version, tasks, params))
+
+    def wait(self, timeout_s: float, failure: Callable[[], BaseException | None] = lambda: None) -> list[Episode]:
+        self.send(("wait", timeout_s))
+        with self.cond:
+            while self.answer is None:
+                if failure() is not None:
+                    raise RuntimeError(f"the engine or its HTTP front end stopped while the agent ran its episodes: "
+                                       f"{failure()!r}")
+                self.cond.wait(1.0)
+            answer, self.answer = self.answer, None
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def close(self) -> None:
+        self.send(("close",))
+
+    def answered(self, answer: list[Episode] | BaseException) -> None:
+        with self.cond:
+            self.answer = answer
+            self.cond.notify_all()
+
+
+async def remote_call(store: AgentEpisodes, call: tuple, failure: Callable[[], object], reply) -> None:
+    """In the front end process: the trainer's call of RemoteEpisodes on the episodes there; wait() replies
+    once the agent has finished them (or with the error it ends in)."""
+    name, *args = call
+    if name != "wait":
+        getattr(store, name)(*args)
+        return
+    try:
+        answer = await asyncio.to_thread(store.wait, *args, failure)
+    except (TimeoutError, RuntimeError) as e:
+        answer = e
+    reply(answer)
 
 
 def canonical(m: dict) -> dict:

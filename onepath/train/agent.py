@@ -18,9 +18,10 @@ class AgentRollout:
         """prompts: the run's train.data.Prompts (its chat encoder: template, kwargs)."""
         from onepath.serve import require_extra
         require_extra("rollout.agent http")
-        from onepath.serve.app import HTTPServer, ServedModel, build_app
+        from onepath.serve.app import ServedModel
         from onepath.serve.engine_loop import EngineLoop
         from onepath.serve.episodes import AgentEpisodes
+        from onepath.serve.frontend import FrontEnd
         r = cfg.rollout
         chat = prompts.chat
         if chat is None:
@@ -29,13 +30,14 @@ class AgentRollout:
         chat.check_episodes(("tool",))   # refuses a template that would rewrite earlier turns
         self.timeout_s = r.agent_timeout_s
         name = Path(cfg.model.path).name if cfg.model.path else "onepath"
-        self.episodes = AgentEpisodes(name, turn_request_id)
         self.loop = EngineLoop(engine)
         served = ServedModel(name, self.loop, prompts.tokenizer, chat.template, chat.kwargs, r.tool_format,
-                             max_tokens=r.max_tokens, seed=r.seed, episodes=self.episodes)
-        self.server = HTTPServer(build_app(served), r.agent_host, r.agent_port)
+                             max_tokens=r.max_tokens, seed=r.seed, episodes=AgentEpisodes(name, turn_request_id))
+        # the HTTP work (and the episodes' store) in a process of its own; the engine and its weights stay here
+        self.server = FrontEnd(served, r.agent_host, r.agent_port)
         self.loop.start()
         self.server.start()
+        self.episodes = self.server.episodes
         say(f"agent rollout: model {name!r} served on {self.server.url}/v1; the step's episodes at "
             f"{self.server.url}/onepath/rollout")
 
@@ -49,11 +51,11 @@ class AgentRollout:
         n = len(episode_ids) // len(rows)
         tasks = [(eid, rows[i // n]) for i, eid in enumerate(episode_ids)]
         self.episodes.open(step, self.loop.weight_version, tasks, params)
-        return self.episodes.wait(self.timeout_s, lambda: self.loop.failure)
+        return self.episodes.wait(self.timeout_s, lambda: self.server.failure)
 
     def held(self):
         """The engine to the trainer alone (validation, the weight sync): requests in flight finish first."""
-        return self.loop.held()
+        return self.server.held()
 
     def close(self) -> None:
         self.episodes.close()

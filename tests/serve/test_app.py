@@ -19,7 +19,7 @@ from onepath.serve.app import assistant_message
 from onepath.serve.text import IncrementalText, streamable_content
 from tests.chat_families import FAMILIES
 from tests.chat_families import tokenizer as bpe_tokenizer
-from tests.serving import MODEL, chat_engine, get, post, qwen3_template, serving
+from tests.serving import MODEL, chat_engine, get, hang_up_mid_stream, post, qwen3_template, serving
 
 PROMPT_LENGTHS = (1, 5, 17, 33, 48)
 
@@ -242,17 +242,8 @@ def test_a_bad_request_fails_alone():
 
 
 def test_a_client_that_goes_away_frees_its_rows():
-    import socket
     with serving(chat_engine()) as (url, served):
-        host, port = url.removeprefix("http://").split(":")
-        body = json.dumps({"model": MODEL, "prompt": "abc", "max_tokens": 200, "stream": True}).encode()
-        sock = socket.create_connection((host, int(port)))
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-        seen = b""
-        while b"token_ids" not in seen:  # tokens are streaming
-            seen += sock.recv(4096)
-        sock.close()
+        hang_up_mid_stream(url)
         deadline = time.monotonic() + 10
         while served.loop.engine.has_unfinished() and time.monotonic() < deadline:
             time.sleep(0.01)

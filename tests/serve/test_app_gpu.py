@@ -1,5 +1,6 @@
 """The server on the GPU: 256 concurrent streams through HTTP without an error, each stream's tokens and
-log-probs bitwise those of the same requests run on the engine directly in one batch (CUDA graphs on)."""
+log-probs bitwise those of the same requests run on the engine directly in one batch (CUDA graphs on), with the
+HTTP front end in a thread of the engine's process and in a process of its own (serve/frontend.py)."""
 import asyncio
 import json
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from onepath.engine.sampling_params import SamplingParams
+from tests.serve.test_frontend import split
 from tests.serving import MODEL, chat_engine, serving
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -33,7 +35,8 @@ async def stream(host: str, port: int, body: dict) -> tuple[list[int], list[floa
     return tokens, logprobs
 
 
-def test_256_concurrent_streams_get_what_the_engine_gives_directly():
+@pytest.mark.parametrize("front_end", ["thread", "process"])
+def test_256_concurrent_streams_get_what_the_engine_gives_directly(front_end):
     g = torch.Generator().manual_seed(0)
     bodies = [{"model": MODEL, "prompt": torch.randint(1, 90, (int(n),), generator=g).tolist(), "max_tokens": 64,
                "ignore_eos": True, "seed": i} for i, n in enumerate(torch.randint(1, 200, (STREAMS,), generator=g))]
@@ -45,7 +48,7 @@ def test_256_concurrent_streams_get_what_the_engine_gives_directly():
         for seq in direct.step():
             expected[seq.request_id] = (seq.completion_token_ids, seq.logprobs)
     engine = chat_engine(device="cuda", max_model_len=512, max_num_seqs=STREAMS, num_blocks=4096)
-    with serving(engine) as (url, _):
+    with (serving(engine) if front_end == "thread" else split(engine)) as (url, _):
         host, port = url.removeprefix("http://").rsplit(":", 1)
 
         async def all_streams():

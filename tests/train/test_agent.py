@@ -9,31 +9,22 @@ import threading
 import pytest
 import torch
 
-from onepath.chat.encoder import ChatEncoder
 from onepath.chat.tools import Toolbox, calculator
 from onepath.config import load_run_config
 from onepath.engine.sampling_params import SamplingParams
 from onepath.numerics.diff import is_exact
 from onepath.serve.episodes import AgentEpisodes
-from onepath.train.episodes import run_episodes, turn_request_id
-from onepath.train.tool_env import ToolEnv
+from onepath.train.episodes import turn_request_id
 from onepath.train.trainer import GRPOTrainer, prepare
 from tests.chat_families import write_chat_checkpoint
-from tests.serving import MODEL, chat_engine, get, post, qwen3_template, run_agent, serving
+from tests.serving import (CALCULATOR_PROMPTS, MODEL, calculator_episodes, chat_engine, get, post, qwen3_template,
+                           run_agent, serving)
 
-PROMPTS = [[{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": f"What is {i}*{i + 3}?"}]
-           for i in range(6)]
+PROMPTS = CALCULATOR_PROMPTS
 
 
 def test_an_agent_over_http_gets_the_episodes_the_trainer_samples_itself():
-    toolbox = Toolbox([calculator])
-    engine = chat_engine(max_model_len=1024)
-    chat = ChatEncoder(qwen3_template(), engine.tokenizer, tools=toolbox.schemas, stop_token_ids=engine.eos_token_ids)
-    params = SamplingParams(max_tokens=24, seed=0, stop_token_ids=(chat.end_of_turn_id,))
-    ids = [3_000_000 + i for i in range(len(PROMPTS))]
-    expected = run_episodes(engine, [chat.prompt_ids(m) for m in PROMPTS], ToolEnv(chat, toolbox, "hermes"), params, 3,
-                            episode_ids=ids, conversations=PROMPTS)
-    assert any(e.turns > 1 for e in expected)  # the case has multi-turn episodes
+    toolbox, params, ids, expected = calculator_episodes()
 
     store = AgentEpisodes(MODEL, turn_request_id)
     with serving(chat_engine(max_model_len=1024), qwen3_template(), episodes=store) as (url, _):
