@@ -26,10 +26,12 @@ import dataclasses
 import gc
 import inspect
 import math
+import os
 import shlex
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -189,7 +191,7 @@ def bench_model(name: str, workloads: list[Workload], modes: list[str], args, en
     try:
         state = random_weights(config, args)
     except Exception as e:  # noqa: BLE001
-        entry["error"] = f"random weights: {type(e).__name__}: {e}"[:2000]
+        entry.update(failure("random weights", e))
         return
     entry["weight_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
     plan = []
@@ -295,11 +297,29 @@ def bench_engine(name, config, mode, state, w: Workload, prompts, outputs, max_m
             rows[mode] = decode_window(engine, w, window["prompt_len"], args,
                                        label=f"{label} decode window at {window['prompt_len']}")
     except Exception as e:  # noqa: BLE001 -- a failed mode is a result; the run goes on
-        error = f"{stage}: {type(e).__name__}: {e}"[:2000]
-        rows[mode] = dict(error=error)
-        print(f"{name} {w.name} {mode}: {error}", file=sys.stderr, flush=True)
+        rows[mode] = failure(stage, e)
+        print(f"{name} {w.name} {mode}: {rows[mode]['error']}", *rows[mode]["where"], sep="\n  at ", file=sys.stderr,
+              flush=True)
     del engine
     _free(args.device)
+
+
+TRACE_FRAMES = 6  # a failure's innermost frames, recorded beside its message
+
+
+def failure(stage: str, e: Exception) -> dict:
+    """A failed measurement's record: the stage and the error (cut to 2000 characters), and under "where" the
+    innermost frames that raised it, "path:line function" (paths from the working directory), innermost last: a
+    failure on a GPU machine reads without a rerun."""
+    frames = traceback.extract_tb(e.__traceback__)[-TRACE_FRAMES:]
+    return dict(error=f"{stage}: {type(e).__name__}: {e}"[:2000],
+                where=[f"{shown_path(f.filename)}:{f.lineno} {f.name}" for f in frames])
+
+
+def shown_path(path: str) -> str:
+    """path from the working directory where it lies under it, else as it is."""
+    mine = os.path.relpath(path)
+    return path if mine.startswith("..") else mine
 
 
 def build_engine(config: ModelConfig, mode: str, state: dict, max_model_len: int, batch: int,
@@ -486,8 +506,8 @@ def bench_hf(name: str, config: ModelConfig, state: dict, w: Workload, prompts, 
         row["hf"] = hf_generate(model, prompts, w.output_len[0], pad, args.seed)
         print(f"{name} {w.name} HF generate: {row['hf']['tokens_per_s']:.1f} output tokens/s", flush=True)
     except Exception as e:  # noqa: BLE001
-        row["hf"] = dict(error=f"{type(e).__name__}: {e}"[:2000])
-        print(f"{name} {w.name} HF generate: {row['hf']['error']}", file=sys.stderr, flush=True)
+        row["hf"] = failure("HF generate", e)
+        print(f"{name} {w.name} {row['hf']['error']}", *row["hf"]["where"], sep="\n  at ", file=sys.stderr, flush=True)
     del model
     _free(args.device)
 

@@ -86,6 +86,7 @@ class Compressor(nn.Module):
     def __init__(self, ops: Ops, config: DeepseekV4Config, dim: int, rate: int, overlap: bool):
         super().__init__()
         self.ops, self.dim, self.rate, self.overlap = ops, dim, rate, overlap
+        self.span = rate * (2 if overlap else 1)  # the input rows an entry pools
         width = (2 if overlap else 1) * dim
         dtype = ops.spec.dtype
         self.kv_proj = Linear(ops, config.hidden_size, width, False, dtype)
@@ -98,12 +99,27 @@ class Compressor(nn.Module):
         the earlier ones in the sequence's ring), writes the entries into the pages and the inputs of the windows
         still open into the ring; returns the entries at their closing rows of a [T, 1, dim] tensor (the reads'
         gradient source)."""
-        ops, rate, dim = self.ops, self.rate, self.dim
+        ops = self.ops
         state = torch.cat([self.kv_proj(x), self.gate_proj(x)], dim=-1)[:, None]            # [T, 1, 2 * width]
         staged = ops.cache_stage(state)
-        closing, closes = loc.closing(rate)
-        span = rate * (2 if self.overlap else 1)
-        positions = batch.positions[closing, None] - span + 1 + torch.arange(span, device=x.device)
+        closing, closes = loc.closing(self.rate)
+        # a forward in which no window closes (prefill chunks inside one) launches nothing over zero windows: on CUDA
+        # the norm's FP8 copy for the next GEMM cannot shape zero rows. Under grad the empty pooling runs, so the
+        # compressor's weights get their zero gradient, as in any other batch.
+        if closing.numel() or torch.is_grad_enabled():
+            fresh = self.pool(state, staged, closing, closes, batch, loc, state_cache, entry_cache, rope)
+        else:
+            fresh = state.new_zeros(state.shape[0], 1, self.dim)
+        if state_cache is not None:
+            ops.cache_copy(state_cache, staged, *loc.ring_writes(self.span))
+        return fresh
+
+    def pool(self, state, staged, closing, closes, batch: ForwardBatch, loc: Locator, state_cache, entry_cache,
+             rope: Rope) -> torch.Tensor:
+        """compress's entries of the windows that close at rows `closing`, written to the pages, at those rows of a
+        [T, 1, dim] tensor."""
+        ops, rate, dim, span = self.ops, self.rate, self.dim, self.span
+        positions = batch.positions[closing, None] - span + 1 + torch.arange(span, device=state.device)
         valid = positions >= 0
         slots, rows = loc.ring(closing, positions, valid, span)
         kv, gate = ops.cache_read(state_cache, slots, state, rows, staged)[:, :, 0].chunk(2, dim=-1)  # [E, span, w]
@@ -117,11 +133,9 @@ class Compressor(nn.Module):
         start = (batch.positions[closing] - rate + 1).clamp(min=0)  # a row that closes nothing: its entry unused
         entries = ops.rope_interleaved(entries[:, None], start, cos, sin)
         ops.cache_write(entry_cache, loc.entry_writes(closing, closes, rate), entries)
-        if state_cache is not None:
-            ops.cache_copy(state_cache, staged, *loc.ring_writes(span))
         # zeros at the rows that close nothing (a decode step computes every row): one row per token, as recorded
-        return entries.new_zeros(x.shape[0], 1, dim).index_copy(0, closing, torch.where(closes[:, None, None],
-                                                                                         entries, 0.0))
+        return entries.new_zeros(state.shape[0], 1, dim).index_copy(0, closing, torch.where(closes[:, None, None],
+                                                                                             entries, 0.0))
 
 
 class Scorer(nn.Module):

@@ -48,13 +48,21 @@ def reference(q, keys, weights, valid, softmax_scale, weights_scale):
     return scores.masked_fill(~valid, -math.inf)
 
 
+# the stock paged path's [rows, H, L, d] FP32 products held at a time: all T queries' at once are
+# 4 T H L d bytes (197.75 GiB at the engine's 8192-token profiling step of DeepSeek-V4-Flash, L 791)
+STOCK_PRODUCT_BYTES = 1 << 30
+
+
 def stock(q, keys, weights, valid, softmax_scale, weights_scale):
-    """A prefill's GEMM over contiguous keys, a paged decode's per-query products and sum over gathered keys."""
+    """A prefill's GEMM over contiguous keys, a paged decode's per-query products and sum over gathered keys, a
+    piece of the queries at a time (on the CPU the pieces move no bit: a query's sums are its own)."""
     t, h, d = q.shape
     if keys.dim() == 2:
         dots = (q.float().reshape(t * h, d) @ keys.float().t()).view(t, h, -1)
     else:
-        dots = (q.float()[:, :, None, :] * keys.float()[:, None]).sum(dim=-1)
+        rows = max(1, STOCK_PRODUCT_BYTES // (4 * h * d * max(keys.shape[1], 1)))
+        dots = torch.cat([(qc[:, :, None, :] * kc[:, None]).sum(dim=-1)
+                          for qc, kc in zip(q.float().split(rows), keys.float().split(rows))])
     scores = (torch.relu(dots) * softmax_scale * (weights.float() * weights_scale)[..., None]).sum(dim=1)
     return scores.masked_fill(~valid, -math.inf)
 

@@ -85,6 +85,10 @@ def test_a_failing_mode_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, c
     tiny = json.loads(out.read_text())["models"]["tiny"]
     for row in tiny["workloads"].values():
         assert "simulated" in row["modes"]["consistent"]["error"]
+        # the frames that raised it, innermost last: the test's stand-in, then the bench's call of it
+        where = row["modes"]["consistent"]["where"]
+        assert where[-1].startswith("tests/bench/test_rollout.py:") and where[-1].endswith(" out_of_memory")
+        assert where[-2].startswith("onepath/bench/rollout.py:") and where[-2].endswith(" bench_engine")
         assert positive(row["modes"]["baseline"]["tokens_per_s"]) and "consistent_over_baseline" not in row
     assert "error: building or warming up the engine" in capsys.readouterr().out
 

@@ -3,6 +3,7 @@
 to its scores in a batch, with the stock paths as negative controls."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
 
@@ -56,6 +57,38 @@ def test_contiguous_and_paged_keys_give_the_same_bits(consistent, baseline, gen)
     stock = [indexer.index_scores(baseline, q, k, weights, valid, 0.09, 0.5) for k in (keys, gathered)]
     assert not torch.equal(*stock)
     torch.testing.assert_close(stock[0], contiguous, rtol=1e-5, atol=1e-5)
+
+
+class LargestTensor(TorchDispatchMode):
+    """The bytes of the largest tensor any op makes inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor):
+                self.bytes = max(self.bytes, o.numel() * o.element_size())
+        return out
+
+
+def test_stock_paged_scores_hold_a_bounded_piece_of_their_products(baseline, gen, monkeypatch):
+    """The stock paged path's [T, H, L, d] FP32 products, all at once 197.75 GiB at the engine's 8192-token profiling
+    step of DeepSeek-V4-Flash (the rollout bench's baseline out of memory), come a piece of the queries at a time,
+    at most STOCK_PRODUCT_BYTES, and the pieces move no bit; all at once (one piece) as the negative control."""
+    q, keys, weights, valid = inputs(gen, t=50, heads=4, d=32, entries=40)
+    gathered = keys.expand(q.shape[0], -1, -1)
+    products, scores = 4 * 50 * 4 * 40 * 32, 4 * 50 * 4 * 40                      # [T, H, L, d], [T, H, L] FP32
+    with LargestTensor() as whole:
+        want = indexer.index_scores(baseline, q, gathered, weights, valid, 0.09, 0.5)
+    assert whole.bytes == products
+    monkeypatch.setattr(indexer, "STOCK_PRODUCT_BYTES", products // 16)
+    with LargestTensor() as pieces:
+        got = indexer.index_scores(baseline, q, gathered, weights, valid, 0.09, 0.5)
+    assert torch.equal(got, want)
+    assert pieces.bytes <= max(products // 16, scores)
 
 
 @pytest.mark.parametrize("heads", [1, 4])
