@@ -48,8 +48,8 @@ def reference(q, keys, weights, valid, softmax_scale, weights_scale):
     return scores.masked_fill(~valid, -math.inf)
 
 
-# the stock paged path's [rows, H, L, d] FP32 products held at a time: all T queries' at once are
-# 4 T H L d bytes (197.75 GiB at the engine's 8192-token profiling step of DeepSeek-V4-Flash, L 791)
+# the stock paged path's [rows, H, L, d] FP32 products held at a time: all T queries' at once (4 T H L d bytes)
+# do not fit a GPU at an engine's profiling step (the arithmetic: docs/ops/indexer.md)
 STOCK_PRODUCT_BYTES = 1 << 30
 
 

@@ -229,16 +229,22 @@ def served_url():
         yield url
 
 
-def test_a_bad_request_fails_alone():
-    engine = chat_engine(num_blocks=6)  # 96 tokens of KV: a request asking for more is refused by the engine
+def bad_requests_fail_alone(url: str) -> list:
+    """Two good requests beside one the engine refuses (more KV than its 96 tokens) and one bad top_p, at once:
+    the bad two fail with 400, the good two get what the good request gets alone; the answers."""
     good = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 40, "seed": 9}
-    with serving(engine) as (url, _):
-        _, expected = post(url + "/v1/completions", good)
-        answers = concurrently(url, [good, {**good, "max_tokens": 200}, {**good, "top_p": 7}, good])
+    _, expected = post(url + "/v1/completions", good)
+    answers = concurrently(url, [good, {**good, "max_tokens": 200}, {**good, "top_p": 7}, good])
     assert [status for status, _ in answers] == [200, 400, 400, 200]
     assert "the engine refused the request" in answers[1][1]["error"]["message"]
     for _, answer in (answers[0], answers[3]):
         assert answer["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
+    return answers
+
+
+def test_a_bad_request_fails_alone():
+    with serving(chat_engine(num_blocks=6)) as (url, _):  # 96 tokens of KV
+        bad_requests_fail_alone(url)
 
 
 def test_a_client_that_goes_away_frees_its_rows():

@@ -89,4 +89,6 @@ def fused_quant_outputs(m: int, width: int, act, placeholder: torch.Tensor, bloc
 
 def fused_quant_result(codes: torch.Tensor, scales: torch.Tensor, lead: tuple, act):
     """The FP8Tensor of fused_quant_outputs' buffers, shaped [*lead, width] / [*lead, groups]; None without act."""
-    return FP8Tensor(codes.reshape(*lead, -1), scales.reshape(*lead, -1), act.block, act) if act else None
+    # the widths named, not -1: a shape with zero rows still has them
+    return (FP8Tensor(codes.reshape(*lead, codes.shape[-1]), scales.reshape(*lead, scales.shape[-1]), act.block, act)
+            if act else None)
